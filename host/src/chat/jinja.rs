@@ -1,0 +1,140 @@
+//! Native renderer for Hugging Face Jinja chat templates, with minijinja configured the way
+//! transformers configures Jinja2 (`trim_blocks`, `lstrip_blocks`, loop controls, Python string
+//! methods, its own `tojson`, `raise_exception`, `strftime_now`).
+
+use minijinja::value::{Kwargs, Value as JValue};
+use minijinja::{Environment, Error, ErrorKind};
+
+use super::{pyjson, ChatTemplate, ChatTemplateInput};
+
+pub struct JinjaChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+fn tojson(value: JValue, kwargs: Kwargs) -> Result<String, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json: serde_json::Value =
+        serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(pyjson::dumps(&json, indent))
+}
+
+fn raise_exception(msg: String) -> Result<String, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+fn strftime_now(format: String) -> String {
+    // Templates use this for "today's date" in system prompts. Rendered in UTC.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    format_utc(now, &format)
+}
+
+/// Minimal strftime for the directives chat templates use (%d %m %Y %y %b %B %H %M %S %%).
+fn format_utc(secs: u64, fmt: &str) -> String {
+    let days = (secs / 86400) as i64;
+    let rem = secs % 86400;
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
+    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y % 100)),
+            Some('B') => out.push_str(MONTHS[(m - 1) as usize]),
+            Some('b') => out.push_str(&MONTHS[(m - 1) as usize][..3]),
+            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", rem % 3600 / 60)),
+            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+impl JinjaChatTemplate {
+    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self, String> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| format!("template syntax: {e}"))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned("chat", source.to_string()).map_err(|e| format!("chat template does not compile: {e:#}"))?;
+        Ok(Self { env, bos_token: bos_token.unwrap_or("").into(), eos_token: eos_token.unwrap_or("").into() })
+    }
+}
+
+impl ChatTemplate for JinjaChatTemplate {
+    fn render(&self, input: &ChatTemplateInput) -> Result<String, String> {
+        let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
+        let mut ctx = serde_json::Map::new();
+        // Extra variables first so the standard ones cannot be overridden by a client.
+        for (k, v) in &input.extra {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert("messages".into(), serde_json::Value::Array(input.messages.clone()));
+        if let Some(tools) = &input.tools {
+            ctx.insert("tools".into(), serde_json::Value::Array(tools.clone()));
+        }
+        ctx.insert("add_generation_prompt".into(), input.add_generation_prompt.into());
+        ctx.insert("bos_token".into(), self.bos_token.clone().into());
+        ctx.insert("eos_token".into(), self.eos_token.clone().into());
+        tmpl.render(JValue::from(minijinja::value::Serde(&ctx))).map_err(|e| format!("chat template failed: {e:#}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn chatml_renders_with_generation_prompt() {
+        let t = JinjaChatTemplate::new(
+            "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+            None,
+            None,
+        )
+        .unwrap();
+        let out = t
+            .render(&ChatTemplateInput { messages: vec![json!({"role": "user", "content": "hi"})], add_generation_prompt: true, ..Default::default() })
+            .unwrap();
+        assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn raise_exception_is_an_error_and_strftime_formats() {
+        let t = JinjaChatTemplate::new("{{ raise_exception('no system') }}", None, None).unwrap();
+        assert!(t.render(&ChatTemplateInput::default()).unwrap_err().contains("no system"));
+        assert_eq!(format_utc(0, "%d %b %Y"), "01 Jan 1970");
+        assert_eq!(format_utc(1_795_000_000, "%Y-%m-%d"), "2026-11-18");
+    }
+}

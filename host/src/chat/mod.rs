@@ -1,0 +1,28 @@
+//! Chat templating: turning messages (+ tools and options) into the prompt text.
+//!
+//! `ChatTemplate` is the interface the Wasm `chat-template` plugin world implements; the native
+//! minijinja renderer here is the built-in implementation of it.
+
+pub mod jinja;
+pub mod pyjson;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Everything a chat template sees.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ChatTemplateInput {
+    /// OpenAI-style messages, passed to the template as they are.
+    pub messages: Vec<Value>,
+    #[serde(default)]
+    pub tools: Option<Vec<Value>>,
+    #[serde(default)]
+    pub add_generation_prompt: bool,
+    /// Extra template variables (`reasoning_effort`, `enable_thinking`, `chat_template_kwargs`).
+    #[serde(default)]
+    pub extra: serde_json::Map<String, Value>,
+}
+
+pub trait ChatTemplate: Send + Sync {
+    fn render(&self, input: &ChatTemplateInput) -> Result<String, String>;
+}

@@ -1,0 +1,129 @@
+//! Single-request generation: prefill the prompt, then sample token by token with streaming text,
+//! stop strings, EOS and a length limit.
+
+use std::time::{Duration, Instant};
+
+use crate::model::kv::{BatchRow, ContiguousKvCache};
+use crate::model::LoadedModel;
+use crate::sampling::stop::{StopChecker, StopOutcome};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tokenizer::incremental::IncrementalDecoder;
+
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateOutput {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
+}
+
+impl GenerateOutput {
+    /// Decode speed, counting tokens after the first (the first comes from prefill).
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        let n = self.tokens.len().saturating_sub(1) as f64;
+        if self.decode_time.is_zero() {
+            0.0
+        } else {
+            n / self.decode_time.as_secs_f64()
+        }
+    }
+}
+
+pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(&str)) -> Result<GenerateOutput, String> {
+    let cfg = m.config();
+    if req.prompt_ids.is_empty() {
+        return Err("the prompt is empty".into());
+    }
+    if let Some(&bad) = req.prompt_ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        return Err(format!("token id {bad} is outside the vocabulary (size {})", cfg.vocab_size));
+    }
+    let ctx = cfg.max_position_embeddings;
+    if req.prompt_ids.len() >= ctx {
+        return Err(format!("the prompt has {} tokens; this model's context is {ctx} tokens", req.prompt_ids.len()));
+    }
+    req.sampling.validate()?;
+    let max_tokens = req.max_tokens.min(ctx - req.prompt_ids.len());
+
+    let mut kv = ContiguousKvCache::new(cfg.num_layers(), cfg.kv_width(), 1);
+    let mut sampler = Sampler::new(req.sampling.clone(), &req.prompt_ids);
+    let mut decoder = IncrementalDecoder::with_context(&req.prompt_ids, true);
+    let mut stops = StopChecker::new(req.stop.clone());
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+
+    let started = Instant::now();
+    let rows: Vec<BatchRow> = (0..req.prompt_ids.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+    let mut logits = m.model.forward(&req.prompt_ids, &rows, &mut kv, &[rows.len() - 1]);
+    let prefill_time = started.elapsed();
+    let decode_start = Instant::now();
+    let mut finish_reason = FinishReason::Length;
+    let mut emit = |s: &str, text: &mut String| {
+        if !s.is_empty() {
+            on_text(s);
+            text.push_str(s);
+        }
+    };
+    while tokens.len() < max_tokens {
+        let next = sampler.sample(&mut logits).token;
+        sampler.observe(next);
+        tokens.push(next);
+        if !req.ignore_eos && m.tokenizer.is_eos(next) {
+            finish_reason = FinishReason::Stop;
+            break;
+        }
+        let delta = decoder.push(&m.tokenizer, next);
+        match stops.push(&delta) {
+            StopOutcome::Continue(s) => emit(&s, &mut text),
+            StopOutcome::Stopped(s) => {
+                emit(&s, &mut text);
+                finish_reason = FinishReason::Stop;
+                break;
+            }
+        }
+        if tokens.len() == max_tokens {
+            break;
+        }
+        let pos = req.prompt_ids.len() + tokens.len() - 1;
+        logits = m.model.forward(&[next], &[BatchRow { seq: 0, pos }], &mut kv, &[0]);
+    }
+    if finish_reason == FinishReason::Length {
+        let tail = decoder.flush(&m.tokenizer);
+        match stops.push(&tail) {
+            StopOutcome::Continue(s) => {
+                emit(&s, &mut text);
+                let rest = stops.flush();
+                emit(&rest, &mut text);
+            }
+            StopOutcome::Stopped(s) => {
+                emit(&s, &mut text);
+                finish_reason = FinishReason::Stop;
+            }
+        }
+    }
+    Ok(GenerateOutput { tokens, text, finish_reason, prefill_time, decode_time: decode_start.elapsed() })
+}

@@ -1,0 +1,10 @@
+//! wasmserve: an LLM inference server with a native engine and Wasm component plugins.
+
+pub mod chat;
+pub mod generate;
+pub mod model;
+pub mod sampling;
+pub mod tokenizer;
+
+/// Where `scripts/fetch-default-model` puts the default model, relative to the repository root.
+pub const DEFAULT_MODEL_PATH: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";

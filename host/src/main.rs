@@ -1,0 +1,144 @@
+//! `wasmserve` command line.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use serde_json::{json, Value};
+
+use wasmserve::chat::jinja::JinjaChatTemplate;
+use wasmserve::chat::{ChatTemplate, ChatTemplateInput};
+use wasmserve::generate::{generate, GenerateRequest};
+use wasmserve::sampling::SamplingParams;
+
+#[derive(Parser)]
+#[command(name = "wasmserve", version, about = "LLM inference server with Wasm component plugins")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text for one prompt or chat, streamed to stdout.
+    Generate(GenerateArgs),
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// A .gguf file or a Hugging Face model directory.
+    #[arg(long, env = "WASMSERVE_MODEL", default_value = wasmserve::DEFAULT_MODEL_PATH)]
+    model: PathBuf,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Raw prompt text (no chat template).
+    #[arg(long, conflicts_with_all = ["chat", "messages"])]
+    prompt: Option<String>,
+    /// A user message, rendered with the model's chat template.
+    #[arg(long, conflicts_with = "messages")]
+    chat: Option<String>,
+    /// A JSON file with OpenAI-style messages, rendered with the model's chat template.
+    #[arg(long)]
+    messages: Option<PathBuf>,
+    /// A system message to put before --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Generate(args) => run_generate(args),
+    }
+}
+
+fn run_generate(a: GenerateArgs) -> Result<()> {
+    let m = wasmserve::model::load(&a.model.model)?;
+    let prompt = if let Some(p) = &a.prompt {
+        p.clone()
+    } else {
+        let messages: Vec<Value> = if let Some(path) = &a.messages {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON array of messages", path.display()))?
+        } else if let Some(user) = &a.chat {
+            let mut v = Vec::new();
+            if let Some(s) = &a.system {
+                v.push(json!({"role": "system", "content": s}));
+            }
+            v.push(json!({"role": "user", "content": user}));
+            v
+        } else {
+            bail!("give --prompt, --chat or --messages");
+        };
+        let source = m.tokenizer.chat_template.as_deref().context("the model has no chat template; use --prompt")?;
+        let tmpl = JinjaChatTemplate::new(source, m.tokenizer.bos_token.as_deref(), m.tokenizer.eos_token.as_deref()).map_err(anyhow::Error::msg)?;
+        tmpl.render(&ChatTemplateInput { messages, add_generation_prompt: true, ..Default::default() }).map_err(anyhow::Error::msg)?
+    };
+    let prompt_ids = m.tokenizer.encode(&prompt, true).map_err(anyhow::Error::msg)?;
+    let req = GenerateRequest {
+        prompt_ids,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repetition_penalty: a.repetition_penalty,
+            presence_penalty: a.presence_penalty,
+            frequency_penalty: a.frequency_penalty,
+            seed: a.seed,
+            logit_bias: Default::default(),
+        },
+        max_tokens: a.max_tokens,
+        stop: a.stop,
+        ignore_eos: a.ignore_eos,
+    };
+    let mut stdout = std::io::stdout();
+    let out = generate(&m, &req, |t| {
+        let _ = stdout.write_all(t.as_bytes());
+        let _ = stdout.flush();
+    })
+    .map_err(anyhow::Error::msg)?;
+    println!();
+    eprintln!(
+        "[{} prompt tokens, {} generated, finish={}, prefill {:.1} tok/s, decode {:.1} tok/s]",
+        req.prompt_ids.len(),
+        out.tokens.len(),
+        out.finish_reason.as_str(),
+        req.prompt_ids.len() as f64 / out.prefill_time.as_secs_f64().max(1e-9),
+        out.decode_tokens_per_sec()
+    );
+    Ok(())
+}

@@ -1,0 +1,33 @@
+//! A linear layer `y = x · Wᵀ`. An enum so quantized storage formats can sit beside dense f32
+//! without the model code knowing which one it multiplies with.
+
+use kernels::cpu::matmul::matmul_t;
+
+use super::tensor::Tensor;
+
+pub enum Linear {
+    Dense(Tensor),
+}
+
+impl Linear {
+    pub fn out_features(&self) -> usize {
+        match self {
+            Linear::Dense(t) => t.shape[0],
+        }
+    }
+
+    pub fn in_features(&self) -> usize {
+        match self {
+            Linear::Dense(t) => t.shape[1],
+        }
+    }
+
+    /// `x` holds `n` rows of `in_features`; returns `n` rows of `out_features`.
+    pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![0.0; n * self.out_features()];
+        match self {
+            Linear::Dense(t) => matmul_t(x, t.as_slice(), &mut out, n, self.in_features(), self.out_features()),
+        }
+        out
+    }
+}

@@ -1,0 +1,28 @@
+//! Where weights come from. The model asks for tensors by their Hugging Face name and expected
+//! shape; each source translates names, decodes the stored dtype to f32 and reports a clear error
+//! naming the file and tensor when anything is missing or wrong.
+
+use std::path::{Path, PathBuf};
+
+use super::error::LoadError;
+use super::tensor::Tensor;
+
+pub trait WeightSource: Send + Sync {
+    /// Loads `name` as f32, checking that its shape is `shape` (PyTorch order).
+    fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError>;
+    /// Whether the checkpoint holds a tensor with this (Hugging Face) name.
+    fn contains(&self, name: &str) -> bool;
+    /// The file a tensor lives in, or the checkpoint's main file for errors about missing ones.
+    fn file_of(&self, name: &str) -> PathBuf;
+}
+
+pub(crate) fn check_shape(file: &Path, name: &str, got: &[usize], want: &[usize]) -> Result<(), LoadError> {
+    if got != want {
+        return Err(LoadError::BadTensor {
+            file: file.to_path_buf(),
+            tensor: name.to_string(),
+            detail: format!("shape {got:?}, expected {want:?}"),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,131 @@
+//! Tokenization: a thin wrapper over the `tokenizers` crate plus what the engine needs around it
+//! (BOS/EOS handling, special-token sets, the chat template shipped with the model).
+
+mod gguf_vocab;
+pub mod incremental;
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::model::error::LoadError;
+use crate::model::gguf::GgufFile;
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// Whether `encode(.., add_special_tokens = true)` prepends BOS (GGUF `add_bos_token`).
+    pub add_bos: bool,
+    pub chat_template: Option<String>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+impl Tokenizer {
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, LoadError> {
+        gguf_vocab::build(g)
+    }
+
+    /// From a Hugging Face directory: `tokenizer.json`, with BOS/EOS and the chat template from
+    /// `tokenizer_config.json` / `chat_template.jinja` / `generation_config.json`.
+    pub fn from_hf_dir(dir: &Path, model_config: &Value) -> Result<Self, LoadError> {
+        let tok_path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&tok_path)
+            .map_err(|e| LoadError::Tokenizer { file: tok_path.clone(), detail: e.to_string() })?;
+        let read_json = |name: &str| -> Result<Value, LoadError> {
+            let p = dir.join(name);
+            match std::fs::read_to_string(&p) {
+                Ok(s) => serde_json::from_str(&s).map_err(|e| LoadError::Corrupt { file: p, detail: format!("invalid JSON: {e}") }),
+                Err(_) => Ok(Value::Null),
+            }
+        };
+        let tcfg = read_json("tokenizer_config.json")?;
+        let gen_cfg = read_json("generation_config.json")?;
+        // Special tokens in tokenizer_config may be strings or {"content": ...} objects.
+        let token_str = |v: Option<&Value>| -> Option<String> {
+            match v? {
+                Value::String(s) => Some(s.clone()),
+                Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+                _ => None,
+            }
+        };
+        let bos_token = token_str(tcfg.get("bos_token"));
+        let eos_token = token_str(tcfg.get("eos_token"));
+        let ids_of = |v: Option<&Value>| -> Vec<u32> {
+            match v {
+                Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+                Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+                _ => vec![],
+            }
+        };
+        let mut eos_token_ids = ids_of(gen_cfg.get("eos_token_id"));
+        if eos_token_ids.is_empty() {
+            eos_token_ids = ids_of(model_config.get("eos_token_id"));
+        }
+        if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+        let bos_token_id = bos_token
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .or_else(|| model_config.get("bos_token_id").and_then(Value::as_u64).map(|v| v as u32));
+        let chat_template = match std::fs::read_to_string(dir.join("chat_template.jinja")) {
+            Ok(t) => Some(t),
+            Err(_) => match tcfg.get("chat_template") {
+                Some(Value::String(s)) => Some(s.clone()),
+                // A list of named templates: use "default".
+                Some(Value::Array(list)) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .and_then(|t| t.get("template"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+                _ => None,
+            },
+        };
+        // tokenizer.json's post-processor decides about BOS; add it ourselves only when asked to.
+        let add_bos = tcfg.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false) && inner.get_post_processor().is_none();
+        Ok(Self { inner, bos_token_id, eos_token_ids, add_bos, chat_template, bos_token, eos_token })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Encodes `text`. Special-token text (e.g. `<|im_start|>`) is always recognised, as in HF.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
+        let enc = self.inner.encode_fast(text, add_special_tokens).map_err(|e| format!("tokenizer: {e}"))?;
+        let mut ids = enc.get_ids().to_vec();
+        if add_special_tokens && self.add_bos {
+            if let Some(bos) = self.bos_token_id {
+                if ids.first() != Some(&bos) {
+                    ids.insert(0, bos);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> String {
+        self.inner.decode(ids, skip_special_tokens).unwrap_or_default()
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_token_ids.contains(&id)
+    }
+
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}

@@ -1,0 +1,8 @@
+//! CPU kernels. Hand-written because they sit on the decode hot path: every generated token runs
+//! each of them once per layer, so they must vectorise and spread over all cores.
+pub mod dot;
+pub mod matmul;
+pub mod norm;
+pub mod rope;
+pub mod activation;
+pub mod softmax;
