@@ -2,7 +2,6 @@
 //! embeddings), run as one batched pass over an arbitrary mix of tokens from many sequences.
 
 use kernels::cpu::activation::silu_mul;
-use kernels::cpu::dot::dot;
 use kernels::cpu::matmul::matmul_t;
 use kernels::cpu::norm::rms_norm;
 use kernels::cpu::rope::Rope;
@@ -148,16 +147,12 @@ impl LlamaModel {
             let row = rows[r];
             let kvh = h / group;
             let qh = &q[r * heads * hd + h * hd..r * heads * hd + (h + 1) * hd];
-            let mut scores: Vec<f32> = (0..=row.pos)
-                .map(|p| dot(qh, &kv.key(layer, row.seq, p)[kvh * hd..(kvh + 1) * hd]) * scale)
-                .collect();
+            let mut scores: Vec<f32> =
+                (0..=row.pos).map(|p| kv.key(layer, row.seq, p).dot_head(kvh, hd, qh) * scale).collect();
             softmax_in_place(&mut scores);
             o.fill(0.0);
             for (p, &w) in scores.iter().enumerate() {
-                let vrow = &kv.value(layer, row.seq, p)[kvh * hd..(kvh + 1) * hd];
-                for (oi, &vi) in o.iter_mut().zip(vrow) {
-                    *oi += w * vi;
-                }
+                kv.value(layer, row.seq, p).axpy_head(kvh, hd, w, o);
             }
         });
         out

@@ -2,15 +2,16 @@
 //!
 //! Work is split over output rows so each core streams a disjoint slice of the weights exactly once
 //! per call, whatever the number of activation rows: decode steps of many sequences then share one
-//! pass over the weights. Small batches use dot products (the weight row stays in L1 while every
-//! activation row meets it); large batches hand each slice to `matrixmultiply`'s packed GEMM.
+//! pass over the weights (each weight row stays in L1 while every activation row meets it).
+//!
+//! Batch invariance: every output is one call of the same `dot` kernel, so a row's result is
+//! bit-identical whether it is computed alone, in a batch of 64 or in a prefill chunk. The engine
+//! relies on this for batched, chunked, preempted and prefix-cached outputs to equal a lone run.
+//! (A packed GEMM would be faster for long prefills but changes summation order with batch shape.)
 
 use rayon::prelude::*;
 
 use super::dot::dot;
-
-/// Activation rows at or above which the packed GEMM beats row-by-row dot products.
-const GEMM_MIN_ROWS: usize = 16;
 
 /// Output rows per parallel task: large enough to amortise scheduling, small enough to balance.
 fn rows_per_task(m: usize, k: usize) -> usize {
@@ -39,35 +40,12 @@ pub fn matmul_t(x: &[f32], w: &[f32], out: &mut [f32], n: usize, k: usize, m: us
         let r0 = task * step;
         let r1 = (r0 + step).min(m);
         let ptr = out_ptr;
-        if n >= GEMM_MIN_ROWS {
-            // SAFETY: x, w and out are valid for the given strides; this task writes only
-            // columns r0..r1 of out, which no other task touches.
-            unsafe {
-                matrixmultiply::sgemm(
-                    n,
-                    k,
-                    r1 - r0,
-                    1.0,
-                    x.as_ptr(),
-                    k as isize,
-                    1,
-                    w.as_ptr().add(r0 * k),
-                    1,
-                    k as isize,
-                    0.0,
-                    ptr.0.add(r0),
-                    m as isize,
-                    1,
-                );
-            }
-        } else {
-            for r in r0..r1 {
-                let wr = &w[r * k..(r + 1) * k];
-                for i in 0..n {
-                    let v = dot(&x[i * k..(i + 1) * k], wr);
-                    // SAFETY: (i, r) lies inside out and column r belongs to this task alone.
-                    unsafe { *ptr.0.add(i * m + r) = v };
-                }
+        for r in r0..r1 {
+            let wr = &w[r * k..(r + 1) * k];
+            for i in 0..n {
+                let v = dot(&x[i * k..(i + 1) * k], wr);
+                // SAFETY: (i, r) lies inside out and column r belongs to this task alone.
+                unsafe { *ptr.0.add(i * m + r) = v };
             }
         }
     });

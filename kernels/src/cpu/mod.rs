@@ -6,3 +6,4 @@ pub mod norm;
 pub mod rope;
 pub mod activation;
 pub mod softmax;
+pub mod fp8;

@@ -1,0 +1,102 @@
+//! The engine's public interface, used by the HTTP server.
+//!
+//! `Engine::submit` queues a request and returns a stream of [`EngineEvent`]s; dropping the stream
+//! (client disconnect) or calling `abort` cancels the request and frees its KV blocks at once.
+
+use serde::Serialize;
+
+use crate::generate::FinishReason;
+use crate::sampling::SamplingParams;
+
+/// Engine-wide request id.
+pub type RequestId = u64;
+
+#[derive(Clone, Debug)]
+pub struct EngineRequest {
+    pub prompt_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Generated tokens per choice at most (already capped by the caller to the context size is
+    /// not required: the engine caps it to `max_model_len - prompt_len`).
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    /// Extra token ids that end generation (besides the model's EOS, unless `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// Number of choices sampled from the same prompt (`n`); they share the prompt's KV blocks.
+    pub n: usize,
+    /// `None`: no logprobs. `Some(k)`: the chosen token's logprob plus the top `k` alternatives.
+    pub logprobs: Option<usize>,
+    /// Higher runs first when the scheduler has to choose; FCFS within a priority.
+    pub priority: i32,
+    /// Prefix-cache salt: requests only share cached blocks with the same salt (the tenant).
+    pub cache_salt: String,
+    /// Tenant for fair scheduling (weighted fair share of batch slots).
+    pub tenant: String,
+    /// Whether special tokens are dropped from the text deltas.
+    pub skip_special_tokens: bool,
+}
+
+impl Default for EngineRequest {
+    fn default() -> Self {
+        Self {
+            prompt_ids: Vec::new(),
+            sampling: SamplingParams::default(),
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            n: 1,
+            logprobs: None,
+            priority: 0,
+            cache_salt: String::new(),
+            tenant: String::new(),
+            skip_special_tokens: true,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// Best alternatives, best first (`logprobs = Some(k)`, k entries).
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Clone, Debug)]
+pub enum EngineEvent {
+    /// One generated token of choice `index` and the text that became final with it (may be
+    /// empty while a multi-byte character or a possible stop string is held back).
+    Token { index: usize, token: u32, text: String, logprob: Option<TokenLogprob> },
+    /// Choice `index` ended. `text` is any held-back text released at the end.
+    Finished { index: usize, reason: FinishReason, text: String, prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize },
+    /// The request failed inside the engine; no more events follow.
+    Error(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the request queue is full ({0} waiting); retry later")]
+    QueueFull(usize),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the prompt has {prompt} tokens, more than this model's context of {max} tokens")]
+    PromptTooLong { prompt: usize, max: usize },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_free: usize,
+    pub kv_block_size: usize,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    pub preemptions_total: u64,
+    pub steps_total: u64,
+}

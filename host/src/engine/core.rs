@@ -1,0 +1,458 @@
+//! The engine core: iteration-level scheduling over the paged pool, one batched forward per step.
+//!
+//! Each step: running sequences first (decodes, then chunks of unfinished prefills), then new
+//! sequences from the waiting queue while the token budget, the sequence limit and free blocks
+//! allow. When blocks run out the newest running sequence is preempted (its blocks freed, its
+//! tokens kept) and recomputed later — usually cheaply, as its full blocks stay in the prefix
+//! cache. Synchronous and single-threaded, so it can be tested directly; `Engine` drives it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::api::{EngineEvent, EngineRequest, EngineStats, RequestId, SubmitError, TokenLogprob};
+use super::block_pool::{BlockPool, KvDtype, PoolShape};
+use super::paged_kv::PagedKv;
+use super::sequence::Sequence;
+use crate::generate::FinishReason;
+use crate::model::kv::BatchRow;
+use crate::model::LoadedModel;
+use crate::sampling::stop::{StopChecker, StopOutcome};
+use crate::sampling::{top_logprobs, Sampler, SamplingParams};
+use crate::tokenizer::incremental::IncrementalDecoder;
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub block_size: usize,
+    /// Bytes of KV cache to preallocate.
+    pub kv_cache_bytes: usize,
+    pub kv_dtype: KvDtype,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    /// Requests waiting for admission beyond which `submit` answers `QueueFull`.
+    pub max_waiting: usize,
+    pub enable_prefix_caching: bool,
+    /// Largest `n` accepted.
+    pub max_n: usize,
+    pub max_logprobs: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            kv_cache_bytes: 1 << 30,
+            kv_dtype: KvDtype::F32,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 256,
+            max_waiting: 1024,
+            enable_prefix_caching: true,
+            max_n: 16,
+            max_logprobs: 20,
+        }
+    }
+}
+
+struct RequestState {
+    tx: UnboundedSender<EngineEvent>,
+    req: EngineRequest,
+    /// Choices not finished yet.
+    live: usize,
+    /// For n > 1: the other choices are forked once the prompt is computed.
+    forked: bool,
+}
+
+pub struct EngineCore {
+    model: Arc<LoadedModel>,
+    cfg: EngineConfig,
+    pool: BlockPool,
+    max_model_len: usize,
+    requests: HashMap<RequestId, RequestState>,
+    waiting: Vec<Sequence>,
+    running: Vec<Sequence>,
+    arrivals: u64,
+    stats: EngineStats,
+}
+
+impl EngineCore {
+    pub fn new(model: Arc<LoadedModel>, cfg: EngineConfig) -> Self {
+        let mc = model.config();
+        let shape = PoolShape { num_layers: mc.num_layers(), num_kv_heads: mc.num_kv_heads, head_dim: mc.head_dim, block_size: cfg.block_size };
+        let num_blocks = (cfg.kv_cache_bytes / shape.block_bytes(cfg.kv_dtype)).max(1);
+        let max_model_len = mc.max_position_embeddings.min(num_blocks * cfg.block_size);
+        tracing::info!(
+            blocks = num_blocks,
+            block_size = cfg.block_size,
+            dtype = ?cfg.kv_dtype,
+            tokens = num_blocks * cfg.block_size,
+            max_model_len,
+            "KV cache pool allocated"
+        );
+        let pool = BlockPool::new(shape, num_blocks, cfg.kv_dtype);
+        Self { model, cfg, pool, max_model_len, requests: HashMap::new(), waiting: Vec::new(), running: Vec::new(), arrivals: 0, stats: EngineStats::default() }
+    }
+
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Waiting sequences never admitted (preempted ones are not new queue entries).
+    pub fn num_waiting_new(&self) -> usize {
+        self.waiting.iter().filter(|s| !s.admitted_once).count()
+    }
+
+    /// Checks a request without queueing it.
+    pub fn validate(&self, req: &EngineRequest) -> Result<(), SubmitError> {
+        let vocab = self.model.config().vocab_size;
+        if req.prompt_ids.is_empty() {
+            return Err(SubmitError::Invalid("the prompt is empty".into()));
+        }
+        if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(SubmitError::Invalid(format!("token id {t} is outside the vocabulary (size {vocab})")));
+        }
+        if req.prompt_ids.len() >= self.max_model_len {
+            return Err(SubmitError::PromptTooLong { prompt: req.prompt_ids.len(), max: self.max_model_len });
+        }
+        if req.n == 0 || req.n > self.cfg.max_n {
+            return Err(SubmitError::Invalid(format!("'n' must be between 1 and {}, got {}", self.cfg.max_n, req.n)));
+        }
+        if req.logprobs.is_some_and(|k| k > self.cfg.max_logprobs) {
+            return Err(SubmitError::Invalid(format!("'top_logprobs' must be at most {}", self.cfg.max_logprobs)));
+        }
+        if let Some(&t) = req.sampling.logit_bias.keys().find(|&&t| t as usize >= vocab) {
+            return Err(SubmitError::Invalid(format!("logit_bias token id {t} is outside the vocabulary")));
+        }
+        req.sampling.validate().map_err(SubmitError::Invalid)
+    }
+
+    pub fn add_request(&mut self, id: RequestId, req: EngineRequest, tx: UnboundedSender<EngineEvent>) -> Result<(), SubmitError> {
+        self.validate(&req)?;
+        let seq = self.new_sequence(id, 0, &req, req.prompt_ids.clone(), req.sampling.clone());
+        self.waiting.push(seq);
+        let forked = req.n == 1;
+        self.requests.insert(id, RequestState { tx, live: req.n, forked, req });
+        Ok(())
+    }
+
+    fn new_sequence(&mut self, id: RequestId, index: usize, req: &EngineRequest, tokens: Vec<u32>, sampling: SamplingParams) -> Sequence {
+        self.arrivals += 1;
+        let prompt_len = req.prompt_ids.len();
+        Sequence {
+            request: id,
+            index,
+            sampler: Sampler::new(sampling, &req.prompt_ids),
+            decoder: IncrementalDecoder::with_context(&req.prompt_ids, req.skip_special_tokens),
+            stops: StopChecker::new(req.stop.clone()),
+            max_tokens: req.max_tokens.min(self.max_model_len - prompt_len),
+            tokens,
+            prompt_len,
+            num_computed: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            cached_tokens: 0,
+            admitted_once: false,
+            arrival: self.arrivals,
+            priority: req.priority,
+            tenant: req.tenant.clone(),
+            salt: req.cache_salt.clone(),
+        }
+    }
+
+    /// Cancels a request: its sequences leave the queues and their blocks are freed at once.
+    pub fn abort(&mut self, id: RequestId) {
+        if self.requests.remove(&id).is_none() {
+            return;
+        }
+        let pool = &mut self.pool;
+        for list in [&mut self.waiting, &mut self.running] {
+            list.retain_mut(|s| {
+                if s.request == id {
+                    s.release_blocks(pool);
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_blocks_total: self.pool.num_blocks(),
+            kv_blocks_free: self.pool.unreferenced(),
+            kv_block_size: self.cfg.block_size,
+            prefix_cache_queries: self.pool.cache_queries,
+            prefix_cache_hits: self.pool.cache_hits,
+            ..self.stats.clone()
+        }
+    }
+
+    /// One scheduling iteration and forward pass. Returns false when there was nothing to do.
+    pub fn step(&mut self) -> bool {
+        if !self.has_work() {
+            return false;
+        }
+        let mut budget = self.cfg.max_num_batched_tokens;
+        // (running index, tokens scheduled)
+        let mut plan: Vec<(usize, usize)> = Vec::new();
+
+        // 1. Running sequences: decodes first, then prefill chunks; oldest first.
+        self.running.sort_by_key(|s| (s.is_prefilling(), std::cmp::Reverse(s.priority), s.arrival));
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let chunk = self.running[i].remaining().min(budget);
+            let upto = self.running[i].num_computed + chunk;
+            if self.running[i].reserve(upto, &mut self.pool) {
+                plan.push((i, chunk));
+                budget -= chunk;
+                i += 1;
+                continue;
+            }
+            // Out of blocks: preempt the newest other sequence not yet planned, else this one.
+            let planned: Vec<usize> = plan.iter().map(|p| p.0).collect();
+            let victim = (0..self.running.len())
+                .filter(|&j| j != i && !planned.contains(&j))
+                .min_by_key(|&j| (self.running[j].priority, std::cmp::Reverse(self.running[j].arrival)));
+            match victim {
+                Some(j) if self.running[j].arrival > self.running[i].arrival || self.running[j].priority < self.running[i].priority => {
+                    let mut s = self.running.remove(j);
+                    s.release_blocks(&mut self.pool);
+                    self.stats.preemptions_total += 1;
+                    self.waiting.push(s);
+                    if j < i {
+                        i -= 1;
+                    }
+                }
+                _ => {
+                    let mut s = self.running.remove(i);
+                    s.release_blocks(&mut self.pool);
+                    self.stats.preemptions_total += 1;
+                    self.waiting.push(s);
+                }
+            }
+        }
+
+        // 2. Admit waiting sequences (priority, then arrival order) while resources allow, but
+        //    only when every running sequence got its turn (no admission past a preemption).
+        if plan.len() == self.running.len() {
+            self.waiting.sort_by_key(|s| (std::cmp::Reverse(s.priority), s.arrival));
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs && !self.waiting.is_empty() {
+                let mut s = self.waiting.remove(0);
+                if self.cfg.enable_prefix_caching {
+                    let hit = s.attach_cached_prefix(&mut self.pool);
+                    if !s.admitted_once {
+                        s.cached_tokens = hit;
+                    }
+                }
+                let chunk = s.remaining().min(budget);
+                if !s.reserve(s.num_computed + chunk, &mut self.pool) {
+                    s.release_blocks(&mut self.pool);
+                    self.waiting.insert(0, s);
+                    break;
+                }
+                s.admitted_once = true;
+                budget -= chunk;
+                self.running.push(s);
+                plan.push((self.running.len() - 1, chunk));
+            }
+        }
+        if plan.is_empty() {
+            // Nothing fits: a lone sequence larger than the pool. Cannot happen given
+            // max_model_len <= pool tokens, but never spin.
+            if let Some(s) = self.waiting.first() {
+                let id = s.request;
+                self.fail_request(id, "the KV cache cannot hold this request");
+            }
+            return true;
+        }
+        self.run_batch(&plan);
+        true
+    }
+
+    fn fail_request(&mut self, id: RequestId, msg: &str) {
+        if let Some(r) = self.requests.get(&id) {
+            let _ = r.tx.send(EngineEvent::Error(msg.to_string()));
+        }
+        self.abort(id);
+    }
+
+    fn run_batch(&mut self, plan: &[(usize, usize)]) {
+        let mut tokens = Vec::new();
+        let mut rows = Vec::new();
+        let mut logit_rows = Vec::new();
+        let mut sampled_seqs = Vec::new();
+        let mut tables = Vec::with_capacity(plan.len());
+        for (b, &(i, chunk)) in plan.iter().enumerate() {
+            let s = &self.running[i];
+            for p in s.num_computed..s.num_computed + chunk {
+                tokens.push(s.tokens[p]);
+                rows.push(BatchRow { seq: b, pos: p });
+            }
+            if s.num_computed + chunk == s.tokens.len() {
+                logit_rows.push(rows.len() - 1);
+                sampled_seqs.push(i);
+            }
+            tables.push(s.blocks.clone());
+        }
+        self.stats.steps_total += 1;
+        let logits = {
+            let mut kv = PagedKv { pool: &mut self.pool, tables };
+            self.model.model.forward(&tokens, &rows, &mut kv, &logit_rows)
+        };
+        for &(i, chunk) in plan {
+            let s = &mut self.running[i];
+            self.stats.prompt_tokens_total += chunk.min(s.prompt_len.saturating_sub(s.num_computed)) as u64;
+            s.num_computed += chunk;
+            if self.cfg.enable_prefix_caching {
+                s.register_full_blocks(&mut self.pool);
+            }
+        }
+        let vocab = self.model.config().vocab_size;
+        let mut finished: Vec<usize> = Vec::new();
+        let mut forks: Vec<(usize, Vec<f32>)> = Vec::new();
+        for (k, &i) in sampled_seqs.iter().enumerate() {
+            let row = logits[k * vocab..(k + 1) * vocab].to_vec();
+            let id = self.running[i].request;
+            if self.requests.get(&id).is_some_and(|r| !r.forked) {
+                forks.push((i, row.clone()));
+            }
+            if self.sample_and_emit(i, row) {
+                finished.push(i);
+            }
+        }
+        for (i, row) in forks {
+            self.fork(i, row, &mut finished);
+        }
+        finished.sort_unstable();
+        finished.dedup();
+        for &i in finished.iter().rev() {
+            let mut s = self.running.remove(i);
+            s.release_blocks(&mut self.pool);
+        }
+        // Sequences whose client went away were aborted while emitting.
+        let live: Vec<RequestId> = self.requests.keys().copied().collect();
+        let pool = &mut self.pool;
+        self.running.retain_mut(|s| {
+            let keep = live.contains(&s.request);
+            if !keep {
+                s.release_blocks(pool);
+            }
+            keep
+        });
+    }
+
+    /// Creates choices 1..n of a request from choice 0 once its prompt is computed. They share
+    /// every prompt block (copy-on-write for the partial last one) and sample their first token
+    /// from the same logits with their own RNG stream.
+    fn fork(&mut self, parent: usize, logits: Vec<f32>, finished: &mut Vec<usize>) {
+        let id = self.running[parent].request;
+        let Some(state) = self.requests.get_mut(&id) else { return };
+        state.forked = true;
+        let req = state.req.clone();
+        for index in 1..req.n {
+            let mut sampling = req.sampling.clone();
+            sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(index as u64));
+            let mut child = self.new_sequence(id, index, &req, req.prompt_ids.clone(), sampling);
+            child.arrival = self.running[parent].arrival;
+            child.admitted_once = true;
+            child.cached_tokens = self.running[parent].cached_tokens;
+            child.num_computed = req.prompt_ids.len();
+            child.blocks = self.running[parent].blocks[..req.prompt_ids.len().div_ceil(self.cfg.block_size)].to_vec();
+            child.hashes = self.running[parent].hashes.iter().take(req.prompt_ids.len() / self.cfg.block_size).copied().collect();
+            for &b in &child.blocks {
+                self.pool.retain(b);
+            }
+            self.running.push(child);
+            let i = self.running.len() - 1;
+            if self.sample_and_emit(i, logits.clone()) {
+                finished.push(i);
+            }
+        }
+    }
+
+    /// Samples the next token of running sequence `i`, streams it, and reports whether it ended.
+    fn sample_and_emit(&mut self, i: usize, mut logits: Vec<f32>) -> bool {
+        let s = &mut self.running[i];
+        let Some(state) = self.requests.get_mut(&s.request) else { return true };
+        let tok = &self.model.tokenizer;
+        let logprob_request = state.req.logprobs;
+        let raw_top = logprob_request.map(|k| (top_logprobs(&logits, k), crate::sampling::log_sum_exp(&logits)));
+        let raw_logits_for_chosen = logprob_request.map(|_| logits.clone());
+        let next = s.sampler.sample(&mut logits).token;
+        s.sampler.observe(next);
+        s.tokens.push(next);
+        self.stats.generation_tokens_total += 1;
+        let logprob = match (raw_top, raw_logits_for_chosen) {
+            (Some((top, lse)), Some(raw)) => Some(TokenLogprob { token: next, logprob: raw[next as usize] - lse, top }),
+            _ => None,
+        };
+        let is_eos = (!state.req.ignore_eos && tok.is_eos(next)) || state.req.stop_token_ids.contains(&next);
+        let mut reason = None;
+        let mut text = String::new();
+        if is_eos {
+            reason = Some(FinishReason::Stop);
+        } else {
+            let delta = s.decoder.push(tok, next);
+            match s.stops.push(&delta) {
+                StopOutcome::Continue(t) => text = t,
+                StopOutcome::Stopped(t) => {
+                    text = t;
+                    reason = Some(FinishReason::Stop);
+                }
+            }
+        }
+        if reason.is_none() && s.generated() >= s.max_tokens {
+            reason = Some(FinishReason::Length);
+        }
+        let mut ok = state.tx.send(EngineEvent::Token { index: s.index, token: next, text, logprob }).is_ok();
+        if let Some(reason) = reason {
+            let mut tail = String::new();
+            if reason == FinishReason::Length {
+                let rest = s.decoder.flush(tok);
+                match s.stops.push(&rest) {
+                    StopOutcome::Continue(t) | StopOutcome::Stopped(t) => tail.push_str(&t),
+                }
+                tail.push_str(&s.stops.flush());
+            }
+            ok &= state
+                .tx
+                .send(EngineEvent::Finished {
+                    index: s.index,
+                    reason,
+                    text: tail,
+                    prompt_tokens: s.prompt_len,
+                    completion_tokens: s.generated(),
+                    cached_tokens: s.cached_tokens,
+                })
+                .is_ok();
+            state.live -= 1;
+            if state.live == 0 {
+                let id = s.request;
+                self.requests.remove(&id);
+            }
+        }
+        if !ok {
+            // The client hung up: drop the whole request (run_batch frees its blocks).
+            let id = s.request;
+            self.requests.remove(&id);
+            self.waiting.retain(|w| w.request != id);
+            return true;
+        }
+        reason.is_some()
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+}

@@ -1,0 +1,123 @@
+//! One sequence (one choice of a request) as the scheduler tracks it.
+
+use super::api::RequestId;
+use super::block_pool::{hash_block, BlockHash, BlockId, BlockPool};
+use crate::sampling::stop::StopChecker;
+use crate::sampling::Sampler;
+use crate::tokenizer::incremental::IncrementalDecoder;
+
+pub struct Sequence {
+    pub request: RequestId,
+    pub index: usize,
+    /// Prompt followed by generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose keys/values are in the cache.
+    pub num_computed: usize,
+    pub blocks: Vec<BlockId>,
+    /// Prefix-cache hashes of the full blocks at the front of `blocks`.
+    pub hashes: Vec<BlockHash>,
+    pub sampler: Sampler,
+    pub decoder: IncrementalDecoder,
+    pub stops: StopChecker,
+    /// Generation ends when this many tokens were generated.
+    pub max_tokens: usize,
+    /// Prompt tokens served from the prefix cache at first admission (for usage accounting).
+    pub cached_tokens: usize,
+    /// Whether the sequence has been admitted before (so a re-admission is a recompute).
+    pub admitted_once: bool,
+    /// Admission order, for FCFS and for choosing whom to preempt (newest first).
+    pub arrival: u64,
+    pub priority: i32,
+    pub tenant: String,
+    pub salt: String,
+}
+
+impl Sequence {
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens still to run through the model before the next sample.
+    pub fn remaining(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+
+    pub fn is_prefilling(&self) -> bool {
+        self.remaining() > 1
+    }
+
+    /// Drops all blocks (for preemption or when done).
+    pub fn release_blocks(&mut self, pool: &mut BlockPool) {
+        for b in self.blocks.drain(..) {
+            pool.release(b);
+        }
+        self.hashes.clear();
+        self.num_computed = 0;
+    }
+
+    /// Takes cached blocks for the longest cached prefix (always leaving at least one token to
+    /// compute, since the next sample needs its logits).
+    pub fn attach_cached_prefix(&mut self, pool: &mut BlockPool) -> usize {
+        let bs = pool.shape().block_size;
+        let max_blocks = (self.tokens.len() - 1) / bs;
+        let mut parent = None;
+        for i in 0..max_blocks {
+            let h = hash_block(parent, &self.salt, &self.tokens[i * bs..(i + 1) * bs]);
+            match pool.lookup(h) {
+                Some(b) => {
+                    self.blocks.push(b);
+                    self.hashes.push(h);
+                    parent = Some(h);
+                }
+                None => break,
+            }
+        }
+        self.num_computed = self.blocks.len() * bs;
+        self.num_computed
+    }
+
+    /// Registers the blocks that became full since the last call.
+    pub fn register_full_blocks(&mut self, pool: &mut BlockPool) {
+        let bs = pool.shape().block_size;
+        let full = self.num_computed / bs;
+        while self.hashes.len() < full {
+            let i = self.hashes.len();
+            let h = hash_block(self.hashes.last().copied(), &self.salt, &self.tokens[i * bs..(i + 1) * bs]);
+            pool.register(self.blocks[i], h);
+            self.hashes.push(h);
+        }
+    }
+
+    /// Blocks needed to hold positions up to `upto` (exclusive) that are not allocated yet,
+    /// counting a copy for a shared partially-filled block that will be written to.
+    pub fn blocks_needed(&self, upto: usize, pool: &BlockPool) -> usize {
+        let bs = pool.shape().block_size;
+        let need = upto.div_ceil(bs).saturating_sub(self.blocks.len());
+        let cow = self.num_computed % bs != 0 && pool.refcount(self.blocks[self.num_computed / bs]) > 1;
+        need + cow as usize
+    }
+
+    /// Allocates blocks so positions below `upto` are writable; copies a shared partial block
+    /// first (copy-on-write). Returns false (allocating nothing new) if the pool runs dry.
+    pub fn reserve(&mut self, upto: usize, pool: &mut BlockPool) -> bool {
+        if self.blocks_needed(upto, pool) > pool.available() {
+            return false;
+        }
+        let bs = pool.shape().block_size;
+        if self.num_computed % bs != 0 {
+            let i = self.num_computed / bs;
+            let b = self.blocks[i];
+            if pool.refcount(b) > 1 {
+                let copy = pool.allocate().expect("checked available");
+                pool.copy_block(b, copy, self.num_computed % bs);
+                pool.release(b);
+                self.blocks[i] = copy;
+            }
+        }
+        while self.blocks.len() < upto.div_ceil(bs) {
+            self.blocks.push(pool.allocate().expect("checked available"));
+        }
+        true
+    }
+}
