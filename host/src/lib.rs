@@ -1,6 +1,7 @@
 //! wasmserve: an LLM inference server with a native engine and Wasm component plugins.
 
 pub mod chat;
+pub mod engine;
 pub mod generate;
 pub mod model;
 pub mod sampling;
