@@ -1,5 +1,6 @@
 //! wasmserve: an LLM inference server with a native engine and Wasm component plugins.
 
+pub mod bench;
 pub mod chat;
 pub mod engine;
 pub mod generate;

@@ -23,6 +23,29 @@ struct Cli {
 enum Command {
     /// Generate text for one prompt or chat, streamed to stdout.
     Generate(GenerateArgs),
+    /// Benchmarks (progress on stderr, a result table on stdout).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Engine decode/prefill throughput and time to first token.
+    Engine(BenchEngineArgs),
+}
+
+#[derive(Args)]
+struct BenchEngineArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Concurrent stream counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    concurrency: Vec<usize>,
+    /// Decode steps timed per concurrency level.
+    #[arg(long, default_value_t = 16)]
+    steps: usize,
+    #[arg(long, default_value_t = 256)]
+    max_num_batched_tokens: usize,
 }
 
 #[derive(Args)]
@@ -82,6 +105,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Generate(args) => run_generate(args),
+        Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
     }
 }
 
@@ -140,5 +164,19 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         req.prompt_ids.len() as f64 / out.prefill_time.as_secs_f64().max(1e-9),
         out.decode_tokens_per_sec()
     );
+    Ok(())
+}
+
+fn run_bench_engine(a: BenchEngineArgs) -> Result<()> {
+    let model = std::sync::Arc::new(wasmserve::model::load(&a.model.model)?);
+    let max_streams = a.concurrency.iter().copied().max().unwrap_or(1);
+    let cfg = wasmserve::engine::EngineConfig {
+        max_num_seqs: max_streams.max(64),
+        max_num_batched_tokens: a.max_num_batched_tokens.max(max_streams),
+        ..Default::default()
+    };
+    eprintln!("bench: dot kernel {}, {} threads", kernels::cpu::dot::dot_impl_name(), rayon::current_num_threads());
+    let report = wasmserve::bench::run_engine_bench(model, cfg, &a.concurrency, a.steps);
+    report.print();
     Ok(())
 }
