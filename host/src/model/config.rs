@@ -153,11 +153,28 @@ impl ModelConfig {
         let num_heads = req("num_attention_heads")?;
         let num_kv_heads = cfg.get("num_key_value_heads").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(num_heads);
         let head_dim = cfg.get("head_dim").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(hidden_size / num_heads.max(1));
-        if let Some(scaling) = cfg.get("rope_scaling").filter(|v| !v.is_null()) {
-            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str).unwrap_or("?");
+        // transformers >= 5 nests RoPE settings in `rope_parameters`; older configs use
+        // `rope_theta` and `rope_scaling` at the top level.
+        let rope = cfg.get("rope_parameters").filter(|v| v.is_object());
+        let scaling = rope.or_else(|| cfg.get("rope_scaling").filter(|v| !v.is_null()));
+        if let Some(scaling) = scaling {
+            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str).unwrap_or("default");
             if kind != "default" {
-                return Err(cfg_err(format!("rope_scaling type '{kind}' is not supported yet")));
+                return Err(cfg_err(format!("rope scaling type '{kind}' is not supported yet")));
             }
+        }
+        let rope_theta = rope
+            .and_then(|r| r.get("rope_theta"))
+            .or_else(|| cfg.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .unwrap_or(10000.0) as f32;
+        for flag in ["attention_bias", "mlp_bias"] {
+            if cfg.get(flag).and_then(Value::as_bool) == Some(true) {
+                return Err(cfg_err(format!("'{flag}: true' is not supported yet")));
+            }
+        }
+        if let Some(act) = cfg.get("hidden_act").and_then(Value::as_str).filter(|a| *a != "silu") {
+            return Err(cfg_err(format!("hidden_act '{act}' is not supported (expected silu)")));
         }
         let spec = LayerSpec { attention: AttentionKind::Gqa, ffn: FfnKind::DenseSwiGlu };
         Self {
@@ -169,7 +186,7 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             rms_norm_eps: cfg.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-5) as f32,
-            rope_theta: cfg.get("rope_theta").and_then(Value::as_f64).unwrap_or(10000.0) as f32,
+            rope_theta,
             max_position_embeddings: cfg.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(2048) as usize,
             tie_word_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
             layers: vec![spec; req("num_hidden_layers")?],
