@@ -6,6 +6,7 @@ pub mod engine;
 pub mod generate;
 pub mod model;
 pub mod sampling;
+pub mod server;
 pub mod tokenizer;
 
 /// Where `scripts/fetch-default-model` puts the default model, relative to the repository root.

@@ -23,6 +23,8 @@ struct Cli {
 enum Command {
     /// Generate text for one prompt or chat, streamed to stdout.
     Generate(GenerateArgs),
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(wasmserve::server::ServeArgs),
     /// Benchmarks (progress on stderr, a result table on stdout).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -105,6 +107,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Generate(args) => run_generate(args),
+        Command::Serve(args) => wasmserve::server::run(args),
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
     }
 }

@@ -1,0 +1,288 @@
+//! `POST /v1/chat/completions`: messages → chat template → engine, answered whole or streamed.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Map, Value};
+
+use super::error::{ApiError, ApiResult};
+use super::extract::OpenAiJson;
+use super::generation::{collect, GenEvent, Generation, Usage};
+use super::logprobs::chat_entry;
+use super::openai::ChatCompletionRequest;
+use super::sse::{stream_response, ChunkFormatter};
+use super::state::{unix_now, AppState, ServerState};
+use crate::chat::ChatTemplateInput;
+use crate::model::LoadedModel;
+
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool", "function"];
+
+/// Checks the messages and brings them to the shape string-content templates expect. Assistant
+/// messages otherwise pass through unchanged (tool_calls, reasoning_content, any other field).
+pub fn normalize_messages(messages: Vec<Value>) -> ApiResult<Vec<Value>> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid_param("messages", "'messages' must contain at least one message"));
+    }
+    messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let Value::Object(mut m) = m else {
+                return Err(ApiError::invalid_param(&format!("messages[{i}]"), format!("messages[{i}] must be an object")));
+            };
+            let role = match m.get("role") {
+                Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
+                Some(Value::String(r)) => {
+                    return Err(ApiError::invalid_param(
+                        &format!("messages[{i}].role"),
+                        format!("messages[{i}].role '{r}' is not one of {ROLES:?}"),
+                    ))
+                }
+                _ => return Err(ApiError::invalid_param(&format!("messages[{i}].role"), format!("messages[{i}] needs a string 'role'"))),
+            };
+            let param = format!("messages[{i}].content");
+            match m.get("content") {
+                Some(Value::String(_)) => {}
+                None | Some(Value::Null) if role == "assistant" => {}
+                None | Some(Value::Null) => return Err(ApiError::invalid_param(&param, format!("{param} is required for role '{role}'"))),
+                // Templates written for string content concatenate it, so text parts are joined
+                // (with newlines, as vLLM does for such templates).
+                Some(Value::Array(parts)) => {
+                    let mut texts = Vec::with_capacity(parts.len());
+                    for (j, p) in parts.iter().enumerate() {
+                        match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                            (Some("text"), Some(t)) => texts.push(t.to_string()),
+                            (Some(kind), _) if kind != "text" => {
+                                return Err(ApiError::not_supported(
+                                    &format!("{param}[{j}]"),
+                                    format!("content parts of type '{kind}' are not supported; only 'text'"),
+                                ))
+                            }
+                            _ => {
+                                return Err(ApiError::invalid_param(
+                                    &format!("{param}[{j}]"),
+                                    format!("{param}[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}"),
+                                ))
+                            }
+                        }
+                    }
+                    m.insert("content".into(), Value::String(texts.join("\n")));
+                }
+                Some(_) => return Err(ApiError::invalid_param(&param, format!("{param} must be a string or an array of content parts"))),
+            }
+            // Clients differ on the field name for the reasoning they echo back; templates read
+            // `reasoning_content`.
+            if role == "assistant" && !m.contains_key("reasoning_content") {
+                if let Some(r) = m.get("reasoning").cloned() {
+                    m.insert("reasoning_content".into(), r);
+                }
+            }
+            Ok(Value::Object(m))
+        })
+        .collect()
+}
+
+pub fn validate_tools(tools: &[Value]) -> ApiResult<()> {
+    for (i, t) in tools.iter().enumerate() {
+        let ok = t.get("type").and_then(Value::as_str) == Some("function") && t.pointer("/function/name").and_then(Value::as_str).is_some();
+        if !ok {
+            return Err(ApiError::invalid_param(
+                &format!("tools[{i}]"),
+                format!("tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Renders the chat template and tokenizes the result. Special tokens come from the template
+/// text itself, so none are added (as transformers' `apply_chat_template(tokenize=True)`).
+pub fn render_chat(state: &ServerState, input: &ChatTemplateInput) -> ApiResult<(String, Vec<u32>)> {
+    let tmpl = state.template.as_ref().ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions"))?;
+    let prompt = tmpl.render(input).map_err(|e| ApiError::invalid_param("messages", e))?;
+    let ids = state.model.tokenizer.encode(&prompt, false).map_err(ApiError::internal)?;
+    Ok((prompt, ids))
+}
+
+/// Template variables beyond messages and tools: `reasoning_effort` and `chat_template_kwargs`.
+pub fn template_extra(reasoning_effort: Option<&str>, kwargs: Option<&Map<String, Value>>) -> Map<String, Value> {
+    let mut extra = kwargs.cloned().unwrap_or_default();
+    if let Some(r) = reasoning_effort {
+        extra.insert("reasoning_effort".into(), r.into());
+    }
+    extra
+}
+
+fn check_unsupported(req: &ChatCompletionRequest) -> ApiResult<()> {
+    match &req.tool_choice {
+        None => {}
+        Some(Value::String(s)) if s == "auto" || s == "none" => {}
+        // Forcing a tool call needs constrained decoding and a tool-call parser (the plugin
+        // issue); answering as if it worked would be wrong.
+        Some(Value::String(s)) if s == "required" => {
+            return Err(ApiError::not_supported("tool_choice", "tool_choice 'required' is not supported yet; use 'auto' or 'none'"))
+        }
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            return Err(ApiError::not_supported("tool_choice", "a named tool_choice is not supported yet; use 'auto' or 'none'"))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "tool_choice",
+                "tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            ))
+        }
+    }
+    if let Some(rf) = &req.response_format {
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            // TODO(structured output): enforce JSON with grammar-constrained sampling. Until then
+            // json_object is accepted and the model is trusted to follow the user's instructions;
+            // a hidden system prompt would change what the client asked the model.
+            Some("json_object") => tracing::debug!("response_format json_object accepted but not enforced yet"),
+            Some("json_schema") => {
+                return Err(ApiError::not_supported(
+                    "response_format",
+                    "response_format 'json_schema' is not supported yet (no constrained decoding)",
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid_param(
+                    "response_format",
+                    "response_format.type must be 'text', 'json_object' or 'json_schema'",
+                ))
+            }
+        }
+    }
+    if req.top_logprobs.is_some_and(|k| k > 0) && req.logprobs != Some(true) {
+        return Err(ApiError::invalid_param("top_logprobs", "'top_logprobs' requires 'logprobs' to be true"));
+    }
+    Ok(())
+}
+
+pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<ChatCompletionRequest>) -> ApiResult<Response> {
+    let started = Instant::now();
+    state.check_model(req.model.as_deref())?;
+    check_unsupported(&req)?;
+    let in_flight = state.enter()?;
+    let messages = normalize_messages(req.messages)?;
+    let tools = match (&req.tools, req.tool_choice.as_ref().and_then(Value::as_str)) {
+        (Some(t), _) if t.is_empty() => None,
+        (Some(_), Some("none")) => None,
+        (Some(t), _) => {
+            validate_tools(t)?;
+            Some(t.clone())
+        }
+        (None, _) => None,
+    };
+    let input = ChatTemplateInput {
+        messages,
+        tools,
+        add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+        extra: template_extra(req.reasoning_effort.as_deref(), req.chat_template_kwargs.as_ref()),
+    };
+    let (_, prompt_ids) = render_chat(&state, &input)?;
+    let max_tokens = req.max_completion_tokens.or(req.max_tokens).map_or(usize::MAX, |m| m.min(usize::MAX as u64) as usize);
+    let mut ereq = req.sampling.to_engine_request(max_tokens).map_err(|e| {
+        if e.param.as_deref() == Some("max_tokens") && req.max_completion_tokens.is_some() {
+            e.with_param("max_completion_tokens")
+        } else {
+            e
+        }
+    })?;
+    ereq.prompt_ids = prompt_ids;
+    let want_logprobs = req.logprobs == Some(true);
+    ereq.logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0) as usize);
+    let gen = Generation::submit(&state, in_flight, started, vec![ereq]).map_err(|e| match e.code {
+        Some("context_length_exceeded") => e.with_param("messages"),
+        _ => e,
+    })?;
+
+    let id = format!("chatcmpl-{:032x}", rand::random::<u128>());
+    let created = unix_now();
+    let model = state.served_model_name.clone();
+    if req.sampling.is_stream() {
+        let fmt = ChatChunks { id, created, model, m: state.model.clone(), logprobs: want_logprobs };
+        return Ok(stream_response(gen, fmt, req.sampling.include_usage()));
+    }
+    let (choices, usage) = collect(gen).await?;
+    let tok = &state.model.tokenizer;
+    let choices: Vec<Value> = choices
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let logprobs = if want_logprobs {
+                json!({"content": c.logprobs.iter().map(|l| chat_entry(tok, l)).collect::<Vec<_>>()})
+            } else {
+                Value::Null
+            };
+            json!({
+                "index": i,
+                "message": assistant_message(c.text),
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason.map(|r| r.as_str()),
+            })
+        })
+        .collect();
+    Ok(axum::Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage.to_json(),
+    }))
+    .into_response())
+}
+
+/// The assistant message of a finished choice.
+// TODO(plugins): reasoning and tool-call parsers split `text` into reasoning_content / content /
+// tool_calls here; until then everything the model wrote is content.
+fn assistant_message(text: String) -> Value {
+    json!({"role": "assistant", "content": text})
+}
+
+struct ChatChunks {
+    id: String,
+    created: u64,
+    model: String,
+    m: Arc<LoadedModel>,
+    logprobs: bool,
+}
+
+impl ChatChunks {
+    fn chunk(&self, choice: Value) -> Value {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [choice]})
+    }
+}
+
+impl ChunkFormatter for ChatChunks {
+    fn start(&mut self, choices: usize) -> Vec<Value> {
+        (0..choices)
+            .map(|i| {
+                self.chunk(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
+            })
+            .collect()
+    }
+
+    fn token(&mut self, ev: &GenEvent) -> Option<Value> {
+        let GenEvent::Token { choice, text, logprob, .. } = ev else { return None };
+        let lp = match logprob {
+            Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, l)]}),
+            _ if text.is_empty() => return None,
+            _ => Value::Null,
+        };
+        Some(self.chunk(json!({"index": choice, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})))
+    }
+
+    fn finish(&mut self, ev: &GenEvent) -> Vec<Value> {
+        let GenEvent::Finished { choice, reason, text } = ev else { return vec![] };
+        let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
+        vec![self.chunk(json!({"index": choice, "delta": delta, "logprobs": null, "finish_reason": reason.as_str()}))]
+    }
+
+    fn usage(&mut self, usage: &Usage) -> Value {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [], "usage": usage.to_json()})
+    }
+}

@@ -1,0 +1,155 @@
+//! `POST /v1/completions`: the legacy text completion API (raw prompts, no chat template).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+
+use super::error::{ApiError, ApiResult};
+use super::extract::OpenAiJson;
+use super::generation::{collect, GenEvent, Generation, Usage};
+use super::logprobs::LegacyLogprobs;
+use super::openai::{parse_prompts, CompletionRequest, PromptInput};
+use super::sse::{stream_response, ChunkFormatter};
+use super::state::{unix_now, AppState};
+use crate::model::LoadedModel;
+
+/// OpenAI's default for this endpoint (chat defaults to the rest of the context).
+const DEFAULT_MAX_TOKENS: usize = 16;
+
+pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<CompletionRequest>) -> ApiResult<Response> {
+    let started = Instant::now();
+    state.check_model(req.model.as_deref())?;
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::not_supported("suffix", "'suffix' is not supported"));
+    }
+    let n = req.sampling.n.unwrap_or(1);
+    if req.best_of.is_some_and(|b| b != n) {
+        return Err(ApiError::not_supported("best_of", "'best_of' other than 'n' is not supported"));
+    }
+    let echo = req.echo.unwrap_or(false);
+    if echo && req.logprobs.is_some() {
+        return Err(ApiError::not_supported("echo", "'echo' together with 'logprobs' (prompt logprobs) is not supported"));
+    }
+    let in_flight = state.enter()?;
+    let tok = &state.model.tokenizer;
+    let prompts: Vec<Vec<u32>> = parse_prompts(&req.prompt)?
+        .into_iter()
+        .map(|p| match p {
+            PromptInput::Text(t) => tok.encode(&t, true).map_err(ApiError::internal),
+            PromptInput::Ids(ids) => Ok(ids),
+        })
+        .collect::<Result<_, _>>()?;
+    let max_tokens = req.max_tokens.map_or(DEFAULT_MAX_TOKENS, |m| m.min(usize::MAX as u64) as usize);
+    let base = req.sampling.to_engine_request(max_tokens)?;
+    let n = base.n;
+    let mut echoes = Vec::new();
+    let reqs: Vec<_> = prompts
+        .into_iter()
+        .map(|ids| {
+            if echo {
+                echoes.push(tok.decode(&ids, base.skip_special_tokens));
+            }
+            let mut r = base.clone();
+            r.prompt_ids = ids;
+            r.logprobs = req.logprobs.map(|k| k as usize);
+            r
+        })
+        .collect();
+    let gen = Generation::submit(&state, in_flight, started, reqs).map_err(|e| match e.code {
+        Some("context_length_exceeded") => e.with_param("prompt"),
+        _ => e,
+    })?;
+    // Choice i belongs to prompt i / n, so its echo is that prompt's text.
+    let echo_of = |choice: usize| echoes.get(choice / n).cloned().unwrap_or_default();
+
+    let id = format!("cmpl-{:032x}", rand::random::<u128>());
+    let created = unix_now();
+    let model = state.served_model_name.clone();
+    let want_logprobs = req.logprobs.is_some();
+    if req.sampling.is_stream() {
+        let echoes: Vec<String> = (0..gen.num_choices()).map(echo_of).collect();
+        let fmt = CompletionChunks { id, created, model, m: state.model.clone(), logprobs: Vec::new(), want_logprobs, echoes };
+        return Ok(stream_response(gen, fmt, req.sampling.include_usage()));
+    }
+    let (choices, usage) = collect(gen).await?;
+    let choices: Vec<Value> = choices
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let logprobs = if want_logprobs {
+                let mut l = LegacyLogprobs::default();
+                c.logprobs.iter().for_each(|x| l.push(tok, x));
+                l.take()
+            } else {
+                Value::Null
+            };
+            let text = if echo { echo_of(i) + &c.text } else { c.text };
+            json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason.map(|r| r.as_str())})
+        })
+        .collect();
+    Ok(axum::Json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage.to_json(),
+    }))
+    .into_response())
+}
+
+struct CompletionChunks {
+    id: String,
+    created: u64,
+    model: String,
+    m: Arc<LoadedModel>,
+    /// Per choice, keeping each choice's running text offset across chunks.
+    logprobs: Vec<LegacyLogprobs>,
+    want_logprobs: bool,
+    echoes: Vec<String>,
+}
+
+impl CompletionChunks {
+    fn chunk(&self, choice: Value) -> Value {
+        json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": [choice]})
+    }
+}
+
+impl ChunkFormatter for CompletionChunks {
+    fn start(&mut self, choices: usize) -> Vec<Value> {
+        self.logprobs = (0..choices).map(|_| LegacyLogprobs::default()).collect();
+        let echoes = std::mem::take(&mut self.echoes);
+        echoes
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| !e.is_empty())
+            .map(|(i, e)| self.chunk(json!({"index": i, "text": e, "logprobs": null, "finish_reason": null})))
+            .collect()
+    }
+
+    fn token(&mut self, ev: &GenEvent) -> Option<Value> {
+        let GenEvent::Token { choice, text, logprob, .. } = ev else { return None };
+        let lp = match logprob {
+            Some(l) if self.want_logprobs => {
+                let acc = &mut self.logprobs[*choice];
+                acc.push(&self.m.tokenizer, l);
+                acc.take()
+            }
+            _ if text.is_empty() => return None,
+            _ => Value::Null,
+        };
+        Some(self.chunk(json!({"index": choice, "text": text, "logprobs": lp, "finish_reason": null})))
+    }
+
+    fn finish(&mut self, ev: &GenEvent) -> Vec<Value> {
+        let GenEvent::Finished { choice, reason, text } = ev else { return vec![] };
+        vec![self.chunk(json!({"index": choice, "text": text, "logprobs": null, "finish_reason": reason.as_str()}))]
+    }
+
+    fn usage(&mut self, usage: &Usage) -> Value {
+        json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": [], "usage": usage.to_json()})
+    }
+}

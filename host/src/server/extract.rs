@@ -1,0 +1,63 @@
+//! The JSON body extractor: OpenAI-shaped 400s (naming the bad field) and 413s, where axum's own
+//! `Json` rejection would answer plain text.
+
+use axum::extract::{FromRequest, Request};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::error::ApiError;
+use super::state::AppState;
+
+pub struct OpenAiJson<T>(pub T);
+
+impl<T: JsonBody> FromRequest<AppState> for OpenAiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
+        let limit = state.max_body_bytes;
+        // Content-Length lets us refuse at once, before reading anything.
+        let declared =
+            req.headers().get(axum::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(ApiError::payload_too_large(limit));
+        }
+        let bytes = match Limited::new(req.into_body(), limit).collect().await {
+            Ok(c) => c.to_bytes(),
+            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Err(ApiError::payload_too_large(limit)),
+            Err(e) => return Err(ApiError::bad_request(format!("could not read the request body: {e}"))),
+        };
+        T::from_json(parse_object(&bytes)?).map(OpenAiJson)
+    }
+}
+
+/// Request bodies: built from the parsed JSON value, so a type can read the same object twice
+/// (serde's `flatten` would lose the path of a bad field).
+pub trait JsonBody: Sized {
+    fn from_json(v: Value) -> Result<Self, ApiError>;
+}
+
+/// Parses `bytes` as a JSON object (syntax errors are 400s).
+pub fn parse_object(bytes: &[u8]) -> Result<Value, ApiError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::bad_request("The request body is empty; expected a JSON object"));
+    }
+    let v: Value = serde_json::from_slice(bytes).map_err(|e| ApiError::bad_request(format!("The request body is not valid JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::bad_request("The request body must be a JSON object"));
+    }
+    Ok(v)
+}
+
+/// Deserializes `v`, naming the offending field in the 400.
+pub fn from_value<T: DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ApiError::bad_request(format!("Invalid request: {inner}"))
+        } else {
+            ApiError::invalid_param(&path, format!("Invalid value for '{path}': {inner}"))
+        }
+    })
+}

@@ -1,0 +1,219 @@
+//! Runs one API request's engine requests (one per prompt, each with `n` choices) and turns
+//! their events into per-choice events with global choice indices, recording latency metrics
+//! on the way. Dropping a `Generation` drops the engine streams, which aborts the requests.
+
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use futures_util::stream::{self, SelectAll, Stream, StreamExt};
+
+use super::error::ApiError;
+use super::state::{AppState, InFlight};
+use crate::engine::{EngineEvent, EngineRequest, RequestStream, TokenLogprob};
+use crate::generate::FinishReason;
+
+type Events = Pin<Box<dyn Stream<Item = (usize, EngineEvent)> + Send>>;
+
+pub enum GenEvent {
+    Token { choice: usize, token: u32, text: String, logprob: Option<TokenLogprob> },
+    Finished { choice: usize, reason: FinishReason, text: String },
+    Error(String),
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+}
+
+pub struct Generation {
+    state: AppState,
+    events: SelectAll<Events>,
+    n: usize,
+    total_choices: usize,
+    finished: usize,
+    /// Per prompt: (prompt tokens, cached tokens), known once a choice of it finishes.
+    prompts: Vec<Option<(usize, usize)>>,
+    completion_tokens: usize,
+    started: Instant,
+    first_token: Option<Instant>,
+    last_token: Vec<Option<Instant>>,
+    failed: bool,
+    _in_flight: InFlight,
+}
+
+impl Generation {
+    /// Submits every request (all with the same `n`); if one is refused the others are
+    /// aborted and the refusal is returned.
+    pub fn submit(state: &AppState, in_flight: InFlight, started: Instant, reqs: Vec<EngineRequest>) -> Result<Self, ApiError> {
+        let n = reqs.first().map_or(1, |r| r.n);
+        let num_prompts = reqs.len();
+        for req in &reqs {
+            precheck(state, req)?;
+        }
+        let mut streams: Vec<RequestStream> = Vec::with_capacity(num_prompts);
+        for req in reqs {
+            match state.engine.submit(req) {
+                Ok(s) => streams.push(s),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let mut events = SelectAll::new();
+        for (p, rs) in streams.into_iter().enumerate() {
+            let s = stream::unfold(rs, |mut rs| async move { rs.next().await.map(|e| (e, rs)) }).map(move |e| (p, e));
+            events.push(Box::pin(s) as Events);
+        }
+        Ok(Self {
+            state: state.clone(),
+            events,
+            n,
+            total_choices: n * num_prompts,
+            finished: 0,
+            prompts: vec![None; num_prompts],
+            completion_tokens: 0,
+            started,
+            first_token: None,
+            last_token: vec![None; n * num_prompts],
+            failed: false,
+            _in_flight: in_flight,
+        })
+    }
+
+    pub fn num_choices(&self) -> usize {
+        self.total_choices
+    }
+
+    pub fn usage(&self) -> Usage {
+        let (p, c) = self.prompts.iter().flatten().fold((0, 0), |(p, c), &(pp, cc)| (p + pp, c + cc));
+        Usage { prompt_tokens: p, completion_tokens: self.completion_tokens, cached_tokens: c }
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.failed || self.finished == self.total_choices
+    }
+
+    /// The next event; `None` once every choice finished (or after an error).
+    pub async fn next(&mut self) -> Option<GenEvent> {
+        if self.is_done() {
+            return None;
+        }
+        let Some((p, ev)) = self.events.next().await else {
+            self.failed = true;
+            self.state.metrics.count_finished("error");
+            return Some(GenEvent::Error("the engine stopped before the request finished".into()));
+        };
+        let now = Instant::now();
+        let m = &self.state.metrics;
+        Some(match ev {
+            EngineEvent::Token { index, token, text, logprob } => {
+                let choice = p * self.n + index;
+                if self.first_token.is_none() {
+                    self.first_token = Some(now);
+                    m.ttft.observe_duration(now - self.started);
+                }
+                if let Some(prev) = self.last_token[choice] {
+                    m.itl.observe_duration(now - prev);
+                }
+                self.last_token[choice] = Some(now);
+                GenEvent::Token { choice, token, text, logprob }
+            }
+            EngineEvent::Finished { index, reason, text, prompt_tokens, completion_tokens, cached_tokens } => {
+                let choice = p * self.n + index;
+                self.prompts[p] = Some((prompt_tokens, cached_tokens));
+                self.completion_tokens += completion_tokens;
+                self.finished += 1;
+                if self.finished == self.total_choices {
+                    let u = self.usage();
+                    m.e2e.observe_duration(now - self.started);
+                    m.prompt_tokens.fetch_add(u.prompt_tokens as u64, Ordering::Relaxed);
+                    m.generation_tokens.fetch_add(u.completion_tokens as u64, Ordering::Relaxed);
+                    m.count_finished(reason.as_str());
+                }
+                GenEvent::Finished { choice, reason, text }
+            }
+            EngineEvent::Error(msg) => {
+                self.failed = true;
+                m.count_finished("error");
+                GenEvent::Error(msg)
+            }
+        })
+    }
+}
+
+/// The checks the engine makes when its thread picks a request up (`EngineCore::validate`),
+/// made here too: `Engine::submit` does not run them, and their failure would otherwise arrive
+/// as a stream error after the 200 has been sent.
+fn precheck(state: &AppState, req: &EngineRequest) -> Result<(), ApiError> {
+    let vocab = state.model.config().vocab_size;
+    if req.prompt_ids.is_empty() {
+        return Err(ApiError::bad_request("The prompt is empty"));
+    }
+    if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad_request(format!("Token id {t} is outside the vocabulary (size {vocab})")));
+    }
+    if req.n > state.limits.max_n {
+        return Err(ApiError::invalid_param("n", format!("'n' must be between 1 and {}, got {}", state.limits.max_n, req.n)));
+    }
+    if req.logprobs.is_some_and(|k| k > state.limits.max_logprobs) {
+        return Err(ApiError::invalid_param("top_logprobs", format!("'top_logprobs' must be at most {}", state.limits.max_logprobs)));
+    }
+    if let Some(&t) = req.sampling.logit_bias.keys().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid_param("logit_bias", format!("logit_bias token id {t} is outside the vocabulary")));
+    }
+    if let Some(&t) = req.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid_param("stop_token_ids", format!("stop token id {t} is outside the vocabulary")));
+    }
+    Ok(())
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if !self.is_done() {
+            // The client went away (or the handler gave up): the engine streams drop with us.
+            self.state.metrics.count_finished("abort");
+            tracing::info!(finished = self.finished, choices = self.total_choices, "request aborted before it finished");
+        }
+    }
+}
+
+/// One choice collected in full, for non-streaming responses.
+#[derive(Default)]
+pub struct Collected {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+pub async fn collect(mut g: Generation) -> Result<(Vec<Collected>, Usage), ApiError> {
+    let mut out: Vec<Collected> = (0..g.num_choices()).map(|_| Collected::default()).collect();
+    while let Some(ev) = g.next().await {
+        match ev {
+            GenEvent::Token { choice, token, text, logprob } => {
+                let c = &mut out[choice];
+                c.text.push_str(&text);
+                c.tokens.push(token);
+                c.logprobs.extend(logprob);
+            }
+            GenEvent::Finished { choice, reason, text } => {
+                out[choice].text.push_str(&text);
+                out[choice].finish_reason = Some(reason);
+            }
+            GenEvent::Error(msg) => return Err(ApiError::internal(format!("generation failed: {msg}"))),
+        }
+    }
+    Ok((out, g.usage()))
+}

@@ -1,0 +1,85 @@
+//! Logprobs in the two shapes OpenAI uses: chat's `content[{token, logprob, bytes,
+//! top_logprobs}]` and the legacy completions' `{tokens, token_logprobs, top_logprobs,
+//! text_offset}`.
+
+use serde_json::{json, Map, Value};
+
+use crate::engine::TokenLogprob;
+use crate::tokenizer::Tokenizer;
+
+/// JSON has no -inf; OpenAI-compatible servers report impossible tokens as -9999.
+fn finite(lp: f32) -> f32 {
+    if lp.is_nan() {
+        -9999.0
+    } else {
+        lp.max(-9999.0)
+    }
+}
+
+/// The token's own text (special tokens included), as clients expect in `token`.
+pub fn piece(tok: &Tokenizer, id: u32) -> String {
+    tok.decode(&[id], false)
+}
+
+pub fn chat_entry(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
+    let entry = |id: u32, l: f32| {
+        let s = piece(tok, id);
+        let bytes: Vec<u8> = s.as_bytes().to_vec();
+        (s, bytes, finite(l))
+    };
+    let (s, bytes, l) = entry(lp.token, lp.logprob);
+    let top: Vec<Value> = lp
+        .top
+        .iter()
+        .map(|&(id, l)| {
+            let (s, b, l) = entry(id, l);
+            json!({"token": s, "logprob": l, "bytes": b})
+        })
+        .collect();
+    json!({"token": s, "logprob": l, "bytes": bytes, "top_logprobs": top})
+}
+
+/// Accumulates the legacy completions logprobs of one choice.
+#[derive(Default)]
+pub struct LegacyLogprobs {
+    tokens: Vec<Value>,
+    token_logprobs: Vec<Value>,
+    top_logprobs: Vec<Value>,
+    text_offset: Vec<usize>,
+    /// Offset of the next token's text within the choice's text.
+    offset: usize,
+}
+
+impl LegacyLogprobs {
+    pub fn starting_at(offset: usize) -> Self {
+        Self { offset, ..Default::default() }
+    }
+
+    pub fn push(&mut self, tok: &Tokenizer, lp: &TokenLogprob) {
+        let s = piece(tok, lp.token);
+        self.text_offset.push(self.offset);
+        self.offset += s.len();
+        self.tokens.push(s.into());
+        self.token_logprobs.push(finite(lp.logprob).into());
+        let mut top = Map::new();
+        for &(id, l) in &lp.top {
+            top.insert(piece(tok, id), finite(l).into());
+        }
+        self.top_logprobs.push(Value::Object(top));
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The JSON so far; a streaming caller takes it per chunk (and keeps the running offset).
+    pub fn take(&mut self) -> Value {
+        let v = json!({
+            "tokens": std::mem::take(&mut self.tokens),
+            "token_logprobs": std::mem::take(&mut self.token_logprobs),
+            "top_logprobs": std::mem::take(&mut self.top_logprobs),
+            "text_offset": std::mem::take(&mut self.text_offset),
+        });
+        v
+    }
+}

@@ -1,0 +1,209 @@
+//! The OpenAI-compatible HTTP server (`wasmserve serve`): axum on hyper + tokio, in front of the
+//! engine thread.
+//!
+//! Shutdown: the first SIGTERM/SIGINT stops new generation work (503) while in-flight requests
+//! and streams run to completion, then the listener closes; a second signal exits at once.
+
+pub mod chat;
+pub mod completions;
+pub mod error;
+pub mod extract;
+pub mod generation;
+pub mod logprobs;
+pub mod metrics;
+pub mod openai;
+pub mod routes;
+pub mod sse;
+pub mod state;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use crate::chat::jinja::JinjaChatTemplate;
+use crate::chat::ChatTemplate;
+use crate::engine::block_pool::KvDtype;
+use crate::engine::{Engine, EngineConfig};
+use state::{AppState, Limits, ServerState};
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// A .gguf file or a Hugging Face model directory (default: the model scripts/fetch-default-model fetches).
+    #[arg(long, env = "WASMSERVE_MODEL", default_value = crate::DEFAULT_MODEL_PATH)]
+    pub model: PathBuf,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// 0 picks a free port (the bound address is logged).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// When set, /v1 and tokenizer endpoints require `Authorization: Bearer <key>`.
+    #[arg(long, env = "WASMSERVE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// The model id clients use (default: the model file stem or directory name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    #[arg(long, default_value_t = 256)]
+    pub max_num_batched_tokens: usize,
+    /// KV cache size: bytes, or with a suffix (512MiB, 2GiB, 1GB, ...).
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    pub kv_cache_memory: usize,
+    /// auto (f32) or fp8.
+    #[arg(long, default_value = "auto", value_parser = KvDtype::parse)]
+    pub kv_cache_dtype: KvDtype,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Requests waiting for admission beyond which new ones get 429.
+    #[arg(long, default_value_t = 1024)]
+    pub max_queue: usize,
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Largest accepted request body (bytes or with a suffix); larger ones get 413.
+    #[arg(long, default_value = "8MiB", value_parser = parse_size)]
+    pub max_body_bytes: usize,
+    /// Seconds to let in-flight requests finish after SIGTERM before closing anyway.
+    #[arg(long, default_value_t = 60)]
+    pub shutdown_timeout: u64,
+}
+
+/// `1024`, `512KiB`, `512MiB`, `2GiB`, `1GB`, `1.5GiB` (case-insensitive; `K`/`M`/`G` are binary).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let num: f64 = num.parse().map_err(|_| format!("'{s}' is not a size (e.g. 1073741824, 512MiB, 2GiB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        u => return Err(format!("unknown size unit '{u}' in '{s}' (use KiB, MiB, GiB, KB, MB, GB)")),
+    };
+    let v = num * mult;
+    if !v.is_finite() || v < 1.0 || v > usize::MAX as f64 {
+        return Err(format!("size '{s}' is out of range"));
+    }
+    Ok(v as usize)
+}
+
+impl ServeArgs {
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            block_size: self.block_size,
+            kv_cache_bytes: self.kv_cache_memory,
+            kv_dtype: self.kv_cache_dtype,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_waiting: self.max_queue,
+            enable_prefix_caching: !self.no_prefix_caching,
+            ..EngineConfig::default()
+        }
+    }
+}
+
+/// Loads the model, starts the engine and serves until a shutdown signal.
+pub fn run(args: ServeArgs) -> Result<()> {
+    if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
+        bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
+    }
+    if !args.model.exists() {
+        bail!("model {} not found (run scripts/fetch-default-model for the default model, or pass --model)", args.model.display());
+    }
+    let model = Arc::new(crate::model::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
+    let template: Option<Arc<dyn ChatTemplate>> = match model.tokenizer.chat_template.as_deref() {
+        None => {
+            tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");
+            None
+        }
+        Some(src) => match JinjaChatTemplate::new(src, model.tokenizer.bos_token.as_deref(), model.tokenizer.eos_token.as_deref()) {
+            Ok(t) => Some(Arc::new(t)),
+            Err(e) => {
+                tracing::warn!(error = %e, "the model's chat template does not compile: /v1/chat/completions will answer 400");
+                None
+            }
+        },
+    };
+    let name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
+    let cfg = args.engine_config();
+    let limits = Limits { max_n: cfg.max_n, max_logprobs: cfg.max_logprobs };
+    let engine = Engine::start(model, cfg);
+    let state = Arc::new(ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes, limits));
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
+    let result = rt.block_on(serve(state, &args));
+    engine.stop();
+    result
+}
+
+async fn serve(state: AppState, args: &ServeArgs) -> Result<()> {
+    let addr: SocketAddr = tokio::net::lookup_host((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("resolving --host {}", args.host))?
+        .next()
+        .with_context(|| format!("--host {} resolves to no address", args.host))?;
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+    let bound = listener.local_addr()?;
+    tracing::info!(model = %state.served_model_name, max_model_len = state.engine.max_model_len(), "listening on http://{bound}");
+    let app = routes::router(state.clone());
+    let drain = drain_on_signal(state, Duration::from_secs(args.shutdown_timeout));
+    axum::serve(listener, app).with_graceful_shutdown(drain).await.context("serving HTTP")?;
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+/// Resolves when the listener should close: after a signal, once in-flight work has drained.
+async fn drain_on_signal(state: AppState, timeout: Duration) {
+    wait_for_signal().await;
+    tracing::info!(in_flight = state.in_flight(), "shutdown signal: refusing new requests, draining in-flight ones");
+    state.begin_shutdown();
+    tokio::spawn(async {
+        wait_for_signal().await;
+        tracing::warn!("second shutdown signal: exiting now");
+        std::process::exit(130);
+    });
+    if tokio::time::timeout(timeout, state.wait_drained()).await.is_err() {
+        tracing::warn!(in_flight = state.in_flight(), "shutdown timeout: closing with requests still in flight");
+    }
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+        let mut int = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_parse_with_and_without_suffixes() {
+        assert_eq!(parse_size("1024"), Ok(1024));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("1GB"), Ok(1_000_000_000));
+        assert_eq!(parse_size("1.5KiB"), Ok(1536));
+        assert!(parse_size("abc").is_err());
+        assert!(parse_size("12XB").is_err());
+    }
+}

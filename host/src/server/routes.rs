@@ -1,0 +1,133 @@
+//! The router: OpenAI endpoints behind the API key, plus health, metrics and tokenizer helpers.
+
+use axum::extract::{MatchedPath, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use super::chat::{normalize_messages, render_chat, template_extra, validate_tools};
+use super::error::{ApiError, ApiResult};
+use super::extract::OpenAiJson;
+use super::logprobs::piece;
+use super::openai::{DetokenizeRequest, TokenizeRequest};
+use super::state::AppState;
+use super::{chat, completions};
+use crate::chat::ChatTemplateInput;
+
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(chat::handler))
+        .route("/v1/completions", post(completions::handler))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{*model}", get(get_model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .merge(api)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::not_found("Unknown endpoint") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "Method not allowed for this endpoint")
+        })
+        .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .with_state(state)
+}
+
+/// Compares without an early exit, so response time does not reveal how much of a guess matched.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.api_key {
+        let given =
+            req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
+        if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    // The route pattern, not the raw path, so clients cannot blow up the label set.
+    let route = req.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
+    let resp = next.run(req).await;
+    state.metrics.count_http(&route, resp.status().as_u16());
+    resp
+}
+
+fn model_card(state: &AppState) -> Value {
+    json!({
+        "id": state.served_model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "wasmserve",
+        "root": state.model.path.display().to_string(),
+        "max_model_len": state.engine.max_model_len(),
+    })
+}
+
+async fn list_models(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_card(&state)]}))
+}
+
+async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> ApiResult<Json<Value>> {
+    if model != state.served_model_name {
+        return Err(ApiError::model_not_found(&model));
+    }
+    Ok(Json(model_card(&state)))
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    if state.is_shutting_down() {
+        return ApiError::shutting_down().into_response();
+    }
+    Json(json!({"status": "ok"})).into_response()
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let body = state.metrics.render(&state.engine.stats(), state.in_flight());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+}
+
+/// vLLM's `/tokenize`: a raw `prompt`, or `messages` rendered exactly as chat completions does.
+async fn tokenize(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<TokenizeRequest>) -> ApiResult<Json<Value>> {
+    state.check_model(req.model.as_deref())?;
+    let tok = &state.model.tokenizer;
+    let ids = match (req.prompt, req.messages) {
+        (Some(p), None) => tok.encode(&p, req.add_special_tokens.unwrap_or(true)).map_err(ApiError::internal)?,
+        (None, Some(messages)) => {
+            if let Some(t) = &req.tools {
+                validate_tools(t)?;
+            }
+            let input = ChatTemplateInput {
+                messages: normalize_messages(messages)?,
+                tools: req.tools.filter(|t| !t.is_empty()),
+                add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+                extra: template_extra(None, req.chat_template_kwargs.as_ref()),
+            };
+            render_chat(&state, &input)?.1
+        }
+        _ => return Err(ApiError::bad_request("give exactly one of 'prompt' or 'messages'")),
+    };
+    let mut out = json!({"count": ids.len(), "max_model_len": state.engine.max_model_len(), "tokens": ids});
+    if req.return_token_strs.unwrap_or(false) {
+        out["token_strs"] = ids.iter().map(|&i| Value::String(piece(tok, i))).collect();
+    }
+    Ok(Json(out))
+}
+
+async fn detokenize(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<DetokenizeRequest>) -> ApiResult<Json<Value>> {
+    state.check_model(req.model.as_deref())?;
+    let vocab = state.model.config().vocab_size;
+    if let Some(t) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid_param("tokens", format!("token id {t} is outside the vocabulary (size {vocab})")));
+    }
+    Ok(Json(json!({"prompt": state.model.tokenizer.decode(&req.tokens, false)})))
+}

@@ -1,0 +1,129 @@
+//! What every handler shares: the engine, the model's tokenizer and chat template, settings,
+//! metrics, and the shutdown bookkeeping that lets in-flight streams drain.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+
+use super::error::ApiError;
+use super::metrics::Metrics;
+use crate::chat::ChatTemplate;
+use crate::engine::Engine;
+use crate::model::LoadedModel;
+
+pub type AppState = Arc<ServerState>;
+
+/// Engine limits the server checks before submitting (see `generation::precheck`).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub max_n: usize,
+    pub max_logprobs: usize,
+}
+
+pub struct ServerState {
+    pub engine: Engine,
+    pub model: Arc<LoadedModel>,
+    /// A trait object so a Wasm plugin can stand in for the built-in minijinja renderer.
+    pub template: Option<Arc<dyn ChatTemplate>>,
+    pub served_model_name: String,
+    pub api_key: Option<String>,
+    pub max_body_bytes: usize,
+    pub limits: Limits,
+    pub metrics: Metrics,
+    /// Unix time the server started (the `created` of the model listing).
+    pub started_at: u64,
+    shutting_down: AtomicBool,
+    in_flight: AtomicUsize,
+    drained: Notify,
+}
+
+impl ServerState {
+    pub fn new(
+        engine: Engine,
+        template: Option<Arc<dyn ChatTemplate>>,
+        served_model_name: String,
+        api_key: Option<String>,
+        max_body_bytes: usize,
+        limits: Limits,
+    ) -> Self {
+        Self {
+            model: engine.model().clone(),
+            engine,
+            template,
+            served_model_name,
+            api_key,
+            max_body_bytes,
+            limits,
+            metrics: Metrics::default(),
+            started_at: unix_now(),
+            shutting_down: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            drained: Notify::new(),
+        }
+    }
+
+    /// 404 for a model we do not serve; a missing `model` means the served one.
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            None | Some("") => Ok(()),
+            Some(m) if m == self.served_model_name => Ok(()),
+            Some(m) => Err(ApiError::model_not_found(m)),
+        }
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Refuses new generation work from now on; requests already running continue.
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        self.engine.begin_shutdown();
+        self.drained.notify_waiters();
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Marks a generation request as in flight until the guard drops (with its response stream).
+    pub fn enter(self: &Arc<Self>) -> Result<InFlight, ApiError> {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        let guard = InFlight { state: self.clone() };
+        // Checked after counting in, so a request either sees the flag or is waited for.
+        if self.is_shutting_down() {
+            return Err(ApiError::shutting_down());
+        }
+        Ok(guard)
+    }
+
+    /// Resolves once no generation request is in flight.
+    pub async fn wait_drained(&self) {
+        loop {
+            let notified = self.drained.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.in_flight() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+pub struct InFlight {
+    state: Arc<ServerState>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.state.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.state.drained.notify_waiters();
+        }
+    }
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}

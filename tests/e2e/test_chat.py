@@ -1,0 +1,261 @@
+"""Chat completions through the official openai client (and raw HTTP where the client hides details)."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from conftest import MODEL_NAME, capital_messages
+
+PARIS = "The capital of France is Paris."
+
+
+def tokenize(http, **body):
+    r = http.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_greedy_answer_and_usage_match_the_tokenizer(client, http):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), temperature=0)
+    assert r.object == "chat.completion"
+    assert r.model == MODEL_NAME
+    assert r.id.startswith("chatcmpl-")
+    assert len(r.choices) == 1
+    c = r.choices[0]
+    assert c.index == 0
+    assert c.message.role == "assistant"
+    assert c.message.content == PARIS
+    assert c.finish_reason == "stop"
+    prompt = tokenize(http, messages=capital_messages())
+    assert r.usage.prompt_tokens == prompt["count"]
+    # The answer's tokens plus the end-of-turn token that stopped it.
+    answer = tokenize(http, prompt=PARIS, add_special_tokens=False)
+    assert r.usage.completion_tokens == answer["count"] + 1
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_stream_matches_non_stream_and_reports_usage(client, http):
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=capital_messages(), temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == PARIS
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    # include_usage: a final chunk with no choices carries the usage; the others have null.
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.prompt_tokens == tokenize(http, messages=capital_messages())["count"]
+    assert chunks[-1].usage.completion_tokens == tokenize(http, prompt=PARIS, add_special_tokens=False)["count"] + 1
+
+
+def test_raw_sse_framing(http):
+    body = {"model": MODEL_NAME, "messages": capital_messages(), "temperature": 0, "max_tokens": 4, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    events = [e for e in raw.split("\n\n") if e.strip()]
+    assert all(e.startswith("data: ") for e in events), raw
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in p for p in payloads)  # no include_usage: no usage field at all
+
+
+def test_n_choices(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Write a short poem about the sea."}], n=2, max_tokens=24, temperature=1.0, seed=7
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.message.content for c in r.choices)
+    assert r.choices[0].message.content != r.choices[1].message.content
+    assert r.usage.completion_tokens == 48  # two choices, each cut at max_tokens
+    assert all(c.finish_reason == "length" for c in r.choices)
+
+
+def test_n_choices_stream(client):
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=capital_messages(), n=2, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    texts, finish = {0: "", 1: ""}, {}
+    usage = None
+    for c in stream:
+        if c.usage:
+            usage = c.usage
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert texts == {0: PARIS, 1: PARIS}  # greedy: both choices agree
+    assert finish == {0: "stop", 1: "stop"}
+    assert usage.completion_tokens == 2 * 8
+
+
+def test_stop_strings(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), temperature=0, stop=["Paris", "Lyon"])
+    assert r.choices[0].message.content == "The capital of France is "
+    assert r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), temperature=0, stop="France", stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "The capital of "
+
+
+def test_seed_reproducibility(client):
+    def sample(seed):
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Tell me a story."}], temperature=1.0, max_tokens=24, seed=seed
+        )
+        return r.choices[0].message.content
+
+    a = sample(1234)
+    assert sample(1234) == a
+    assert any(sample(s) != a for s in (1, 2, 3))
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    text = ""
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        lps = [t.logprob for t in entry.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(lps[0])
+        assert bytes(entry.bytes).decode() == entry.token
+        text += entry.token
+    assert text == PARIS + "<|im_end|>"
+    # Without top_logprobs only the chosen token is reported.
+    r = client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), temperature=0, logprobs=True, max_tokens=3)
+    assert [e.top_logprobs for e in r.choices[0].logprobs.content] == [[], [], []]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), temperature=0, max_tokens=3)
+    assert r.choices[0].logprobs is None
+
+
+def test_logprobs_stream(client):
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=capital_messages(), temperature=0, logprobs=True, top_logprobs=2, stream=True
+    )
+    entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert "".join(e.token for e in entries) == PARIS + "<|im_end|>"
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
+def test_max_tokens_and_max_completion_tokens(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), temperature=0, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    assert r.choices[0].message.content == "The capital of"
+    r = client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), temperature=0, max_completion_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_sampling_fields_are_accepted(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=capital_messages(),
+        temperature=0.7,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        max_tokens=8,
+        seed=3,
+        user="someone",
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert r.choices[0].message.content
+
+
+def test_logit_bias(client, http):
+    paris = tokenize(http, prompt=" Paris", add_special_tokens=False)["tokens"]
+    assert len(paris) == 1
+    r = client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), temperature=0, logit_bias={str(paris[0]): -100})
+    assert "Paris" not in r.choices[0].message.content.split(".")[0]
+    forced = tokenize(http, prompt=" banana", add_special_tokens=False, return_token_strs=True)
+    assert forced["count"] == 1
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=capital_messages(), max_tokens=3, logprobs=True, logit_bias={str(forced["tokens"][0]): 100}
+    )
+    assert [e.token for e in r.choices[0].logprobs.content] == forced["token_strs"] * 3
+    assert r.choices[0].message.content == " banana" * 3
+
+
+def test_roles_content_parts_and_assistant_round_trip(client, http):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]},
+        {"role": "assistant", "content": "Paris.", "reasoning_content": "Easy: it is Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=12)
+    assert r.choices[0].message.content
+    # The template sees the joined text parts: same tokens as a plain string message.
+    joined = [dict(m) for m in messages]
+    joined[1]["content"] = "What is the capital\nof France?"
+    assert tokenize(http, messages=messages)["tokens"] == tokenize(http, messages=joined)["tokens"]
+    assert r.usage.prompt_tokens == tokenize(http, messages=joined)["count"]
+    # `reasoning` is accepted on input as well.
+    messages[2] = {"role": "assistant", "content": "Paris.", "reasoning": "Easy."}
+    assert client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2).choices[0].message.content is not None
+
+
+def test_tools_and_tool_messages(client):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            # SmolLM2's template concatenates content, so (as with transformers) it needs a string.
+            "content": "",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    for choice in ("auto", "none", None):
+        kw = {"tool_choice": choice} if choice else {}
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, tools=tools, parallel_tool_calls=False, max_tokens=8, temperature=0, **kw
+        )
+        assert r.choices[0].message.content is not None
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=tools, tool_choice=choice, max_tokens=8)
+        assert e.value.body["param"] == "tool_choice"
+
+
+def test_response_format_reasoning_effort_and_template_kwargs(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Reply with a JSON object with key 'city'."}],
+        response_format={"type": "json_object"},
+        reasoning_effort="low",
+        max_tokens=8,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert r.choices[0].message.content is not None
+
+
+def test_chat_with_raw_httpx_no_model_field(http):
+    r = http.post("/v1/chat/completions", json={"messages": capital_messages(), "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": PARIS}
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0

@@ -1,0 +1,93 @@
+"""Text completions (the legacy API) through the openai client."""
+
+import pytest
+
+from conftest import MODEL_NAME
+
+PROMPT = "The capital of France is"
+
+
+def count(http, text, add_special_tokens=True):
+    return http.post("/tokenize", json={"prompt": text, "add_special_tokens": add_special_tokens}).json()["count"]
+
+
+def test_completion_non_stream(client, http):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.object == "text_completion"
+    assert r.id.startswith("cmpl-")
+    c = r.choices[0]
+    assert c.text == " Paris.\n\n"
+    assert c.finish_reason == "length"
+    assert r.usage.prompt_tokens == count(http, PROMPT)
+    assert r.usage.completion_tokens == 4
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 4
+
+
+def test_default_max_tokens_is_16(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_completion_stream_matches(client):
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_multiple_prompts_and_n(client, http):
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    r = client.completions.create(model=MODEL_NAME, prompt=prompts, n=2, max_tokens=5, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text == " Paris.\n\nThe"
+    assert r.choices[2].text == r.choices[3].text != r.choices[0].text
+    assert r.usage.prompt_tokens == sum(count(http, p) for p in prompts)
+    assert r.usage.completion_tokens == 4 * 5
+
+
+def test_token_id_prompt_and_echo(client, http):
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    r = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0)
+    assert r.choices[0].text == " Paris.\n\n"
+    assert r.usage.prompt_tokens == len(ids)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0, echo=True)
+    assert r.choices[0].text == PROMPT + " Paris."
+
+
+def test_stop_and_seed(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0, stop=["."])
+    assert r.choices[0].text == " Paris"
+    assert r.choices[0].finish_reason == "stop"
+
+    def sample(seed):
+        return client.completions.create(model=MODEL_NAME, prompt="My favourite food is", max_tokens=16, temperature=1.0, seed=seed).choices[0].text
+
+    assert sample(99) == sample(99)
+
+
+def test_legacy_logprobs(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert len(lp.token_logprobs) == 4 and all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    assert [max(t, key=t.get) for t in lp.top_logprobs] == lp.tokens  # greedy
+    offsets = [0]
+    for t in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp.text_offset == offsets
+
+
+def test_legacy_logprobs_stream(client):
+    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, stream=True)
+    tokens, offsets = [], []
+    for c in stream:
+        if c.choices and c.choices[0].logprobs:
+            tokens += c.choices[0].logprobs.tokens
+            offsets += c.choices[0].logprobs.text_offset
+    assert "".join(tokens) == " Paris.\n\n"
+    assert offsets == [0, 6, 7, 8]

@@ -1,0 +1,60 @@
+"""A client that hangs up frees its request in the engine (checked through /metrics)."""
+
+import json
+import socket
+import time
+
+import httpx
+
+from conftest import MODEL_NAME
+
+
+def long_chat(**kw):
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000, "ignore_eos": True, **kw}
+
+
+def wait_running(server, n, timeout=10):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.metrics()["wasmserve_num_requests_running"] == n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"never saw {n} running sequences")
+
+
+def test_stream_disconnect_frees_the_request(server):
+    server.wait_idle()
+    aborted = server.metrics().get('wasmserve_request_finished_total{outcome="abort"}', 0)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=long_chat(stream=True, n=2)) as r:
+            lines = r.iter_lines()
+            got = [line for _, line in zip(range(8), lines)]
+            assert any('"content"' in line for line in got)
+            m = server.metrics()
+            assert m["wasmserve_num_requests_running"] == 2
+            assert m["wasmserve_kv_cache_blocks_free"] < m["wasmserve_kv_cache_blocks_total"]
+    started = time.time()
+    m = server.wait_idle(timeout=10)
+    # Well before 3000 tokens could have been generated.
+    assert time.time() - started < 5
+    assert m['wasmserve_request_finished_total{outcome="abort"}'] == aborted + 1
+
+
+def test_non_stream_disconnect_frees_the_request(server):
+    server.wait_idle()
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps(long_chat()).encode()
+    s = socket.create_connection((host, int(port)))
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    wait_running(server, 1)
+    s.close()
+    server.wait_idle(timeout=10)
+
+
+def test_server_still_serves_after_disconnects(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0)
+    assert r.choices[0].message.content == "The capital of France is Paris."
