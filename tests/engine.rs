@@ -215,3 +215,26 @@ fn fp8_kv_cache_stays_close_to_f32() {
     eprintln!("fp8 KV: {same}/{total} greedy tokens agree with f32 before the first divergence");
     assert!(same * 2 >= total, "fp8 KV diverges too early: {same}/{total}");
 }
+
+#[test]
+fn text_held_back_for_a_possible_stop_string_is_released_at_eos() {
+    let m = common::smollm2();
+    let prompt = m
+        .tokenizer
+        .encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", true)
+        .unwrap();
+    let mut c = core(EngineConfig::default());
+    let (tx, mut rx) = unbounded_channel();
+    // "." could begin ".!", so it is held back until EOS ends the choice.
+    let req = EngineRequest { prompt_ids: prompt, sampling: SamplingParams::greedy(), max_tokens: 32, stop: vec![".!".into()], ..Default::default() };
+    c.add_request(1, req, tx).unwrap();
+    while c.step() {}
+    let mut text = String::new();
+    while let Ok(ev) = rx.try_recv() {
+        match ev {
+            EngineEvent::Token { text: t, .. } | EngineEvent::Finished { text: t, .. } => text.push_str(&t),
+            EngineEvent::Error(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(text, "The capital of France is Paris.");
+}

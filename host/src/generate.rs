@@ -93,6 +93,9 @@ pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(
         sampler.observe(next);
         tokens.push(next);
         if !req.ignore_eos && m.tokenizer.is_eos(next) {
+            // Release text held back as a possible stop-string prefix.
+            let rest = stops.flush();
+            emit(&rest, &mut text);
             finish_reason = FinishReason::Stop;
             break;
         }

@@ -417,13 +417,18 @@ impl EngineCore {
         }
         let mut ok = state.tx.send(EngineEvent::Token { index: s.index, token: next, text, logprob }).is_ok();
         if let Some(reason) = reason {
+            // Unless a stop string ended the choice, release what was held back (an incomplete
+            // character, or text that might have started a stop string).
             let mut tail = String::new();
-            if reason == FinishReason::Length {
+            if is_eos || reason == FinishReason::Length {
                 let rest = s.decoder.flush(tok);
                 match s.stops.push(&rest) {
-                    StopOutcome::Continue(t) | StopOutcome::Stopped(t) => tail.push_str(&t),
+                    StopOutcome::Continue(t) => {
+                        tail.push_str(&t);
+                        tail.push_str(&s.stops.flush());
+                    }
+                    StopOutcome::Stopped(t) => tail.push_str(&t),
                 }
-                tail.push_str(&s.stops.flush());
             }
             ok &= state
                 .tx
