@@ -238,3 +238,37 @@ fn text_held_back_for_a_possible_stop_string_is_released_at_eos() {
     }
     assert_eq!(text, "The capital of France is Paris.");
 }
+
+#[test]
+fn a_flooding_tenant_does_not_starve_another() {
+    let prompts = prompts();
+    let mut c = core(EngineConfig { max_num_seqs: 4, max_num_batched_tokens: 128, ..Default::default() });
+    let mut flood = Vec::new();
+    for i in 0..24 {
+        let (tx, rx) = unbounded_channel();
+        let mut r = greedy(&prompts[i % 16], 3);
+        r.tenant = "flood".into();
+        c.add_request(i as u64, r, tx).unwrap();
+        flood.push(rx);
+    }
+    let (tx, mut victim) = unbounded_channel();
+    let mut r = greedy(&prompts[0], 3);
+    r.tenant = "quiet".into();
+    c.add_request(100, r, tx).unwrap();
+    let mut flood_started = vec![false; flood.len()];
+    loop {
+        assert!(c.step(), "engine ran out of work before the quiet tenant was served");
+        for (i, rx) in flood.iter_mut().enumerate() {
+            while let Ok(ev) = rx.try_recv() {
+                flood_started[i] |= matches!(ev, EngineEvent::Token { .. });
+            }
+        }
+        if let Ok(EngineEvent::Token { .. }) = victim.try_recv() {
+            break;
+        }
+    }
+    let started = flood_started.iter().filter(|&&s| s).count();
+    eprintln!("quiet tenant's first token came after {started} of 24 flooding requests had started");
+    assert!(started <= 8, "FCFS-like starvation: {started} flooding requests started first");
+    while c.step() {}
+}

@@ -32,6 +32,8 @@ pub struct EngineRequest {
     pub cache_salt: String,
     /// Tenant for fair scheduling (weighted fair share of batch slots).
     pub tenant: String,
+    /// The tenant's weight: tenants get batch slots in proportion to their weights.
+    pub tenant_weight: f64,
     /// Whether special tokens are dropped from the text deltas.
     pub skip_special_tokens: bool,
 }
@@ -50,6 +52,7 @@ impl Default for EngineRequest {
             priority: 0,
             cache_salt: String::new(),
             tenant: String::new(),
+            tenant_weight: 1.0,
             skip_special_tokens: true,
         }
     }

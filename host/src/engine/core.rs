@@ -163,6 +163,7 @@ impl EngineCore {
             arrival: self.arrivals,
             priority: req.priority,
             tenant: req.tenant.clone(),
+            weight: req.tenant_weight,
             salt: req.cache_salt.clone(),
         }
     }
@@ -243,12 +244,13 @@ impl EngineCore {
             }
         }
 
-        // 2. Admit waiting sequences (priority, then arrival order) while resources allow, but
-        //    only when every running sequence got its turn (no admission past a preemption).
+        // 2. Admit waiting sequences while resources allow, but only when every running sequence
+        //    got its turn (no admission past a preemption). Order: priority, then the tenant
+        //    furthest below its weighted fair share of batch slots, then arrival.
         if plan.len() == self.running.len() {
-            self.waiting.sort_by_key(|s| (std::cmp::Reverse(s.priority), s.arrival));
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs && !self.waiting.is_empty() {
-                let mut s = self.waiting.remove(0);
+                let next = self.next_to_admit();
+                let mut s = self.waiting.remove(next);
                 if self.cfg.enable_prefix_caching {
                     let hit = s.attach_cached_prefix(&mut self.pool);
                     if !s.admitted_once {
@@ -258,7 +260,7 @@ impl EngineCore {
                 let chunk = s.remaining().min(budget);
                 if !s.reserve(s.num_computed + chunk, &mut self.pool) {
                     s.release_blocks(&mut self.pool);
-                    self.waiting.insert(0, s);
+                    self.waiting.insert(next, s);
                     break;
                 }
                 s.admitted_once = true;
@@ -278,6 +280,23 @@ impl EngineCore {
         }
         self.run_batch(&plan);
         true
+    }
+
+    /// Index in `waiting` of the sequence to admit next: highest priority; among those, the
+    /// tenant with the fewest running sequences per unit of weight (weighted fair share, so a
+    /// tenant flooding the queue cannot starve the others); then first come, first served.
+    fn next_to_admit(&self) -> usize {
+        let mut share: HashMap<&str, usize> = HashMap::new();
+        for s in &self.running {
+            *share.entry(s.tenant.as_str()).or_default() += 1;
+        }
+        let key = |s: &Sequence| {
+            let load = share.get(s.tenant.as_str()).copied().unwrap_or(0) as f64 / s.weight.max(1e-6);
+            (std::cmp::Reverse(s.priority), load, s.arrival)
+        };
+        (0..self.waiting.len())
+            .min_by(|&a, &b| key(&self.waiting[a]).partial_cmp(&key(&self.waiting[b])).unwrap_or(std::cmp::Ordering::Equal))
+            .unwrap_or(0)
     }
 
     fn fail_request(&mut self, id: RequestId, msg: &str) {

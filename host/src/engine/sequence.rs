@@ -30,6 +30,8 @@ pub struct Sequence {
     pub arrival: u64,
     pub priority: i32,
     pub tenant: String,
+    /// The tenant's weight for fair sharing of batch slots.
+    pub weight: f64,
     pub salt: String,
 }
 
