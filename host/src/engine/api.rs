@@ -83,6 +83,9 @@ pub enum SubmitError {
     QueueFull(usize),
     #[error("{0}")]
     Invalid(String),
+    /// An invalid request field, named for the API's error `param`.
+    #[error("{message}")]
+    InvalidParam { param: &'static str, message: String },
     #[error("the prompt has {prompt} tokens, more than this model's context of {max} tokens")]
     PromptTooLong { prompt: usize, max: usize },
     #[error("the server is shutting down")]

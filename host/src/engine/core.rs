@@ -54,6 +54,34 @@ impl Default for EngineConfig {
     }
 }
 
+/// The checks every request passes before it is queued (also run by `Engine::submit`, so a bad
+/// request is refused synchronously instead of failing later in its stream).
+pub fn validate_request(model: &LoadedModel, max_model_len: usize, cfg: &EngineConfig, req: &EngineRequest) -> Result<(), SubmitError> {
+    let vocab = model.config().vocab_size;
+    if req.prompt_ids.is_empty() {
+        return Err(SubmitError::Invalid("the prompt is empty".into()));
+    }
+    if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(SubmitError::Invalid(format!("token id {t} is outside the vocabulary (size {vocab})")));
+    }
+    if req.prompt_ids.len() >= max_model_len {
+        return Err(SubmitError::PromptTooLong { prompt: req.prompt_ids.len(), max: max_model_len });
+    }
+    if req.n == 0 || req.n > cfg.max_n {
+        return Err(SubmitError::InvalidParam { param: "n", message: format!("'n' must be between 1 and {}, got {}", cfg.max_n, req.n) });
+    }
+    if req.logprobs.is_some_and(|k| k > cfg.max_logprobs) {
+        return Err(SubmitError::InvalidParam { param: "top_logprobs", message: format!("'top_logprobs' must be at most {}", cfg.max_logprobs) });
+    }
+    if let Some(&t) = req.sampling.logit_bias.keys().find(|&&t| t as usize >= vocab) {
+        return Err(SubmitError::InvalidParam { param: "logit_bias", message: format!("logit_bias token id {t} is outside the vocabulary") });
+    }
+    if let Some(&t) = req.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(SubmitError::InvalidParam { param: "stop_token_ids", message: format!("stop token id {t} is outside the vocabulary") });
+    }
+    req.sampling.validate().map_err(SubmitError::Invalid)
+}
+
 struct RequestState {
     tx: UnboundedSender<EngineEvent>,
     req: EngineRequest,
@@ -112,26 +140,11 @@ impl EngineCore {
 
     /// Checks a request without queueing it.
     pub fn validate(&self, req: &EngineRequest) -> Result<(), SubmitError> {
-        let vocab = self.model.config().vocab_size;
-        if req.prompt_ids.is_empty() {
-            return Err(SubmitError::Invalid("the prompt is empty".into()));
-        }
-        if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(SubmitError::Invalid(format!("token id {t} is outside the vocabulary (size {vocab})")));
-        }
-        if req.prompt_ids.len() >= self.max_model_len {
-            return Err(SubmitError::PromptTooLong { prompt: req.prompt_ids.len(), max: self.max_model_len });
-        }
-        if req.n == 0 || req.n > self.cfg.max_n {
-            return Err(SubmitError::Invalid(format!("'n' must be between 1 and {}, got {}", self.cfg.max_n, req.n)));
-        }
-        if req.logprobs.is_some_and(|k| k > self.cfg.max_logprobs) {
-            return Err(SubmitError::Invalid(format!("'top_logprobs' must be at most {}", self.cfg.max_logprobs)));
-        }
-        if let Some(&t) = req.sampling.logit_bias.keys().find(|&&t| t as usize >= vocab) {
-            return Err(SubmitError::Invalid(format!("logit_bias token id {t} is outside the vocabulary")));
-        }
-        req.sampling.validate().map_err(SubmitError::Invalid)
+        validate_request(&self.model, self.max_model_len, &self.cfg, req)
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
     }
 
     pub fn add_request(&mut self, id: RequestId, req: EngineRequest, tx: UnboundedSender<EngineEvent>) -> Result<(), SubmitError> {
@@ -381,7 +394,8 @@ impl EngineCore {
         let req = state.req.clone();
         for index in 1..req.n {
             let mut sampling = req.sampling.clone();
-            sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(index as u64));
+            // Mixed, not offset: choice i of seed s must not replay choice 0 of seed s + i.
+            sampling.seed = req.sampling.seed.map(|s| splitmix64(s ^ splitmix64(index as u64)));
             let mut child = self.new_sequence(id, index, &req, req.prompt_ids.clone(), sampling);
             child.arrival = self.running[parent].arrival;
             child.admitted_once = true;
@@ -479,4 +493,11 @@ impl EngineCore {
     pub fn pool(&self) -> &BlockPool {
         &self.pool
     }
+}
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }

@@ -34,6 +34,7 @@ struct Shared {
     shutting_down: AtomicBool,
     max_waiting: usize,
     max_model_len: usize,
+    cfg: EngineConfig,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -72,7 +73,7 @@ impl Engine {
     /// Starts the engine thread. The KV pool is allocated here, before the first request.
     pub fn start(model: Arc<LoadedModel>, cfg: EngineConfig) -> Engine {
         let max_waiting = cfg.max_waiting;
-        let mut core = EngineCore::new(model.clone(), cfg);
+        let mut core = EngineCore::new(model.clone(), cfg.clone());
         let (tx, rx) = mpsc::channel::<Command>();
         let shared = Arc::new(Shared {
             commands: Mutex::new(tx),
@@ -83,6 +84,7 @@ impl Engine {
             shutting_down: AtomicBool::new(false),
             max_waiting,
             max_model_len: core.max_model_len(),
+            cfg,
             thread: Mutex::new(None),
         });
         let sh = shared.clone();
@@ -106,9 +108,7 @@ impl Engine {
         if self.shared.shutting_down.load(Ordering::SeqCst) {
             return Err(SubmitError::ShuttingDown);
         }
-        if req.prompt_ids.len() >= self.shared.max_model_len {
-            return Err(SubmitError::PromptTooLong { prompt: req.prompt_ids.len(), max: self.shared.max_model_len });
-        }
+        self::core::validate_request(&self.model, self.shared.max_model_len, &self.shared.cfg, &req)?;
         // Reserve a queue slot atomically so concurrent submits cannot overshoot the bound.
         let queued = self.shared.unread.fetch_add(1, Ordering::SeqCst) + self.shared.waiting_new.load(Ordering::SeqCst);
         if queued >= self.shared.max_waiting {
@@ -157,10 +157,13 @@ fn run_loop(core: &mut EngineCore, rx: mpsc::Receiver<Command>, shared: &Shared)
     loop {
         let handle = |cmd: Command, core: &mut EngineCore, stopping: &mut bool| match cmd {
             Command::Submit(id, req, tx) => {
-                shared.unread.fetch_sub(1, Ordering::SeqCst);
                 if let Err(e) = core.add_request(id, *req, tx.clone()) {
                     let _ = tx.send(EngineEvent::Error(e.to_string()));
                 }
+                // Count it as waiting before it stops counting as unread, so concurrent submits
+                // never see it in neither (the queue bound may only err on the safe side).
+                shared.waiting_new.store(core.num_waiting_new(), Ordering::SeqCst);
+                shared.unread.fetch_sub(1, Ordering::SeqCst);
             }
             Command::Abort(id) => core.abort(id),
             Command::Stop => *stopping = true,

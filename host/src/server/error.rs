@@ -93,6 +93,7 @@ impl From<SubmitError> for ApiError {
         match e {
             SubmitError::QueueFull(_) => ApiError::overloaded(msg),
             SubmitError::Invalid(_) => ApiError::bad_request(msg),
+            SubmitError::InvalidParam { param, .. } => ApiError::invalid_param(param, msg),
             SubmitError::PromptTooLong { .. } => ApiError::bad_request(msg).with_param("messages").with_code("context_length_exceeded"),
             SubmitError::ShuttingDown => ApiError::shutting_down(),
         }

@@ -61,9 +61,6 @@ impl Generation {
     pub fn submit(state: &AppState, in_flight: InFlight, started: Instant, reqs: Vec<EngineRequest>) -> Result<Self, ApiError> {
         let n = reqs.first().map_or(1, |r| r.n);
         let num_prompts = reqs.len();
-        for req in &reqs {
-            precheck(state, req)?;
-        }
         let mut streams: Vec<RequestStream> = Vec::with_capacity(num_prompts);
         for req in reqs {
             match state.engine.submit(req) {
@@ -151,32 +148,6 @@ impl Generation {
             }
         })
     }
-}
-
-/// The checks the engine makes when its thread picks a request up (`EngineCore::validate`),
-/// made here too: `Engine::submit` does not run them, and their failure would otherwise arrive
-/// as a stream error after the 200 has been sent.
-fn precheck(state: &AppState, req: &EngineRequest) -> Result<(), ApiError> {
-    let vocab = state.model.config().vocab_size;
-    if req.prompt_ids.is_empty() {
-        return Err(ApiError::bad_request("The prompt is empty"));
-    }
-    if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
-        return Err(ApiError::bad_request(format!("Token id {t} is outside the vocabulary (size {vocab})")));
-    }
-    if req.n > state.limits.max_n {
-        return Err(ApiError::invalid_param("n", format!("'n' must be between 1 and {}, got {}", state.limits.max_n, req.n)));
-    }
-    if req.logprobs.is_some_and(|k| k > state.limits.max_logprobs) {
-        return Err(ApiError::invalid_param("top_logprobs", format!("'top_logprobs' must be at most {}", state.limits.max_logprobs)));
-    }
-    if let Some(&t) = req.sampling.logit_bias.keys().find(|&&t| t as usize >= vocab) {
-        return Err(ApiError::invalid_param("logit_bias", format!("logit_bias token id {t} is outside the vocabulary")));
-    }
-    if let Some(&t) = req.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
-        return Err(ApiError::invalid_param("stop_token_ids", format!("stop token id {t} is outside the vocabulary")));
-    }
-    Ok(())
 }
 
 impl Drop for Generation {

@@ -28,7 +28,7 @@ use crate::chat::jinja::JinjaChatTemplate;
 use crate::chat::ChatTemplate;
 use crate::engine::block_pool::KvDtype;
 use crate::engine::{Engine, EngineConfig};
-use state::{AppState, Limits, ServerState};
+use state::{AppState, ServerState};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -134,9 +134,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     let name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
     let cfg = args.engine_config();
-    let limits = Limits { max_n: cfg.max_n, max_logprobs: cfg.max_logprobs };
     let engine = Engine::start(model, cfg);
-    let state = Arc::new(ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes, limits));
+    let state = Arc::new(ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes));
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
     let result = rt.block_on(serve(state, &args));
     engine.stop();

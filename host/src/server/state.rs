@@ -14,13 +14,6 @@ use crate::model::LoadedModel;
 
 pub type AppState = Arc<ServerState>;
 
-/// Engine limits the server checks before submitting (see `generation::precheck`).
-#[derive(Clone, Copy, Debug)]
-pub struct Limits {
-    pub max_n: usize,
-    pub max_logprobs: usize,
-}
-
 pub struct ServerState {
     pub engine: Engine,
     pub model: Arc<LoadedModel>,
@@ -29,7 +22,6 @@ pub struct ServerState {
     pub served_model_name: String,
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
-    pub limits: Limits,
     pub metrics: Metrics,
     /// Unix time the server started (the `created` of the model listing).
     pub started_at: u64,
@@ -45,7 +37,6 @@ impl ServerState {
         served_model_name: String,
         api_key: Option<String>,
         max_body_bytes: usize,
-        limits: Limits,
     ) -> Self {
         Self {
             model: engine.model().clone(),
@@ -54,7 +45,6 @@ impl ServerState {
             served_model_name,
             api_key,
             max_body_bytes,
-            limits,
             metrics: Metrics::default(),
             started_at: unix_now(),
             shutting_down: AtomicBool::new(false),
