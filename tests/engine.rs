@@ -272,3 +272,39 @@ fn a_flooding_tenant_does_not_starve_another() {
     assert!(started <= 8, "FCFS-like starvation: {started} flooding requests started first");
     while c.step() {}
 }
+
+#[test]
+fn json_object_mode_yields_one_valid_object() {
+    let m = common::smollm2();
+    let prompt = m
+        .tokenizer
+        .encode("<|im_start|>user\nDescribe a cat as JSON with keys name and age.<|im_end|>\n<|im_start|>assistant\n", true)
+        .unwrap();
+    let mut c = core(EngineConfig::default());
+    for (i, sampling) in [SamplingParams::greedy(), SamplingParams { temperature: 1.0, seed: Some(3), ..Default::default() }].into_iter().enumerate() {
+        let (tx, mut rx) = unbounded_channel();
+        let req = EngineRequest { prompt_ids: prompt.clone(), sampling, max_tokens: 120, json_object: true, ..Default::default() };
+        c.add_request(i as u64, req, tx).unwrap();
+        while c.step() {}
+        let (mut text, mut reason) = (String::new(), None);
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                EngineEvent::Token { text: t, .. } => text.push_str(&t),
+                EngineEvent::Finished { text: t, reason: r, .. } => {
+                    text.push_str(&t);
+                    reason = Some(r);
+                }
+                EngineEvent::Error(e) => panic!("{e}"),
+            }
+        }
+        eprintln!("json mode output ({reason:?}): {text:?}");
+        if reason == Some(FinishReason::Stop) {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+            assert!(v.is_object());
+        } else {
+            // Cut by max_tokens: still a valid prefix of an object.
+            let mut st = wasmserve::sampling::json_constraint::JsonState::default();
+            assert!(st.feed(text.as_bytes()), "not a JSON prefix: {text}");
+        }
+    }
+}

@@ -265,3 +265,16 @@ def test_text_held_for_a_stop_prefix_is_released_at_eos(client):
     # "." could start the stop string ".!", so the engine holds it back; EOS then ends the choice.
     r = client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), temperature=0, stop=[".!"])
     assert r.choices[0].message.content == PARIS
+
+
+def test_response_format_json_object_is_enforced(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Give me a JSON object describing a cat with keys name and age."}],
+        temperature=0,
+        max_tokens=100,
+        response_format={"type": "json_object"},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(json.loads(choice.message.content), dict)

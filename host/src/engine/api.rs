@@ -36,6 +36,8 @@ pub struct EngineRequest {
     pub tenant_weight: f64,
     /// Whether special tokens are dropped from the text deltas.
     pub skip_special_tokens: bool,
+    /// Constrain the output to one JSON object (`response_format: json_object`).
+    pub json_object: bool,
 }
 
 impl Default for EngineRequest {
@@ -54,6 +56,7 @@ impl Default for EngineRequest {
             tenant: String::new(),
             tenant_weight: 1.0,
             skip_special_tokens: true,
+            json_object: false,
         }
     }
 }

@@ -18,6 +18,7 @@ use super::sequence::Sequence;
 use crate::generate::FinishReason;
 use crate::model::kv::BatchRow;
 use crate::model::LoadedModel;
+use crate::sampling::json_constraint::JsonState;
 use crate::sampling::stop::{StopChecker, StopOutcome};
 use crate::sampling::{top_logprobs, Sampler, SamplingParams};
 use crate::tokenizer::incremental::IncrementalDecoder;
@@ -101,6 +102,8 @@ pub struct EngineCore {
     running: Vec<Sequence>,
     arrivals: u64,
     stats: EngineStats,
+    /// Bytes of every token, built on the first JSON-constrained request.
+    token_bytes: Option<Vec<Option<Vec<u8>>>>,
 }
 
 impl EngineCore {
@@ -118,7 +121,7 @@ impl EngineCore {
             "KV cache pool allocated"
         );
         let pool = BlockPool::new(shape, num_blocks, cfg.kv_dtype);
-        Self { model, cfg, pool, max_model_len, requests: HashMap::new(), waiting: Vec::new(), running: Vec::new(), arrivals: 0, stats: EngineStats::default() }
+        Self { model, cfg, pool, max_model_len, requests: HashMap::new(), waiting: Vec::new(), running: Vec::new(), arrivals: 0, stats: EngineStats::default(), token_bytes: None }
     }
 
     pub fn max_model_len(&self) -> usize {
@@ -175,6 +178,7 @@ impl EngineCore {
             admitted_once: false,
             arrival: self.arrivals,
             priority: req.priority,
+            json: req.json_object.then(JsonState::default),
             tenant: req.tenant.clone(),
             weight: req.tenant_weight,
             salt: req.cache_salt.clone(),
@@ -422,7 +426,26 @@ impl EngineCore {
         let logprob_request = state.req.logprobs;
         let raw_top = logprob_request.map(|k| (top_logprobs(&logits, k), crate::sampling::log_sum_exp(&logits)));
         let raw_logits_for_chosen = logprob_request.map(|_| logits.clone());
-        let next = s.sampler.sample(&mut logits).token;
+        let next = match &s.json {
+            None => s.sampler.sample(&mut logits).token,
+            Some(js) => {
+                let bytes = self.token_bytes.get_or_insert_with(|| tok.token_bytes());
+                let eos = tok.eos_token_ids.first().copied();
+                if js.is_complete() {
+                    // The object is closed: nothing but EOS may follow.
+                    eos.unwrap_or(0)
+                } else {
+                    let allowed = |t: u32| bytes.get(t as usize).and_then(|b| b.as_deref()).is_some_and(|b| js.accepts(b));
+                    match s.sampler.sample_allowed(&mut logits, allowed) {
+                        Some(x) => x.token,
+                        None => eos.unwrap_or(0),
+                    }
+                }
+            }
+        };
+        if let (Some(js), Some(Some(b))) = (&mut s.json, self.token_bytes.as_ref().map(|t| t.get(next as usize).cloned().flatten())) {
+            js.feed(&b);
+        }
         s.sampler.observe(next);
         s.tokens.push(next);
         self.stats.generation_tokens_total += 1;

@@ -2,6 +2,7 @@
 //! a seeded draw. Semantics follow vLLM: repetition penalty over prompt and output (divide
 //! positive logits, multiply negative ones), presence and frequency penalties over output tokens.
 
+pub mod json_constraint;
 pub mod stop;
 
 use std::collections::HashMap;
@@ -135,6 +136,29 @@ impl Sampler {
     /// Processes `logits` and draws the next token.
     pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
         self.process(logits);
+        self.draw(logits)
+    }
+
+    /// Like `sample`, but only tokens `allowed` accepts can come out: a rejected draw is masked
+    /// and drawn again (lazy masking: usually only a few candidates are ever checked). `None`
+    /// when no token is allowed.
+    pub fn sample_allowed(&mut self, logits: &mut [f32], allowed: impl Fn(u32) -> bool) -> Option<Sampled> {
+        self.process(logits);
+        for _ in 0..logits.len() {
+            let s = self.draw(logits);
+            if logits[s.token as usize] == f32::NEG_INFINITY {
+                return None;
+            }
+            if allowed(s.token) {
+                return Some(s);
+            }
+            logits[s.token as usize] = f32::NEG_INFINITY;
+        }
+        None
+    }
+
+    /// Draws from already processed logits.
+    fn draw(&mut self, logits: &[f32]) -> Sampled {
         let lse = log_sum_exp(logits);
         let p = &self.params;
         if p.temperature == 0.0 {

@@ -137,10 +137,8 @@ fn check_unsupported(req: &ChatCompletionRequest) -> ApiResult<()> {
     if let Some(rf) = &req.response_format {
         match rf.get("type").and_then(Value::as_str) {
             Some("text") => {}
-            // TODO(structured output): enforce JSON with grammar-constrained sampling. Until then
-            // json_object is accepted and the model is trusted to follow the user's instructions;
-            // a hidden system prompt would change what the client asked the model.
-            Some("json_object") => tracing::debug!("response_format json_object accepted but not enforced yet"),
+            // Enforced by the engine's JSON-object constrained sampling (see the handler).
+            Some("json_object") => {}
             Some("json_schema") => {
                 return Err(ApiError::not_supported(
                     "response_format",
@@ -192,6 +190,7 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
         }
     })?;
     ereq.prompt_ids = prompt_ids;
+    ereq.json_object = req.response_format.as_ref().and_then(|rf| rf.get("type")).and_then(Value::as_str) == Some("json_object");
     let want_logprobs = req.logprobs == Some(true);
     ereq.logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0) as usize);
     let gen = Generation::submit(&state, in_flight, started, vec![ereq]).map_err(|e| match e.code {

@@ -128,4 +128,41 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+
+    /// The bytes each token stands for (`None` for added/special tokens), for constraints that
+    /// work on the output bytes. Byte-level BPE pieces are mapped back through GPT-2's
+    /// byte-to-character table; other vocabularies fall back to decoding the token alone.
+    pub fn token_bytes(&self) -> Vec<Option<Vec<u8>>> {
+        let added = self.inner.get_added_tokens_decoder();
+        let unbyte = byte_level_decoder();
+        (0..self.vocab_size() as u32)
+            .map(|id| {
+                if added.contains_key(&id) {
+                    return None;
+                }
+                let piece = self.inner.id_to_token(id)?;
+                piece
+                    .chars()
+                    .map(|c| unbyte.get(&c).copied())
+                    .collect::<Option<Vec<u8>>>()
+                    .or_else(|| Some(self.decode(&[id], false).into_bytes()))
+            })
+            .collect()
+    }
+}
+
+/// GPT-2's `bytes_to_unicode` inverted: the character each byte is written as in byte-level BPE
+/// vocabularies, mapped back to the byte.
+fn byte_level_decoder() -> std::collections::HashMap<char, u8> {
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut chars: Vec<u32> = printable.clone();
+    let mut extra = 0;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            printable.push(b);
+            chars.push(256 + extra);
+            extra += 1;
+        }
+    }
+    printable.into_iter().zip(chars).map(|(b, c)| (char::from_u32(c).unwrap(), b as u8)).collect()
 }
