@@ -7,3 +7,6 @@ pub mod rope;
 pub mod activation;
 pub mod softmax;
 pub mod fp8;
+pub mod bitpack;
+pub mod packed_matmul;
+pub mod quant_int;
