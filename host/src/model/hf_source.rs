@@ -105,6 +105,33 @@ impl SafetensorsSource {
     }
 }
 
+/// A tensor's stored bytes, undecoded (packed integer codes, scales of any dtype).
+pub struct RawTensor<'a> {
+    pub file: &'a Path,
+    pub dtype: Dtype,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+}
+
+impl SafetensorsSource {
+    /// The stored form of `name` (quantized checkpoints keep int32/uint8 codes and scales).
+    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, LoadError> {
+        let shard = self
+            .index
+            .get(name)
+            .map(|&i| &self.shards[i])
+            .ok_or_else(|| LoadError::MissingTensor { file: self.dir.clone(), tensor: name.to_string() })?;
+        let info = shard.meta.info(name).expect("indexed tensor has metadata");
+        let bytes = &shard.map[shard.data_start + info.data_offsets.0..shard.data_start + info.data_offsets.1];
+        Ok(RawTensor { file: &shard.path, dtype: info.dtype, shape: &info.shape, bytes })
+    }
+
+    /// Names of all tensors in the checkpoint, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+}
+
 impl WeightSource for SafetensorsSource {
     fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError> {
         let shard = self

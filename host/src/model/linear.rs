@@ -3,22 +3,27 @@
 
 use kernels::cpu::matmul::matmul_t;
 
+use super::quant::IntLinear;
 use super::tensor::Tensor;
 
 pub enum Linear {
     Dense(Tensor),
+    /// Integer codes kept packed (compressed-tensors pack-quantized), multiplied from the packed form.
+    Int(IntLinear),
 }
 
 impl Linear {
     pub fn out_features(&self) -> usize {
         match self {
             Linear::Dense(t) => t.shape[0],
+            Linear::Int(q) => q.out_features(),
         }
     }
 
     pub fn in_features(&self) -> usize {
         match self {
             Linear::Dense(t) => t.shape[1],
+            Linear::Int(q) => q.in_features(),
         }
     }
 
@@ -27,6 +32,7 @@ impl Linear {
         let mut out = vec![0.0; n * self.out_features()];
         match self {
             Linear::Dense(t) => matmul_t(x, t.as_slice(), &mut out, n, self.in_features(), self.out_features()),
+            Linear::Int(q) => q.forward(x, n, &mut out),
         }
         out
     }

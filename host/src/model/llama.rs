@@ -40,7 +40,8 @@ pub struct LlamaModel {
 impl LlamaModel {
     pub fn load(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Self, LoadError> {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);
-        let dense = |name: &str, rows: usize, cols: usize| src.load(name, &[rows, cols]).map(Linear::Dense);
+        // Linear layers by module name: dense, or kept packed when the checkpoint is quantized.
+        let dense = |name: &str, rows: usize, cols: usize| src.linear(name.strip_suffix(".weight").unwrap_or(name), rows, cols);
         let embed = src.load("model.embed_tokens.weight", &[cfg.vocab_size, d])?;
         let mut layers = Vec::with_capacity(cfg.num_layers());
         for i in 0..cfg.num_layers() {

@@ -9,6 +9,7 @@ pub mod hf_source;
 pub mod kv;
 pub mod linear;
 pub mod llama;
+pub mod quant;
 pub mod source;
 pub mod tensor;
 
@@ -46,9 +47,9 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
         let raw: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| LoadError::Corrupt { file: cfg_path.clone(), detail: format!("invalid JSON: {e}") })?;
         let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
-        let src = hf_source::SafetensorsSource::open(path)?;
+        let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
         let tokenizer = Tokenizer::from_hf_dir(path, &raw)?;
-        (LlamaModel::load(cfg, &src)?, tokenizer)
+        (LlamaModel::load(cfg, src.as_ref())?, tokenizer)
     } else {
         let file = gguf::GgufFile::open(path)?;
         let cfg = ModelConfig::from_gguf(&file)?;

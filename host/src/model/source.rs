@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use super::error::LoadError;
+use super::linear::Linear;
 use super::tensor::Tensor;
 
 pub trait WeightSource: Send + Sync {
@@ -14,6 +15,11 @@ pub trait WeightSource: Send + Sync {
     fn contains(&self, name: &str) -> bool;
     /// The file a tensor lives in, or the checkpoint's main file for errors about missing ones.
     fn file_of(&self, name: &str) -> PathBuf;
+    /// The Linear layer `module` (e.g. `model.layers.0.mlp.up_proj`) of `[rows, cols]`: dense
+    /// from `{module}.weight` unless the source keeps it quantized.
+    fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
+        self.load(&format!("{module}.weight"), &[rows, cols]).map(Linear::Dense)
+    }
 }
 
 pub(crate) fn check_shape(file: &Path, name: &str, got: &[usize], want: &[usize]) -> Result<(), LoadError> {
