@@ -1,0 +1,2 @@
+//! The `qwen3` reasoning parser plugin (logic in wasmserve-parsers).
+wasmserve_guest::export_reasoning_parser!(wasmserve_parsers::think::Qwen3);
