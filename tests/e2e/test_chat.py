@@ -235,10 +235,41 @@ def test_tools_and_tool_messages(client):
             model=MODEL_NAME, messages=messages, tools=tools, parallel_tool_calls=False, max_tokens=8, temperature=0, **kw
         )
         assert r.choices[0].message.content is not None
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=tools, tool_choice=choice, max_tokens=8)
-        assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, tools=tools, tool_choice={"type": "function", "function": {"name": "nope"}}, max_tokens=8
+        )
+    assert e.value.body["param"] == "tool_choice"
+
+
+def weather_tools():
+    return [
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+    ]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_choice_returns_tool_calls(client, choice):
+    messages = [{"role": "user", "content": "What time is it in Paris?"}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=weather_tools(), tool_choice=choice, max_tokens=60, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in ("get_weather", "get_time")
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    assert isinstance(json.loads(call.function.arguments), dict)
+    # Streaming delivers the same call as a tool_calls delta.
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=weather_tools(), tool_choice=choice,
+                                                 max_tokens=60, temperature=0, stream=True))
+    deltas = [tc for ch in chunks for c2 in ch.choices for tc in (c2.delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == [call.function.name]
+    assert json.loads(deltas[0].function.arguments) == json.loads(call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_response_format_reasoning_effort_and_template_kwargs(client):

@@ -6,6 +6,7 @@
 use serde::Serialize;
 
 use crate::generate::FinishReason;
+use crate::sampling::constraint::ConstraintSpec;
 use crate::sampling::SamplingParams;
 
 /// Engine-wide request id.
@@ -36,8 +37,8 @@ pub struct EngineRequest {
     pub tenant_weight: f64,
     /// Whether special tokens are dropped from the text deltas.
     pub skip_special_tokens: bool,
-    /// Constrain the output to one JSON object (`response_format: json_object`).
-    pub json_object: bool,
+    /// Constrain the output (JSON object, forced tool call).
+    pub constraint: Option<ConstraintSpec>,
 }
 
 impl Default for EngineRequest {
@@ -56,7 +57,7 @@ impl Default for EngineRequest {
             tenant: String::new(),
             tenant_weight: 1.0,
             skip_special_tokens: true,
-            json_object: false,
+            constraint: None,
         }
     }
 }

@@ -18,7 +18,7 @@ use super::sequence::Sequence;
 use crate::generate::FinishReason;
 use crate::model::kv::BatchRow;
 use crate::model::LoadedModel;
-use crate::sampling::json_constraint::JsonState;
+use crate::sampling::constraint::Constraint;
 use crate::sampling::stop::{StopChecker, StopOutcome};
 use crate::sampling::{top_logprobs, Sampler, SamplingParams};
 use crate::tokenizer::incremental::IncrementalDecoder;
@@ -102,7 +102,7 @@ pub struct EngineCore {
     running: Vec<Sequence>,
     arrivals: u64,
     stats: EngineStats,
-    /// Bytes of every token, built on the first JSON-constrained request.
+    /// Bytes of every token, built on the first constrained request.
     token_bytes: Option<Vec<Option<Vec<u8>>>>,
 }
 
@@ -178,7 +178,7 @@ impl EngineCore {
             admitted_once: false,
             arrival: self.arrivals,
             priority: req.priority,
-            json: req.json_object.then(JsonState::default),
+            constraint: req.constraint.as_ref().map(Constraint::new),
             tenant: req.tenant.clone(),
             weight: req.tenant_weight,
             salt: req.cache_salt.clone(),
@@ -426,13 +426,13 @@ impl EngineCore {
         let logprob_request = state.req.logprobs;
         let raw_top = logprob_request.map(|k| (top_logprobs(&logits, k), crate::sampling::log_sum_exp(&logits)));
         let raw_logits_for_chosen = logprob_request.map(|_| logits.clone());
-        let next = match &s.json {
+        let next = match &s.constraint {
             None => s.sampler.sample(&mut logits).token,
             Some(js) => {
                 let bytes = self.token_bytes.get_or_insert_with(|| tok.token_bytes());
                 let eos = tok.eos_token_ids.first().copied();
                 if js.is_complete() {
-                    // The object is closed: nothing but EOS may follow.
+                    // The constrained output is complete: nothing but EOS may follow.
                     eos.unwrap_or(0)
                 } else {
                     let allowed = |t: u32| bytes.get(t as usize).and_then(|b| b.as_deref()).is_some_and(|b| js.accepts(b));
@@ -443,7 +443,7 @@ impl EngineCore {
                 }
             }
         };
-        if let (Some(js), Some(Some(b))) = (&mut s.json, self.token_bytes.as_ref().map(|t| t.get(next as usize).cloned().flatten())) {
+        if let (Some(js), Some(Some(b))) = (&mut s.constraint, self.token_bytes.as_ref().map(|t| t.get(next as usize).cloned().flatten())) {
             js.feed(&b);
         }
         s.sampler.observe(next);

@@ -2,7 +2,7 @@
 
 use super::api::RequestId;
 use super::block_pool::{hash_block, BlockHash, BlockId, BlockPool};
-use crate::sampling::json_constraint::JsonState;
+use crate::sampling::constraint::Constraint;
 use crate::sampling::stop::StopChecker;
 use crate::sampling::Sampler;
 use crate::tokenizer::incremental::IncrementalDecoder;
@@ -30,8 +30,8 @@ pub struct Sequence {
     /// Admission order, for FCFS and for choosing whom to preempt (newest first).
     pub arrival: u64,
     pub priority: i32,
-    /// JSON-object constraint state, when the request asked for one.
-    pub json: Option<JsonState>,
+    /// Output constraint state, when the request asked for one.
+    pub constraint: Option<Constraint>,
     pub tenant: String,
     /// The tenant's weight for fair sharing of batch slots.
     pub weight: f64,

@@ -2,8 +2,10 @@
 //! a seeded draw. Semantics follow vLLM: repetition penalty over prompt and output (divide
 //! positive logits, multiply negative ones), presence and frequency penalties over output tokens.
 
+pub mod constraint;
 pub mod json_constraint;
 pub mod stop;
+pub mod tool_call_constraint;
 
 use std::collections::HashMap;
 

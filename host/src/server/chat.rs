@@ -13,8 +13,10 @@ use super::generation::{collect, GenEvent, Generation, Usage};
 use super::logprobs::chat_entry;
 use super::openai::ChatCompletionRequest;
 use super::sse::{stream_response, ChunkFormatter};
+use super::tool_choice::{forced_constraint, tool_call_json};
 use super::state::{unix_now, AppState, ServerState};
 use crate::chat::ChatTemplateInput;
+use crate::sampling::constraint::ConstraintSpec;
 use crate::model::LoadedModel;
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool", "function"];
@@ -119,14 +121,9 @@ fn check_unsupported(req: &ChatCompletionRequest) -> ApiResult<()> {
     match &req.tool_choice {
         None => {}
         Some(Value::String(s)) if s == "auto" || s == "none" => {}
-        // Forcing a tool call needs constrained decoding and a tool-call parser (the plugin
-        // issue); answering as if it worked would be wrong.
-        Some(Value::String(s)) if s == "required" => {
-            return Err(ApiError::not_supported("tool_choice", "tool_choice 'required' is not supported yet; use 'auto' or 'none'"))
-        }
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
-            return Err(ApiError::not_supported("tool_choice", "a named tool_choice is not supported yet; use 'auto' or 'none'"))
-        }
+        // Forced tool calls are served by constrained decoding (see tool_choice.rs).
+        Some(Value::String(s)) if s == "required" => {}
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {}
         Some(_) => {
             return Err(ApiError::invalid_param(
                 "tool_choice",
@@ -190,7 +187,14 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
         }
     })?;
     ereq.prompt_ids = prompt_ids;
-    ereq.json_object = req.response_format.as_ref().and_then(|rf| rf.get("type")).and_then(Value::as_str) == Some("json_object");
+    if req.response_format.as_ref().and_then(|rf| rf.get("type")).and_then(Value::as_str) == Some("json_object") {
+        ereq.constraint = Some(ConstraintSpec::JsonObject);
+    }
+    let forced = forced_constraint(req.tool_choice.as_ref(), req.tools.as_deref())?;
+    let forced_tool = forced.is_some();
+    if forced.is_some() {
+        ereq.constraint = forced;
+    }
     let want_logprobs = req.logprobs == Some(true);
     ereq.logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0) as usize);
     let gen = Generation::submit(&state, in_flight, started, vec![ereq]).map_err(|e| match e.code {
@@ -202,7 +206,7 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
     let created = unix_now();
     let model = state.served_model_name.clone();
     if req.sampling.is_stream() {
-        let fmt = ChatChunks { id, created, model, m: state.model.clone(), logprobs: want_logprobs };
+        let fmt = ChatChunks { id, created, model, m: state.model.clone(), logprobs: want_logprobs, forced_tool, held: Vec::new() };
         return Ok(stream_response(gen, fmt, req.sampling.include_usage()));
     }
     let (choices, usage) = collect(gen).await?;
@@ -216,11 +220,16 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
             } else {
                 Value::Null
             };
+            let forced_call = forced_tool.then(|| tool_call_json(&c.text, 0)).flatten();
+            let (message, finish_reason) = match forced_call {
+                Some(call) => (json!({"role": "assistant", "content": null, "tool_calls": [call]}), Some("tool_calls")),
+                None => (assistant_message(c.text), c.finish_reason.map(|r| r.as_str())),
+            };
             json!({
                 "index": i,
-                "message": assistant_message(c.text),
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": c.finish_reason.map(|r| r.as_str()),
+                "finish_reason": finish_reason,
             })
         })
         .collect();
@@ -248,6 +257,9 @@ struct ChatChunks {
     model: String,
     m: Arc<LoadedModel>,
     logprobs: bool,
+    /// A forced tool call is sent whole as a `tool_calls` delta when its choice ends.
+    forced_tool: bool,
+    held: Vec<String>,
 }
 
 impl ChatChunks {
@@ -267,6 +279,13 @@ impl ChunkFormatter for ChatChunks {
 
     fn token(&mut self, ev: &GenEvent) -> Option<Value> {
         let GenEvent::Token { choice, text, logprob, .. } = ev else { return None };
+        if self.forced_tool {
+            if self.held.len() <= *choice {
+                self.held.resize(choice + 1, String::new());
+            }
+            self.held[*choice].push_str(text);
+            return None;
+        }
         let lp = match logprob {
             Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, l)]}),
             _ if text.is_empty() => return None,
@@ -277,6 +296,17 @@ impl ChunkFormatter for ChatChunks {
 
     fn finish(&mut self, ev: &GenEvent) -> Vec<Value> {
         let GenEvent::Finished { choice, reason, text } = ev else { return vec![] };
+        if self.forced_tool {
+            let mut full = self.held.get_mut(*choice).map(std::mem::take).unwrap_or_default();
+            full.push_str(text);
+            return match tool_call_json(&full, 0) {
+                Some(call) => vec![
+                    self.chunk(json!({"index": choice, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null})),
+                    self.chunk(json!({"index": choice, "delta": {}, "logprobs": null, "finish_reason": "tool_calls"})),
+                ],
+                None => vec![self.chunk(json!({"index": choice, "delta": {"content": full}, "logprobs": null, "finish_reason": reason.as_str()}))],
+            };
+        }
         let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
         vec![self.chunk(json!({"index": choice, "delta": delta, "logprobs": null, "finish_reason": reason.as_str()}))]
     }

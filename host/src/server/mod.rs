@@ -15,6 +15,7 @@ pub mod openai;
 pub mod routes;
 pub mod sse;
 pub mod state;
+mod tool_choice;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -1,0 +1,49 @@
+//! Output constraints the sampler can enforce token by token.
+
+use super::json_constraint::JsonState;
+use super::tool_call_constraint::ToolCallConstraint;
+
+/// What a request asks its output to be.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConstraintSpec {
+    /// One JSON object (`response_format: json_object`).
+    JsonObject,
+    /// `{"name": <one of these>, "arguments": {...}}` (forced tool choice).
+    ToolCall { names: Vec<String> },
+}
+
+#[derive(Clone, Debug)]
+pub enum Constraint {
+    Json(JsonState),
+    ToolCall(ToolCallConstraint),
+}
+
+impl Constraint {
+    pub fn new(spec: &ConstraintSpec) -> Self {
+        match spec {
+            ConstraintSpec::JsonObject => Constraint::Json(JsonState::default()),
+            ConstraintSpec::ToolCall { names } => Constraint::ToolCall(ToolCallConstraint::new(names)),
+        }
+    }
+
+    pub fn accepts(&self, bytes: &[u8]) -> bool {
+        match self {
+            Constraint::Json(j) => j.accepts(bytes),
+            Constraint::ToolCall(t) => t.accepts(bytes),
+        }
+    }
+
+    pub fn feed(&mut self, bytes: &[u8]) -> bool {
+        match self {
+            Constraint::Json(j) => j.feed(bytes),
+            Constraint::ToolCall(t) => t.feed(bytes),
+        }
+    }
+
+    pub fn is_complete(&self) -> bool {
+        match self {
+            Constraint::Json(j) => j.is_complete(),
+            Constraint::ToolCall(t) => t.is_complete(),
+        }
+    }
+}
