@@ -7,6 +7,7 @@ little-endian float32 files. Run in the reference venv (scripts/setup-reference-
     .venv/bin/python tests/reference/make_fixtures.py
 """
 import hashlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -42,6 +43,16 @@ TOKENIZER_CASES = [
 PROBE_IDS = list(range(0, 49152, 768))
 
 
+def greedy_margins(model, ids, gen):
+    """Top-1 minus top-2 logit at each generated step (re-run without the KV cache): how close
+    each greedy choice was, so a test can tell a real mismatch from a near-tie flip."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + gen])).logits[0][len(ids) - 1:len(ids) - 1 + len(gen)]
+    top2 = torch.topk(logits, 2).values
+    assert logits.argmax(-1).tolist() == gen, "greedy ids differ from a full-sequence argmax"
+    return [float(a - b) for a, b in top2]
+
+
 def progress(msg):
     print(f"make_fixtures: {msg}", file=sys.stderr, flush=True)
 
@@ -54,19 +65,27 @@ def main():
     assert digest == SHA256, f"{path}: sha256 {digest}, run scripts/fetch-default-model"
     progress("loading tokenizer and model through transformers' GGUF loader")
     tok = AutoTokenizer.from_pretrained(MODEL_DIR, gguf_file=MODEL_FILE)
-    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, gguf_file=MODEL_FILE, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, gguf_file=MODEL_FILE, dtype=torch.float32).eval()
     os.makedirs(OUT, exist_ok=True)
+    backend = json.loads(tok.backend_tokenizer.to_str())
+    for k in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+        progress(f"tokenizer {k}: {json.dumps(backend[k], ensure_ascii=False)}")
 
     out = {
         "model_file": MODEL_FILE,
         "model_sha256": SHA256,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "gguf": __import__("gguf").__version__ if hasattr(__import__("gguf"), "__version__") else "?"},
+                     **{p: importlib.metadata.version(p) for p in ("tokenizers", "gguf", "numpy")}},
         "add_special_tokens_default": tok("x")["input_ids"] != tok("x", add_special_tokens=False)["input_ids"],
         "special_tokens": {"bos": [tok.bos_token, tok.bos_token_id], "eos": [tok.eos_token, tok.eos_token_id],
                            "pad": [tok.pad_token, tok.pad_token_id], "unk": [tok.unk_token, tok.unk_token_id]},
         "chat_template": tok.chat_template,
-        "pre_tokenizer": json.loads(tok.backend_tokenizer.to_str())["pre_tokenizer"],
+        "pre_tokenizer": backend["pre_tokenizer"],
+        # The rest of the converted fast tokenizer's pipeline, as tokenizers serialises it.
+        "tokenizer_pipeline": {k: backend[k] for k in ("normalizer", "pre_tokenizer", "post_processor", "decoder")}
+        | {"model_type": backend["model"]["type"],
+           "model_options": {k: v for k, v in backend["model"].items() if k not in ("vocab", "merges")},
+           "added_tokens": backend["added_tokens"]},
         "greedy_note": "32 new tokens with min_new_tokens=32 so EOS cannot end them early",
         "prompts": [],
     }
@@ -86,6 +105,7 @@ def main():
             "text": text, "ids": ids, "logits_top": top, "logits_probe_ids": PROBE_IDS,
             "logits_probe": [[float(row[j]) for j in PROBE_IDS] for row in logits],
             "last_logits_file": last_file, "greedy_ids": gen, "greedy_text": tok.decode(gen),
+            "greedy_margins": greedy_margins(model, ids, gen),
         })
 
     progress("chat")
@@ -94,10 +114,14 @@ def main():
     ids = tok(prompt)["input_ids"]
     with torch.no_grad():
         gen = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0][len(ids):].tolist()
-    if gen and gen[-1] == tok.eos_token_id:
+    stopped = bool(gen) and gen[-1] == tok.eos_token_id
+    if stopped:
         gen = gen[:-1]
     out["chat"] = {"messages": messages, "prompt": prompt, "ids": ids, "greedy_ids": gen,
-                   "greedy_text": tok.decode(gen, skip_special_tokens=True)}
+                   "greedy_text": tok.decode(gen, skip_special_tokens=True),
+                   # greedy_ids excludes the EOS token that ended generation, when one did.
+                   "stopped_at_eos": stopped, "greedy_margins": greedy_margins(model, ids, gen)}
+    assert "Paris" in out["chat"]["greedy_text"], out["chat"]["greedy_text"]
     progress(f"chat answer: {out['chat']['greedy_text']!r}")
     out["tokenizer_cases"] = [{"text": t, "ids": tok(t, add_special_tokens=False)["input_ids"]} for t in TOKENIZER_CASES]
     with open(os.path.join(OUT, "fixtures.json"), "w") as f:
