@@ -7,6 +7,7 @@ pub mod generate;
 pub mod model;
 pub mod sampling;
 pub mod server;
+pub mod tenancy;
 pub mod tokenizer;
 
 /// Where `scripts/fetch-default-model` puts the default model, relative to the repository root.

@@ -28,6 +28,12 @@ enum Command {
     /// Benchmarks (progress on stderr, a result table on stdout).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Manage tenants in the tenancy database (`serve --db`).
+    #[command(subcommand)]
+    Tenants(wasmserve::tenancy::cli::TenantsCommand),
+    /// Manage API keys in the tenancy database (`serve --db`).
+    #[command(subcommand)]
+    Keys(wasmserve::tenancy::cli::KeysCommand),
 }
 
 #[derive(Subcommand)]
@@ -109,6 +115,8 @@ fn main() -> Result<()> {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => wasmserve::server::run(args),
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
+        Command::Tenants(cmd) => wasmserve::tenancy::cli::tenants(cmd),
+        Command::Keys(cmd) => wasmserve::tenancy::cli::keys(cmd),
     }
 }
 

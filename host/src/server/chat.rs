@@ -18,6 +18,7 @@ use super::state::{unix_now, AppState, ServerState};
 use crate::chat::ChatTemplateInput;
 use crate::sampling::constraint::ConstraintSpec;
 use crate::model::LoadedModel;
+use crate::tenancy::http::{self as tenancy, CallerExt};
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool", "function"];
 
@@ -156,9 +157,14 @@ fn check_unsupported(req: &ChatCompletionRequest) -> ApiResult<()> {
     Ok(())
 }
 
-pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<ChatCompletionRequest>) -> ApiResult<Response> {
+pub async fn handler(
+    State(state): State<AppState>,
+    caller: CallerExt,
+    OpenAiJson(req): OpenAiJson<ChatCompletionRequest>,
+) -> ApiResult<Response> {
     let started = Instant::now();
     state.check_model(req.model.as_deref())?;
+    tenancy::check_model(&caller, &state.served_model_name)?;
     check_unsupported(&req)?;
     let in_flight = state.enter()?;
     let messages = normalize_messages(req.messages)?;
@@ -197,17 +203,24 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
     }
     let want_logprobs = req.logprobs == Some(true);
     ereq.logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0) as usize);
-    let gen = Generation::submit(&state, in_flight, started, vec![ereq]).map_err(|e| match e.code {
-        Some("context_length_exceeded") => e.with_param("messages"),
-        _ => e,
-    })?;
+    let admission = tenancy::admit(&state, &caller, "/v1/chat/completions", started, std::slice::from_mut(&mut ereq))?;
+    let mut gen = Generation::submit(&state, in_flight, started, vec![ereq])
+        .map_err(|e| match e.code {
+            Some("context_length_exceeded") => e.with_param("messages"),
+            _ => e,
+        })?
+        .with_admission(admission);
+    let rate_headers = gen.rate_headers();
 
     let id = format!("chatcmpl-{:032x}", rand::random::<u128>());
+    gen.set_request_id(&id);
     let created = unix_now();
     let model = state.served_model_name.clone();
     if req.sampling.is_stream() {
         let fmt = ChatChunks { id, created, model, m: state.model.clone(), logprobs: want_logprobs, forced_tool, held: Vec::new() };
-        return Ok(stream_response(gen, fmt, req.sampling.include_usage()));
+        let mut resp = stream_response(gen, fmt, req.sampling.include_usage());
+        tenancy::add_headers(&mut resp, &rate_headers);
+        return Ok(resp);
     }
     let (choices, usage) = collect(gen).await?;
     let tok = &state.model.tokenizer;
@@ -233,7 +246,7 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
             })
         })
         .collect();
-    Ok(axum::Json(json!({
+    let mut resp = axum::Json(json!({
         "id": id,
         "object": "chat.completion",
         "created": created,
@@ -241,7 +254,9 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
         "choices": choices,
         "usage": usage.to_json(),
     }))
-    .into_response())
+    .into_response();
+    tenancy::add_headers(&mut resp, &rate_headers);
+    Ok(resp)
 }
 
 /// The assistant message of a finished choice.

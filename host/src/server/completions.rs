@@ -15,13 +15,15 @@ use super::openai::{parse_prompts, CompletionRequest, PromptInput};
 use super::sse::{stream_response, ChunkFormatter};
 use super::state::{unix_now, AppState};
 use crate::model::LoadedModel;
+use crate::tenancy::http::{self as tenancy, CallerExt};
 
 /// OpenAI's default for this endpoint (chat defaults to the rest of the context).
 const DEFAULT_MAX_TOKENS: usize = 16;
 
-pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<CompletionRequest>) -> ApiResult<Response> {
+pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<CompletionRequest>) -> ApiResult<Response> {
     let started = Instant::now();
     state.check_model(req.model.as_deref())?;
+    tenancy::check_model(&caller, &state.served_model_name)?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::not_supported("suffix", "'suffix' is not supported"));
     }
@@ -46,7 +48,7 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
     let base = req.sampling.to_engine_request(max_tokens)?;
     let n = base.n;
     let mut echoes = Vec::new();
-    let reqs: Vec<_> = prompts
+    let mut reqs: Vec<_> = prompts
         .into_iter()
         .map(|ids| {
             if echo {
@@ -58,21 +60,28 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
             r
         })
         .collect();
-    let gen = Generation::submit(&state, in_flight, started, reqs).map_err(|e| match e.code {
-        Some("context_length_exceeded") => e.with_param("prompt"),
-        _ => e,
-    })?;
+    let admission = tenancy::admit(&state, &caller, "/v1/completions", started, &mut reqs)?;
+    let mut gen = Generation::submit(&state, in_flight, started, reqs)
+        .map_err(|e| match e.code {
+            Some("context_length_exceeded") => e.with_param("prompt"),
+            _ => e,
+        })?
+        .with_admission(admission);
+    let rate_headers = gen.rate_headers();
     // Choice i belongs to prompt i / n, so its echo is that prompt's text.
     let echo_of = |choice: usize| echoes.get(choice / n).cloned().unwrap_or_default();
 
     let id = format!("cmpl-{:032x}", rand::random::<u128>());
+    gen.set_request_id(&id);
     let created = unix_now();
     let model = state.served_model_name.clone();
     let want_logprobs = req.logprobs.is_some();
     if req.sampling.is_stream() {
         let echoes: Vec<String> = (0..gen.num_choices()).map(echo_of).collect();
         let fmt = CompletionChunks { id, created, model, m: state.model.clone(), logprobs: Vec::new(), want_logprobs, echoes };
-        return Ok(stream_response(gen, fmt, req.sampling.include_usage()));
+        let mut resp = stream_response(gen, fmt, req.sampling.include_usage());
+        tenancy::add_headers(&mut resp, &rate_headers);
+        return Ok(resp);
     }
     let (choices, usage) = collect(gen).await?;
     let choices: Vec<Value> = choices
@@ -90,7 +99,7 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
             json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason.map(|r| r.as_str())})
         })
         .collect();
-    Ok(axum::Json(json!({
+    let mut resp = axum::Json(json!({
         "id": id,
         "object": "text_completion",
         "created": created,
@@ -98,7 +107,9 @@ pub async fn handler(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<
         "choices": choices,
         "usage": usage.to_json(),
     }))
-    .into_response())
+    .into_response();
+    tenancy::add_headers(&mut resp, &rate_headers);
+    Ok(resp)
 }
 
 struct CompletionChunks {

@@ -16,11 +16,13 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Extra response headers (`retry-after`, `x-ratelimit-*` on 429s).
+    pub headers: Vec<(&'static str, String)>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), kind, param: None, code: None }
+        Self { status, message: message.into(), kind, param: None, code: None, headers: Vec::new() }
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -107,7 +109,9 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(status = self.status.as_u16(), message = %self.message, "request rejected");
         }
-        (self.status, axum::Json(self.body())).into_response()
+        let mut resp = (self.status, axum::Json(self.body())).into_response();
+        crate::tenancy::http::add_headers(&mut resp, &self.headers);
+        resp
     }
 }
 

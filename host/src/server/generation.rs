@@ -12,6 +12,7 @@ use super::error::ApiError;
 use super::state::{AppState, InFlight};
 use crate::engine::{EngineEvent, EngineRequest, RequestStream, TokenLogprob};
 use crate::generate::FinishReason;
+use crate::tenancy::http::Admission;
 
 type Events = Pin<Box<dyn Stream<Item = (usize, EngineEvent)> + Send>>;
 
@@ -52,6 +53,8 @@ pub struct Generation {
     first_token: Option<Instant>,
     last_token: Vec<Option<Instant>>,
     failed: bool,
+    /// The tenant's admission (`serve --db`): settled, with its usage row, when the request ends.
+    admission: Option<Admission>,
     _in_flight: InFlight,
 }
 
@@ -85,8 +88,34 @@ impl Generation {
             first_token: None,
             last_token: vec![None; n * num_prompts],
             failed: false,
+            admission: None,
             _in_flight: in_flight,
         })
+    }
+
+    pub fn with_admission(mut self, admission: Option<Admission>) -> Self {
+        self.admission = admission;
+        self
+    }
+
+    /// Names the usage row after the response id.
+    pub fn set_request_id(&mut self, id: &str) {
+        if let Some(a) = &mut self.admission {
+            a.set_request_id(id);
+        }
+    }
+
+    /// The `x-ratelimit-*` headers for the response.
+    pub fn rate_headers(&self) -> Vec<(&'static str, String)> {
+        self.admission.as_ref().map(|a| a.headers().to_vec()).unwrap_or_default()
+    }
+
+    /// Settles the tenant's reservation and commits the usage row (no-op without tenancy). Call
+    /// when the generation ended, before the response completes.
+    pub async fn settle(&mut self) -> Result<(), ApiError> {
+        let Some(a) = self.admission.take() else { return Ok(()) };
+        let status = if self.failed { "error" } else { "ok" };
+        a.finish(&self.usage(), status).await.map_err(|e| ApiError::internal(format!("recording usage failed: {e}")))
     }
 
     pub fn num_choices(&self) -> usize {
@@ -152,6 +181,10 @@ impl Generation {
 
 impl Drop for Generation {
     fn drop(&mut self) {
+        if let Some(a) = self.admission.take() {
+            let status = if self.failed { "error" } else if self.is_done() { "ok" } else { "aborted" };
+            a.finish_nowait(&self.usage(), status);
+        }
         if !self.is_done() {
             // The client went away (or the handler gave up): the engine streams drop with us.
             self.state.metrics.count_finished("abort");
@@ -183,8 +216,12 @@ pub async fn collect(mut g: Generation) -> Result<(Vec<Collected>, Usage), ApiEr
                 out[choice].text.push_str(&text);
                 out[choice].finish_reason = Some(reason);
             }
-            GenEvent::Error(msg) => return Err(ApiError::internal(format!("generation failed: {msg}"))),
+            GenEvent::Error(msg) => {
+                let _ = g.settle().await;
+                return Err(ApiError::internal(format!("generation failed: {msg}")));
+            }
         }
     }
+    g.settle().await?;
     Ok((out, g.usage()))
 }

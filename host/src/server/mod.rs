@@ -44,6 +44,16 @@ pub struct ServeArgs {
     /// When set, /v1 and tokenizer endpoints require `Authorization: Bearer <key>`.
     #[arg(long, env = "WASMSERVE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Tenancy database (SQLite, created and migrated on start): per-tenant API keys, limits and
+    /// usage accounting. Replaces --api-key.
+    #[arg(long, env = "WASMSERVE_DB")]
+    pub db: Option<PathBuf>,
+    /// Key for the /admin API (with --db).
+    #[arg(long, env = "WASMSERVE_ADMIN_KEY", hide_env_values = true)]
+    pub admin_key: Option<String>,
+    /// HMAC secret for API key hashes (default: a random one stored in the database).
+    #[arg(long, env = "WASMSERVE_KEY_SECRET", hide_env_values = true)]
+    pub key_secret: Option<String>,
     /// The model id clients use (default: the model file stem or directory name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -119,6 +129,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if !args.model.exists() {
         bail!("model {} not found (run scripts/fetch-default-model for the default model, or pass --model)", args.model.display());
     }
+    if args.db.is_some() && args.api_key.is_some() {
+        bail!("--api-key and --db exclude each other: with --db, keys are created with `wasmserve keys create`");
+    }
+    let tenancy = match &args.db {
+        Some(path) => Some(crate::tenancy::Tenancy::open(path, args.admin_key.as_deref(), args.key_secret.as_deref())?),
+        None => None,
+    };
     let model = Arc::new(crate::model::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
     let template: Option<Arc<dyn ChatTemplate>> = match model.tokenizer.chat_template.as_deref() {
         None => {
@@ -136,7 +153,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
     let cfg = args.engine_config();
     let engine = Engine::start(model, cfg);
-    let state = Arc::new(ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes));
+    let mut state = ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes);
+    state.tenancy = tenancy;
+    let state = Arc::new(state);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
     let result = rt.block_on(serve(state, &args));
     engine.stop();

@@ -16,6 +16,7 @@ use super::openai::{DetokenizeRequest, TokenizeRequest};
 use super::state::AppState;
 use super::{chat, completions};
 use crate::chat::ChatTemplateInput;
+use crate::tenancy::http::{check_model as check_tenant_model, model_visible, CallerExt};
 
 pub fn router(state: AppState) -> Router {
     let api = Router::new()
@@ -25,9 +26,13 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{*model}", get(get_model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/v1/usage", get(crate::tenancy::http::own_usage))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
-    Router::new()
-        .merge(api)
+    let mut app = Router::new().merge(api);
+    if state.tenancy.is_some() {
+        app = app.merge(crate::tenancy::http::admin_router(state.clone()));
+    }
+    app
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("Unknown endpoint") })
@@ -44,6 +49,9 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 }
 
 async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(t) = state.tenancy.clone() {
+        return crate::tenancy::http::require_key(t, req, next).await;
+    }
     if let Some(key) = &state.api_key {
         let given =
             req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
@@ -73,12 +81,13 @@ fn model_card(state: &AppState) -> Value {
     })
 }
 
-async fn list_models(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [model_card(&state)]}))
+async fn list_models(State(state): State<AppState>, caller: CallerExt) -> Json<Value> {
+    let data: Vec<Value> = if model_visible(&caller, &state.served_model_name) { vec![model_card(&state)] } else { vec![] };
+    Json(json!({"object": "list", "data": data}))
 }
 
-async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> ApiResult<Json<Value>> {
-    if model != state.served_model_name {
+async fn get_model(State(state): State<AppState>, caller: CallerExt, Path(model): Path<String>) -> ApiResult<Json<Value>> {
+    if model != state.served_model_name || !model_visible(&caller, &model) {
         return Err(ApiError::model_not_found(&model));
     }
     Ok(Json(model_card(&state)))
@@ -97,8 +106,9 @@ async fn metrics(State(state): State<AppState>) -> Response {
 }
 
 /// vLLM's `/tokenize`: a raw `prompt`, or `messages` rendered exactly as chat completions does.
-async fn tokenize(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<TokenizeRequest>) -> ApiResult<Json<Value>> {
+async fn tokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<TokenizeRequest>) -> ApiResult<Json<Value>> {
     state.check_model(req.model.as_deref())?;
+    check_tenant_model(&caller, &state.served_model_name)?;
     let tok = &state.model.tokenizer;
     let ids = match (req.prompt, req.messages) {
         (Some(p), None) => tok.encode(&p, req.add_special_tokens.unwrap_or(true)).map_err(ApiError::internal)?,
@@ -123,8 +133,9 @@ async fn tokenize(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<Tok
     Ok(Json(out))
 }
 
-async fn detokenize(State(state): State<AppState>, OpenAiJson(req): OpenAiJson<DetokenizeRequest>) -> ApiResult<Json<Value>> {
+async fn detokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<DetokenizeRequest>) -> ApiResult<Json<Value>> {
     state.check_model(req.model.as_deref())?;
+    check_tenant_model(&caller, &state.served_model_name)?;
     let vocab = state.model.config().vocab_size;
     if let Some(t) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::invalid_param("tokens", format!("token id {t} is outside the vocabulary (size {vocab})")));

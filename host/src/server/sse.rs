@@ -71,10 +71,16 @@ pub fn stream_response<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_u
                     let err = ApiError::internal(format!("generation failed: {msg}"));
                     tracing::warn!(message = %err.message, "stream failed");
                     st.pending.push_back(Event::default().data(err.body().to_string()));
+                    let _ = gen.settle().await;
                     st.pending.push_back(Event::default().data("[DONE]"));
                     st.gen = None;
                 }
                 None => {
+                    // The usage row is committed before the stream ends.
+                    if let Err(e) = gen.settle().await {
+                        tracing::warn!(message = %e.message, "stream failed");
+                        st.pending.push_back(Event::default().data(e.body().to_string()));
+                    }
                     if st.include_usage {
                         let u = st.fmt.usage(&gen.usage());
                         st.pending.push_back(Event::default().data(u.to_string()));

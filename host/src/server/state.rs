@@ -21,6 +21,8 @@ pub struct ServerState {
     pub template: Option<Arc<dyn ChatTemplate>>,
     pub served_model_name: String,
     pub api_key: Option<String>,
+    /// Tenants, keys, limits and usage (`serve --db`); replaces `api_key` when set.
+    pub tenancy: Option<Arc<crate::tenancy::Tenancy>>,
     pub max_body_bytes: usize,
     pub metrics: Metrics,
     /// Unix time the server started (the `created` of the model listing).
@@ -44,6 +46,7 @@ impl ServerState {
             template,
             served_model_name,
             api_key,
+            tenancy: None,
             max_body_bytes,
             metrics: Metrics::default(),
             started_at: unix_now(),

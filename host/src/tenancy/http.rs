@@ -1,0 +1,329 @@
+//! The server side of tenancy: the key check on `/v1`, admission against the limits before a
+//! request reaches the engine, settlement and the usage row when it ends, `GET /v1/usage`, and
+//! the admin API under `/admin` (admin key only; tenant keys get 403).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::db::{self, Settings, UsageQuery, UsageRow};
+use super::limits::{Scope, Refusal};
+use super::{Caller, Tenancy};
+use crate::engine::EngineRequest;
+use crate::server::error::{ApiError, ApiResult};
+use crate::server::extract::{JsonBody, OpenAiJson};
+use crate::server::generation::Usage;
+use crate::server::state::AppState;
+
+pub type CallerExt = Option<Extension<Arc<Caller>>>;
+
+fn bearer(req: &Request) -> Option<String> {
+    req.headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|v| v.trim().to_string())
+}
+
+/// The `/v1` key check in database mode: resolves the key to its tenant (401 otherwise).
+pub async fn require_key(t: Arc<Tenancy>, mut req: Request, next: Next) -> Response {
+    let Some(key) = bearer(&req) else { return ApiError::unauthorized().into_response() };
+    match t.authenticate(key).await {
+        Ok(Some(c)) => {
+            req.extensions_mut().insert(Arc::new(c));
+            next.run(req).await
+        }
+        Ok(None) => ApiError::unauthorized().into_response(),
+        Err(e) => ApiError::internal(format!("authentication failed: {e:#}")).into_response(),
+    }
+}
+
+async fn require_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let Some(t) = state.tenancy.clone() else { return ApiError::not_found("Unknown endpoint").into_response() };
+    let Some(key) = bearer(&req) else { return ApiError::unauthorized().into_response() };
+    if t.is_admin(&key) {
+        return next.run(req).await;
+    }
+    // A working tenant key is authenticated but not allowed here.
+    match t.authenticate(key).await {
+        Ok(Some(_)) => forbidden("The admin API needs the admin key").into_response(),
+        Ok(None) if !t.has_admin() => forbidden("The admin API is disabled: start the server with --admin-key").into_response(),
+        Ok(None) => ApiError::unauthorized().into_response(),
+        Err(e) => ApiError::internal(format!("authentication failed: {e:#}")).into_response(),
+    }
+}
+
+fn forbidden(msg: &str) -> ApiError {
+    ApiError::new(StatusCode::FORBIDDEN, "permission_error", msg).with_code("insufficient_permissions")
+}
+
+fn caller_of(c: &CallerExt) -> Option<&Caller> {
+    c.as_ref().map(|e| e.0.as_ref())
+}
+
+/// 404 (as OpenAI answers for a model you cannot access) when the caller's allow-list lacks
+/// the served model. `model` is the served model's name (the request already matched it).
+pub fn check_model(caller: &CallerExt, model: &str) -> ApiResult<()> {
+    match caller_of(caller) {
+        Some(c) if !c.principal.allows_model(model) => Err(ApiError::model_not_found(model)),
+        _ => Ok(()),
+    }
+}
+
+/// Whether the caller may see `model` in `/v1/models`.
+pub fn model_visible(caller: &CallerExt, model: &str) -> bool {
+    check_model(caller, model).is_ok()
+}
+
+/// An admitted request: its reservation and the usage row to write when it ends.
+pub struct Admission {
+    tenancy: Arc<Tenancy>,
+    reservation: Option<super::limits::Reservation>,
+    row: UsageRow,
+    started: Instant,
+    headers: Vec<(&'static str, String)>,
+}
+
+/// Applies the caller to the engine requests (tenant, weight, cache salt, max context) and
+/// admits the request against every limit of its tenant and key, or answers 429.
+pub fn admit(state: &AppState, caller: &CallerExt, endpoint: &str, started: Instant, reqs: &mut [EngineRequest]) -> ApiResult<Option<Admission>> {
+    let (Some(t), Some(c)) = (state.tenancy.clone(), caller_of(caller)) else { return Ok(None) };
+    let p = &c.principal;
+    let max_model_len = state.engine.max_model_len();
+    let max_context = [p.tenant.settings.limits.max_context, p.key.settings.limits.max_context].into_iter().flatten().min();
+    let mut tokens: u64 = 0;
+    for r in reqs.iter_mut() {
+        r.tenant = p.tenant.id.clone();
+        r.tenant_weight = p.tenant.weight;
+        r.cache_salt = p.tenant.id.clone();
+        let prompt = r.prompt_ids.len();
+        if let Some(mc) = max_context {
+            if prompt as u64 >= mc {
+                return Err(ApiError::bad_request(format!(
+                    "the prompt has {prompt} tokens, at or over this key's context limit of {mc} tokens"
+                ))
+                .with_code("context_length_exceeded"));
+            }
+            r.max_tokens = r.max_tokens.min((mc as usize) - prompt);
+        }
+        let completion = r.max_tokens.min(max_model_len.saturating_sub(prompt));
+        tokens += prompt as u64 + (r.n as u64) * completion as u64;
+    }
+    let scopes = [
+        Scope { id: format!("tenant:{}", p.tenant.id), limits: &p.tenant.settings.limits, budget_used: c.budget_used.0 },
+        Scope { id: format!("key:{}", p.key.id), limits: &p.key.settings.limits, budget_used: c.budget_used.1 },
+    ];
+    let now_unix = db::unix_now().max(0) as u64;
+    match t.limiter.admit(&scopes, tokens, Instant::now(), now_unix) {
+        Err(r) => Err(rate_limited(r)),
+        Ok(res) => {
+            let headers = res.status.headers();
+            Ok(Some(Admission {
+                row: UsageRow {
+                    ts: now_unix as i64,
+                    request_id: String::new(),
+                    tenant_id: p.tenant.id.clone(),
+                    key_id: p.key.id.clone(),
+                    model: state.served_model_name.clone(),
+                    endpoint: endpoint.to_string(),
+                    prompt_tokens: 0,
+                    completion_tokens: 0,
+                    cached_tokens: 0,
+                    latency_ms: 0,
+                    status: String::new(),
+                },
+                tenancy: t,
+                reservation: Some(res),
+                started,
+                headers,
+            }))
+        }
+    }
+}
+
+fn rate_limited(r: Refusal) -> ApiError {
+    let secs = r.retry_after.as_secs_f64().ceil().max(1.0) as u64;
+    let mut e = ApiError::overloaded(r.message);
+    e.headers = r.status.headers();
+    e.headers.push(("retry-after", secs.to_string()));
+    e
+}
+
+impl Admission {
+    pub fn headers(&self) -> &[(&'static str, String)] {
+        &self.headers
+    }
+
+    pub fn set_request_id(&mut self, id: &str) {
+        self.row.request_id = id.to_string();
+    }
+
+    fn settle(&mut self, usage: &Usage, status: &str) -> UsageRow {
+        if let Some(r) = self.reservation.take() {
+            r.settle((usage.prompt_tokens + usage.completion_tokens) as u64);
+        }
+        let mut row = self.row.clone();
+        row.prompt_tokens = usage.prompt_tokens as u64;
+        row.completion_tokens = usage.completion_tokens as u64;
+        row.cached_tokens = usage.cached_tokens as u64;
+        row.latency_ms = self.started.elapsed().as_millis() as u64;
+        row.status = status.to_string();
+        row
+    }
+
+    /// Settles the reservation and writes the usage row, resolving once it is committed.
+    pub async fn finish(mut self, usage: &Usage, status: &str) -> Result<(), String> {
+        let row = self.settle(usage, status);
+        self.tenancy.usage.record(row).await
+    }
+
+    /// The same without waiting (a request whose client went away).
+    pub fn finish_nowait(mut self, usage: &Usage, status: &str) {
+        let row = self.settle(usage, status);
+        self.tenancy.usage.record_nowait(row);
+    }
+}
+
+/// Adds rate-limit headers to a response.
+pub fn add_headers(resp: &mut Response, headers: &[(&'static str, String)]) {
+    for (k, v) in headers {
+        if let Ok(v) = HeaderValue::from_str(v) {
+            resp.headers_mut().insert(HeaderName::from_static(k), v);
+        }
+    }
+}
+
+fn bad(e: anyhow::Error) -> ApiError {
+    ApiError::bad_request(format!("{e:#}"))
+}
+
+fn internal(e: anyhow::Error) -> ApiError {
+    ApiError::internal(format!("{e:#}"))
+}
+
+/// `GET /v1/usage`: the caller's tenant's own usage (rows newest first, and totals).
+pub async fn own_usage(State(state): State<AppState>, caller: CallerExt, Query(mut q): Query<UsageQuery>) -> ApiResult<Json<Value>> {
+    let (Some(t), Some(c)) = (state.tenancy.clone(), caller_of(&caller)) else {
+        return Err(ApiError::not_found("Usage accounting needs the server to run with --db"));
+    };
+    q.tenant = Some(c.principal.tenant.id.clone());
+    usage_json(&t, q).await
+}
+
+async fn usage_json(t: &Arc<Tenancy>, q: UsageQuery) -> ApiResult<Json<Value>> {
+    let (rows, totals) = t.with_conn(move |conn, _| db::query_usage(conn, &q)).await.map_err(internal)?;
+    Ok(Json(json!({"object": "list", "data": rows, "totals": totals})))
+}
+
+#[derive(Deserialize)]
+struct CreateTenant {
+    id: String,
+    weight: Option<f64>,
+    #[serde(flatten)]
+    settings: Settings,
+}
+
+#[derive(Deserialize)]
+struct CreateKey {
+    tenant: String,
+    name: Option<String>,
+    /// Unix seconds.
+    expires_at: Option<i64>,
+    /// Seconds from now (instead of `expires_at`).
+    expires_in: Option<i64>,
+    #[serde(flatten)]
+    settings: Settings,
+}
+
+macro_rules! json_body {
+    ($t:ty) => {
+        impl JsonBody for $t {
+            fn from_json(v: Value) -> Result<Self, ApiError> {
+                serde_json::from_value(v).map_err(|e| ApiError::bad_request(e.to_string()))
+            }
+        }
+    };
+}
+json_body!(CreateTenant);
+json_body!(CreateKey);
+
+fn tenancy(state: &AppState) -> Arc<Tenancy> {
+    state.tenancy.clone().expect("admin routes exist only with a database")
+}
+
+async fn list_tenants(State(state): State<AppState>) -> ApiResult<Json<Value>> {
+    let rows = tenancy(&state).with_conn(|c, _| db::list_tenants(c)).await.map_err(internal)?;
+    Ok(Json(json!({"object": "list", "data": rows})))
+}
+
+async fn create_tenant(State(state): State<AppState>, OpenAiJson(b): OpenAiJson<CreateTenant>) -> ApiResult<Response> {
+    let t = tenancy(&state)
+        .with_conn(move |c, _| db::create_tenant(c, &b.id, b.weight.unwrap_or(1.0), &b.settings))
+        .await
+        .map_err(bad)?;
+    Ok((StatusCode::CREATED, Json(t)).into_response())
+}
+
+async fn disable_tenant(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+    let i = id.clone();
+    let done = tenancy(&state).with_conn(move |c, _| db::disable_tenant(c, &i)).await.map_err(internal)?;
+    if !done {
+        return Err(ApiError::not_found(format!("no enabled tenant '{id}'")));
+    }
+    Ok(Json(json!({"id": id, "disabled": true})))
+}
+
+#[derive(Deserialize)]
+struct KeyFilter {
+    tenant: Option<String>,
+}
+
+async fn list_keys(State(state): State<AppState>, Query(f): Query<KeyFilter>) -> ApiResult<Json<Value>> {
+    let rows = tenancy(&state).with_conn(move |c, _| db::list_keys(c, f.tenant.as_deref())).await.map_err(internal)?;
+    Ok(Json(json!({"object": "list", "data": rows})))
+}
+
+async fn create_key(State(state): State<AppState>, OpenAiJson(b): OpenAiJson<CreateKey>) -> ApiResult<Response> {
+    let expires = b.expires_at.or(b.expires_in.map(|s| db::unix_now() + s));
+    let (row, key) = tenancy(&state)
+        .with_conn(move |c, secret| db::create_key(c, secret, &b.tenant, b.name.as_deref(), expires, &b.settings))
+        .await
+        .map_err(bad)?;
+    let mut v = serde_json::to_value(row).map_err(|e| ApiError::internal(e.to_string()))?;
+    v["key"] = Value::String(key);
+    Ok((StatusCode::CREATED, Json(v)).into_response())
+}
+
+async fn revoke_key(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+    let i = id.clone();
+    let done = tenancy(&state).with_conn(move |c, _| db::revoke_key(c, &i)).await.map_err(internal)?;
+    if !done {
+        return Err(ApiError::not_found(format!("no unrevoked key '{id}'")));
+    }
+    Ok(Json(json!({"id": id, "revoked": true})))
+}
+
+async fn any_usage(State(state): State<AppState>, Query(q): Query<UsageQuery>) -> ApiResult<Json<Value>> {
+    usage_json(&tenancy(&state), q).await
+}
+
+/// `/admin/...`: tenants, keys and usage, behind the admin key.
+pub fn admin_router(state: AppState) -> Router<AppState> {
+    Router::new()
+        .route("/admin/tenants", get(list_tenants).post(create_tenant))
+        .route("/admin/tenants/{id}", axum::routing::delete(disable_tenant))
+        .route("/admin/tenants/{id}/disable", post(disable_tenant))
+        .route("/admin/keys", get(list_keys).post(create_key))
+        .route("/admin/keys/{id}", axum::routing::delete(revoke_key))
+        .route("/admin/keys/{id}/revoke", post(revoke_key))
+        .route("/admin/usage", get(any_usage))
+        .route_layer(middleware::from_fn_with_state(state, require_admin))
+}
