@@ -31,7 +31,7 @@ import shutil
 
 import torch
 import compressed_tensors
-from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors import BaseCompressor, ModelCompressor
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
@@ -131,6 +131,8 @@ def transformers_logits(out_dir, tok, qconfig, arrays):
     from transformers import CompressedTensorsConfig
     try:
         model, route = LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval(), "compressed modules"
+        with torch.no_grad():
+            model(torch.tensor([[1, 2]]))  # MXFP4 modules decompress to bf16 and fail in an f32 model
     except RuntimeError:
         model = LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
                                                  quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
@@ -146,8 +148,11 @@ def transformers_logits(out_dir, tok, qconfig, arrays):
                 scheme = scheme_for(qconfig, name)
                 sd = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
                 if isinstance(m, torch.nn.Linear) and scheme is not None and "weight_packed" in sd:
-                    sd["weight_scale"] = sd["weight_scale"].float()
-                    m.weight.data = PackedQuantizationCompressor.decompress(sd, scheme)["weight"].float()
+                    fmt = scheme.format or qconfig.format
+                    if fmt == "pack-quantized":
+                        sd["weight_scale"] = sd["weight_scale"].float()  # MX scales are exact powers of 2 already
+                    compressor = BaseCompressor.get_value_from_registry(fmt)
+                    m.weight.data = compressor.decompress(sd, scheme)["weight"].float()
         for text in TEXTS:
             ids = tok(text)["input_ids"]
             with torch.no_grad():

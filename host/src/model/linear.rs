@@ -2,6 +2,7 @@
 //! without the model code knowing which one it multiplies with.
 
 use kernels::cpu::matmul::matmul_t;
+use kernels::cpu::mxfp4::Mxfp4Matrix;
 
 use super::quant::IntLinear;
 use super::tensor::Tensor;
@@ -10,6 +11,8 @@ pub enum Linear {
     Dense(Tensor),
     /// Integer codes kept packed (compressed-tensors pack-quantized), multiplied from the packed form.
     Int(IntLinear),
+    /// MXFP4 codes and E8M0 block scales kept packed.
+    Mxfp4(Mxfp4Matrix),
 }
 
 impl Linear {
@@ -17,6 +20,7 @@ impl Linear {
         match self {
             Linear::Dense(t) => t.shape[0],
             Linear::Int(q) => q.out_features(),
+            Linear::Mxfp4(q) => q.rows(),
         }
     }
 
@@ -24,6 +28,7 @@ impl Linear {
         match self {
             Linear::Dense(t) => t.shape[1],
             Linear::Int(q) => q.in_features(),
+            Linear::Mxfp4(q) => q.cols(),
         }
     }
 
@@ -33,6 +38,7 @@ impl Linear {
         match self {
             Linear::Dense(t) => matmul_t(x, t.as_slice(), &mut out, n, self.in_features(), self.out_features()),
             Linear::Int(q) => q.forward(x, n, &mut out),
+            Linear::Mxfp4(q) => q.matmul_t(x, &mut out, n),
         }
         out
     }

@@ -10,3 +10,4 @@ pub mod fp8;
 pub mod bitpack;
 pub mod packed_matmul;
 pub mod quant_int;
+pub mod mxfp4;

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use super::ct_config::{CtConfig, CtFormat};
 use super::ct_linear::load_int_linear;
+use super::mxfp4_linear::load_ct_mxfp4;
 use crate::model::error::LoadError;
 use crate::model::hf_source::SafetensorsSource;
 use crate::model::linear::Linear;
@@ -78,10 +79,7 @@ impl WeightSource for QuantizedSource {
         }
         match scheme.format {
             CtFormat::PackQuantized => load_int_linear(&self.inner, module, rows, cols, &scheme.weights).map(Linear::Int),
-            CtFormat::Mxfp4PackQuantized => Err(LoadError::Config {
-                file: self.config_file.clone(),
-                detail: format!("'{module}': mxfp4-pack-quantized is not supported yet"),
-            }),
+            CtFormat::Mxfp4PackQuantized => load_ct_mxfp4(&self.inner, module, rows, cols).map(Linear::Mxfp4),
         }
     }
 }
