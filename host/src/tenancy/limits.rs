@@ -157,7 +157,7 @@ pub fn format_duration(d: Duration) -> String {
         if ms % 1000 == 0 {
             format!("{}s", ms / 1000)
         } else {
-            format!("{s:.3}s").trim_end_matches('0').to_string()
+            format!("{}s", format!("{s:.3}").trim_end_matches('0'))
         }
     } else {
         format!("{}m{}s", ms / 60_000, (ms % 60_000) / 1000)
