@@ -5,6 +5,7 @@ pub mod chat;
 pub mod engine;
 pub mod generate;
 pub mod model;
+pub mod plugins;
 pub mod sampling;
 pub mod server;
 pub mod tenancy;

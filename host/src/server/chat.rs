@@ -8,6 +8,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, ApiResult};
+use crate::plugins::chat::{api_error as plugin_api_error, ChatParsers, StreamParsers};
 use super::extract::OpenAiJson;
 use super::generation::{collect, GenEvent, Generation, Usage};
 use super::logprobs::chat_entry;
@@ -201,6 +202,16 @@ pub async fn handler(
     if forced.is_some() {
         ereq.constraint = forced;
     }
+    // Reasoning / tool-call plugins (a forced tool call is already structured output).
+    let parse_tools = req.tools.as_deref().filter(|t| !t.is_empty() && req.tool_choice.as_ref().and_then(Value::as_str) != Some("none"));
+    let tenant = caller.as_ref().map_or("", |c| c.0.principal.tenant.id.as_str());
+    let parsers = match (&state.plugins, forced_tool) {
+        (Some(reg), false) => ChatParsers::select(reg, &state.served_model_name, tenant, parse_tools, req.chat_template_kwargs.as_ref()),
+        _ => None,
+    };
+    if parsers.as_ref().is_some_and(ChatParsers::needs_special_tokens) {
+        ereq.skip_special_tokens = false;
+    }
     let want_logprobs = req.logprobs == Some(true);
     ereq.logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0) as usize);
     let admission = tenancy::admit(&state, &caller, "/v1/chat/completions", started, std::slice::from_mut(&mut ereq))?;
@@ -217,7 +228,18 @@ pub async fn handler(
     let created = unix_now();
     let model = state.served_model_name.clone();
     if req.sampling.is_stream() {
-        let fmt = ChatChunks { id, created, model, m: state.model.clone(), logprobs: want_logprobs, forced_tool, held: Vec::new() };
+        let fmt = ChatChunks {
+            id,
+            created,
+            model,
+            m: state.model.clone(),
+            logprobs: want_logprobs,
+            forced_tool,
+            held: Vec::new(),
+            parsers,
+            streams: Vec::new(),
+            error: None,
+        };
         let mut resp = stream_response(gen, fmt, req.sampling.include_usage());
         tenancy::add_headers(&mut resp, &rate_headers);
         return Ok(resp);
@@ -227,25 +249,29 @@ pub async fn handler(
     let choices: Vec<Value> = choices
         .into_iter()
         .enumerate()
-        .map(|(i, c)| {
+        .map(|(i, c)| -> ApiResult<Value> {
             let logprobs = if want_logprobs {
                 json!({"content": c.logprobs.iter().map(|l| chat_entry(tok, l)).collect::<Vec<_>>()})
             } else {
                 Value::Null
             };
             let forced_call = forced_tool.then(|| tool_call_json(&c.text, 0)).flatten();
-            let (message, finish_reason) = match forced_call {
-                Some(call) => (json!({"role": "assistant", "content": null, "tool_calls": [call]}), Some("tool_calls")),
-                None => (assistant_message(c.text), c.finish_reason.map(|r| r.as_str())),
+            let (message, finish_reason) = match (forced_call, &parsers) {
+                (Some(call), _) => (json!({"role": "assistant", "content": null, "tool_calls": [call]}), Some("tool_calls")),
+                (None, Some(p)) => {
+                    let (msg, called) = p.message(&c.text).map_err(|e| plugin_api_error(&e))?;
+                    (msg, if called { Some("tool_calls") } else { c.finish_reason.map(|r| r.as_str()) })
+                }
+                (None, None) => (assistant_message(c.text), c.finish_reason.map(|r| r.as_str())),
             };
-            json!({
+            Ok(json!({
                 "index": i,
                 "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
-            })
+            }))
         })
-        .collect();
+        .collect::<ApiResult<_>>()?;
     let mut resp = axum::Json(json!({
         "id": id,
         "object": "chat.completion",
@@ -259,9 +285,8 @@ pub async fn handler(
     Ok(resp)
 }
 
-/// The assistant message of a finished choice.
-// TODO(plugins): reasoning and tool-call parsers split `text` into reasoning_content / content /
-// tool_calls here; until then everything the model wrote is content.
+/// The assistant message of a finished choice when no parser plugin serves the model
+/// (with plugins: `ChatParsers::message`).
 fn assistant_message(text: String) -> Value {
     json!({"role": "assistant", "content": text})
 }
@@ -275,6 +300,38 @@ struct ChatChunks {
     /// A forced tool call is sent whole as a `tool_calls` delta when its choice ends.
     forced_tool: bool,
     held: Vec<String>,
+    /// Reasoning / tool-call plugins, with one stream session per choice.
+    parsers: Option<ChatParsers>,
+    streams: Vec<Option<StreamParsers>>,
+    error: Option<ApiError>,
+}
+
+impl ChatChunks {
+    /// Feeds a choice's text delta through its plugin sessions: the delta to send, or None
+    /// (nothing yet, or a plugin failed: `error` is set and the stream ends).
+    fn parse(&mut self, choice: usize, text: &str, token: Option<u32>, last: bool) -> Option<Value> {
+        let p = self.parsers.as_ref()?;
+        if self.streams.len() <= choice {
+            self.streams.resize_with(choice + 1, || None);
+        }
+        if self.streams[choice].is_none() {
+            match p.stream() {
+                Ok(s) => self.streams[choice] = Some(s),
+                Err(e) => {
+                    self.error = Some(plugin_api_error(&e));
+                    return None;
+                }
+            }
+        }
+        let s = self.streams[choice].as_mut()?;
+        match s.delta(text, token.as_slice(), last) {
+            Ok(d) => d,
+            Err(e) => {
+                self.error = Some(plugin_api_error(&e));
+                None
+            }
+        }
+    }
 }
 
 impl ChatChunks {
@@ -301,6 +358,18 @@ impl ChunkFormatter for ChatChunks {
             self.held[*choice].push_str(text);
             return None;
         }
+        if self.parsers.is_some() {
+            let GenEvent::Token { choice, token, text, logprob } = ev else { return None };
+            let lp = match logprob {
+                Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, l)]}),
+                _ => Value::Null,
+            };
+            let delta = self.parse(*choice, text, Some(*token), false);
+            if delta.is_none() && lp.is_null() {
+                return None;
+            }
+            return Some(self.chunk(json!({"index": choice, "delta": delta.unwrap_or(json!({})), "logprobs": lp, "finish_reason": null})));
+        }
         let lp = match logprob {
             Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, l)]}),
             _ if text.is_empty() => return None,
@@ -322,8 +391,30 @@ impl ChunkFormatter for ChatChunks {
                 None => vec![self.chunk(json!({"index": choice, "delta": {"content": full}, "logprobs": null, "finish_reason": reason.as_str()}))],
             };
         }
+        if self.parsers.is_some() {
+            let delta = self.parse(*choice, text, None, true);
+            if self.error.is_some() {
+                return vec![];
+            }
+            let called = self.streams.get(*choice).and_then(Option::as_ref).is_some_and(StreamParsers::called_tools);
+            let mut out = Vec::new();
+            if let Some(d) = delta {
+                out.push(self.chunk(json!({"index": choice, "delta": d, "logprobs": null, "finish_reason": null})));
+            }
+            // The choice's plugin sessions end here (their instances go back to the pool).
+            if let Some(s) = self.streams.get_mut(*choice) {
+                *s = None;
+            }
+            let reason = if called { "tool_calls" } else { reason.as_str() };
+            out.push(self.chunk(json!({"index": choice, "delta": {}, "logprobs": null, "finish_reason": reason})));
+            return out;
+        }
         let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
         vec![self.chunk(json!({"index": choice, "delta": delta, "logprobs": null, "finish_reason": reason.as_str()}))]
+    }
+
+    fn take_error(&mut self) -> Option<ApiError> {
+        self.error.take()
     }
 
     fn usage(&mut self, usage: &Usage) -> Value {

@@ -32,6 +32,9 @@ pub fn router(state: AppState) -> Router {
     if state.tenancy.is_some() {
         app = app.merge(crate::tenancy::http::admin_router(state.clone()));
     }
+    if state.plugins.is_some() {
+        app = app.merge(crate::plugins::http::admin_router(state.clone()));
+    }
     app
         .route("/health", get(health))
         .route("/metrics", get(metrics))

@@ -25,6 +25,10 @@ pub trait ChunkFormatter: Send + 'static {
     fn finish(&mut self, ev: &GenEvent) -> Vec<Value>;
     /// The final usage-only chunk (`stream_options.include_usage`).
     fn usage(&mut self, usage: &Usage) -> Value;
+    /// An error that ends the stream after the chunks already queued (a plugin failed).
+    fn take_error(&mut self) -> Option<ApiError> {
+        None
+    }
 }
 
 struct StreamState<F> {
@@ -61,10 +65,25 @@ pub fn stream_response<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_u
                     if let Some(c) = st.fmt.token(&ev) {
                         st.pending.push_back(data(c, st.include_usage));
                     }
+                    if let Some(err) = st.fmt.take_error() {
+                        // Dropping the generation aborts the engine request.
+                        tracing::warn!(message = %err.message, "stream failed");
+                        st.pending.push_back(Event::default().data(err.body().to_string()));
+                        let _ = gen.settle().await;
+                        st.pending.push_back(Event::default().data("[DONE]"));
+                        st.gen = None;
+                    }
                 }
                 Some(ev @ GenEvent::Finished { .. }) => {
                     for c in st.fmt.finish(&ev) {
                         st.pending.push_back(data(c, st.include_usage));
+                    }
+                    if let Some(err) = st.fmt.take_error() {
+                        tracing::warn!(message = %err.message, "stream failed");
+                        st.pending.push_back(Event::default().data(err.body().to_string()));
+                        let _ = gen.settle().await;
+                        st.pending.push_back(Event::default().data("[DONE]"));
+                        st.gen = None;
                     }
                 }
                 Some(GenEvent::Error(msg)) => {

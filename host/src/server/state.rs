@@ -23,6 +23,8 @@ pub struct ServerState {
     pub api_key: Option<String>,
     /// Tenants, keys, limits and usage (`serve --db`); replaces `api_key` when set.
     pub tenancy: Option<Arc<crate::tenancy::Tenancy>>,
+    /// Wasm plugin deployments (`--plugins`, `/admin/plugins`); None in tests that build a bare state.
+    pub plugins: Option<Arc<crate::plugins::registry::Registry>>,
     pub max_body_bytes: usize,
     pub metrics: Metrics,
     /// Unix time the server started (the `created` of the model listing).
@@ -47,6 +49,7 @@ impl ServerState {
             served_model_name,
             api_key,
             tenancy: None,
+            plugins: None,
             max_body_bytes,
             metrics: Metrics::default(),
             started_at: unix_now(),

@@ -1,0 +1,217 @@
+//! The plugin host against the real built components (target/plugins/, from
+//! scripts/build-plugins): hostile fixtures are contained (each failure fails only its own
+//! call, within its limit, and the next call succeeds), parsers give vLLM's answers through
+//! Wasm, instance caps and the compiled-component cache work.
+//!
+//! Without built components these tests skip, unless WASMSERVE_REQUIRE_PLUGINS=1 (scripts/test).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use wasmserve::plugins::metrics::PluginMetrics;
+use wasmserve::plugins::parsers::{self, ToolPool};
+use wasmserve::plugins::policy::{self, Decision, PolicyPool, RequestInfo};
+use wasmserve::plugins::{FailureKind, PluginLimits, RequestContext, Runtime};
+
+fn component(name: &str) -> Option<Vec<u8>> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/plugins").join(format!("{name}.wasm"));
+    match std::fs::read(&path) {
+        Ok(b) => Some(b),
+        Err(_) if std::env::var("WASMSERVE_REQUIRE_PLUGINS").is_ok_and(|v| v == "1") => {
+            panic!("{} is missing: run scripts/build-plugins", path.display())
+        }
+        Err(_) => {
+            eprintln!("SKIPPED: {} not built (run scripts/build-plugins)", path.display());
+            None
+        }
+    }
+}
+
+fn limits() -> PluginLimits {
+    PluginLimits { memory_bytes: 32 << 20, call_timeout_ms: 50, max_output_bytes: 1 << 20, max_instances: 4, pool_size: 2, ..Default::default() }
+}
+
+fn tool_pool(rt: &Runtime, name: &str, limits: PluginLimits) -> Option<Arc<ToolPool>> {
+    let c = rt.compile(&component(name)?).unwrap();
+    Some(ToolPool::new(rt, name, &c, "{}", limits, Arc::new(PluginMetrics::default())).unwrap())
+}
+
+#[test]
+fn hostile_tool_parser_failures_are_contained() {
+    let rt = Runtime::new(None).unwrap();
+    let Some(pool) = tool_pool(&rt, "hostile-tool", limits()) else { return };
+    let ctx = RequestContext::default();
+    let cases = [
+        ("LOOP", FailureKind::Timeout),
+        ("BOMB", FailureKind::OutOfMemory),
+        ("TRAP", FailureKind::Trap),
+        ("HUGE", FailureKind::InvalidOutput),
+        ("BADUTF8", FailureKind::InvalidOutput),
+    ];
+    for (trigger, kind) in cases {
+        let t = Instant::now();
+        let err = parsers::tool_parse(&pool, &format!("please {trigger} now"), &ctx).unwrap_err();
+        let took = t.elapsed();
+        eprintln!("{trigger}: {:?} in {:.1} ms: {}", err.kind, took.as_secs_f64() * 1e3, err.message);
+        assert_eq!(err.kind, kind, "{trigger}: {err}");
+        assert_eq!(err.plugin, "hostile-tool");
+        assert!(took < Duration::from_millis(2000), "{trigger} took {took:?}");
+        // The next, normal call on the same deployment succeeds.
+        let ok = parsers::tool_parse(&pool, "fine", &ctx).unwrap();
+        assert_eq!(ok.content.as_deref(), Some("fine"));
+    }
+    let m = pool.metrics.to_json();
+    eprintln!("metrics: {m}");
+    assert_eq!(m["timeouts"], 1);
+    assert_eq!(m["out_of_memory"], 1);
+    assert_eq!(m["traps"], 1);
+    assert_eq!(m["invalid_output"], 2);
+    assert_eq!(m["instances_discarded"], 5);
+    // The timeout is enforced close to its limit (one epoch tick of slack, plus scheduling).
+    let t = Instant::now();
+    let _ = parsers::tool_parse(&pool, "LOOP", &ctx).unwrap_err();
+    assert!(t.elapsed() < Duration::from_millis(50 + 200), "timeout took {:?}", t.elapsed());
+}
+
+#[test]
+fn a_failing_stream_does_not_disturb_other_streams() {
+    let rt = Runtime::new(None).unwrap();
+    let Some(pool) = tool_pool(&rt, "hostile-tool", limits()) else { return };
+    let ctx = RequestContext::default();
+    let mut good = parsers::tool_session(&pool, &ctx).unwrap();
+    let mut bad = parsers::tool_session(&pool, &ctx).unwrap();
+    assert_eq!(good.feed("a", &[]).unwrap().content, "a");
+    assert_eq!(bad.feed("b", &[]).unwrap().content, "b");
+    assert_eq!(bad.feed("TRAP", &[]).unwrap_err().kind, FailureKind::Trap);
+    assert_eq!(bad.feed("c", &[]).unwrap_err().kind, FailureKind::Trap, "a failed session stays failed");
+    assert_eq!(good.feed("c", &[]).unwrap().content, "c");
+    drop(bad);
+    drop(good);
+    let mut again = parsers::tool_session(&pool, &ctx).unwrap();
+    assert_eq!(again.feed("d", &[]).unwrap().content, "d");
+}
+
+#[test]
+fn instance_cap_answers_busy() {
+    let rt = Runtime::new(None).unwrap();
+    let Some(pool) = tool_pool(&rt, "hostile-tool", PluginLimits { max_instances: 2, pool_size: 1, ..limits() }) else { return };
+    let ctx = RequestContext::default();
+    let a = parsers::tool_session(&pool, &ctx).unwrap();
+    let _b = parsers::tool_session(&pool, &ctx).unwrap();
+    assert_eq!(parsers::tool_session(&pool, &ctx).err().unwrap().kind, FailureKind::Busy);
+    drop(a);
+    assert!(parsers::tool_session(&pool, &ctx).is_ok());
+}
+
+#[test]
+fn hostile_policy_invalid_json_and_loop_are_contained() {
+    let rt = Runtime::new(None).unwrap();
+    let Some(bytes) = component("hostile-policy") else { return };
+    let c = rt.compile(&bytes).unwrap();
+    let pool = PolicyPool::new(&rt, "hostile-policy", &c, "{}", limits(), Arc::new(PluginMetrics::default())).unwrap();
+    let req = |params: &str| RequestInfo { params: params.into(), ..Default::default() };
+    let e = policy::check(&pool, &req(r#"{"user": "BADJSON"}"#)).unwrap_err();
+    assert_eq!(e.kind, FailureKind::InvalidOutput, "{e}");
+    assert!(e.message.contains("not valid JSON"), "{e}");
+    assert_eq!(policy::check(&pool, &req("{}")).unwrap(), Decision::Allow);
+    assert_eq!(policy::check(&pool, &req(r#"{"user": "LOOP"}"#)).unwrap_err().kind, FailureKind::Timeout);
+    assert_eq!(policy::check(&pool, &req("{}")).unwrap(), Decision::Allow);
+}
+
+#[test]
+fn shipped_policies_decide() {
+    let rt = Runtime::new(None).unwrap();
+    let (Some(cap), Some(allow), Some(len)) =
+        (component("policy-max-tokens-cap"), component("policy-model-allow-list"), component("policy-prompt-length-limit"))
+    else {
+        return;
+    };
+    let mk = |b: &[u8], cfg: &str| PolicyPool::new(&rt, "p", &rt.compile(b).unwrap(), cfg, limits(), Arc::new(PluginMetrics::default()));
+    let cap = mk(&cap, r#"{"max_tokens": 64, "tenants": {"free": 8}}"#).unwrap();
+    let allow = mk(&allow, r#"{"models": ["m1"]}"#).unwrap();
+    let len = mk(&len, r#"{"max_prompt_tokens": 10}"#).unwrap();
+    let req = RequestInfo { tenant: "free".into(), model: "m2".into(), prompt_tokens: 11, params: "{}".into(), ..Default::default() };
+    assert!(matches!(policy::check(&cap, &req).unwrap(), Decision::Rewrite { max_tokens_cap: Some(8), .. }));
+    assert!(matches!(policy::check(&allow, &req).unwrap(), Decision::Reject { status: 403, .. }));
+    assert!(matches!(policy::check(&len, &req).unwrap(), Decision::Reject { status: 400, .. }));
+    // A config the plugin refuses fails the deployment, naming the problem.
+    let e = mk(&std::fs::read(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/plugins/policy-prompt-length-limit.wasm")).unwrap(), "{}").err().unwrap();
+    assert!(e.contains("max_prompt_tokens"), "{e}");
+}
+
+#[test]
+fn a_component_of_the_wrong_world_is_refused() {
+    let rt = Runtime::new(None).unwrap();
+    let Some(bytes) = component("policy-max-tokens-cap") else { return };
+    let c = rt.compile(&bytes).unwrap();
+    let e = ToolPool::new(&rt, "x", &c, "{}", limits(), Arc::new(PluginMetrics::default())).err().unwrap();
+    assert!(e.contains("tool-parser-plugin"), "{e}");
+    assert!(rt.compile(b"not wasm").is_err());
+}
+
+#[test]
+fn compiled_components_are_cached_in_memory_and_on_disk() {
+    let Some(bytes) = component("tool-hermes") else { return };
+    let dir = std::env::temp_dir().join(format!("wasmserve-cache-{}", std::process::id()));
+    let rt = Runtime::new(Some(dir.clone())).unwrap();
+    let t = Instant::now();
+    rt.compile(&bytes).unwrap();
+    let cold = t.elapsed();
+    let t = Instant::now();
+    rt.compile(&bytes).unwrap();
+    let warm = t.elapsed();
+    // A new runtime (a restart) loads the serialized code instead of compiling.
+    let rt2 = Runtime::new(Some(dir.clone())).unwrap();
+    let t = Instant::now();
+    rt2.compile(&bytes).unwrap();
+    let disk = t.elapsed();
+    eprintln!("compile: cold {cold:?}, memory cache {warm:?}, disk cache {disk:?}");
+    assert!(warm < cold && disk < cold);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The Wasm parsers give the same answers as the native ones checked against vLLM
+/// (plugins/parsers/tests/vllm_fixtures.rs), whole and streamed char by char.
+#[test]
+fn wasm_parsers_match_vllm_fixtures() {
+    let rt = Runtime::new(None).unwrap();
+    let (Some(kimi), Some(hermes)) = (tool_pool(&rt, "tool-kimi-k2", limits()), tool_pool(&rt, "tool-hermes", limits())) else { return };
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/parsers/vllm_expected.json");
+    let data: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut n = 0;
+    for case in data["cases"].as_array().unwrap() {
+        // Tool parser alone on the text: the cases with no reasoning parser.
+        if !case["reasoning_parser"].is_null() {
+            continue;
+        }
+        let pool = match case["tool_parser"].as_str() {
+            Some("hermes") => &hermes,
+            Some("kimi_k2") => &kimi,
+            _ => continue,
+        };
+        let text = case["text"].as_str().unwrap();
+        let want = &case["expected"];
+        let ctx = RequestContext::default();
+        let got = parsers::tool_parse(pool, text, &ctx).unwrap();
+        assert_eq!(got.content.as_deref(), want["content"].as_str(), "{text:?}");
+        let names: Vec<&str> = got.tool_calls.iter().map(|c| c.name.as_str()).collect();
+        let want_names: Vec<&str> = want["tool_calls"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+        assert_eq!(names, want_names, "{text:?}");
+        let mut s = parsers::tool_session(pool, &ctx).unwrap();
+        let mut args = vec![String::new(); names.len()];
+        let mut content = String::new();
+        let mut deltas: Vec<_> = text.char_indices().map(|(i, c)| s.feed(&text[i..i + c.len_utf8()], &[]).unwrap()).collect();
+        deltas.push(s.finish().unwrap());
+        for d in deltas {
+            content.push_str(&d.content);
+            for c in d.tool_calls {
+                args[c.index as usize].push_str(&c.arguments);
+            }
+        }
+        let want_args: Vec<&str> = want["tool_calls"].as_array().unwrap().iter().map(|c| c["arguments"].as_str().unwrap()).collect();
+        assert_eq!(args, want_args, "{text:?}");
+        n += 1;
+    }
+    assert!(n >= 9, "only {n} cases ran");
+}
