@@ -308,3 +308,28 @@ fn json_object_mode_yields_one_valid_object() {
         }
     }
 }
+
+#[test]
+fn slot_reserve_keeps_a_slot_for_other_tenants() {
+    let prompts = prompts();
+    let mut c = core(EngineConfig { max_num_seqs: 4, tenant_slot_reserve: 1, ..Default::default() });
+    let mut flood = Vec::new();
+    for i in 0..8 {
+        let (tx, rx) = unbounded_channel();
+        let mut r = greedy(&prompts[i], 40);
+        r.tenant = "flood".into();
+        c.add_request(i as u64, r, tx).unwrap();
+        flood.push(rx);
+    }
+    for _ in 0..3 {
+        c.step();
+    }
+    assert_eq!(c.stats().running, 3, "the flooding tenant holds all but the reserved slot");
+    let (tx, mut quiet) = unbounded_channel();
+    let mut r = greedy(&prompts[9], 2);
+    r.tenant = "quiet".into();
+    c.add_request(100, r, tx).unwrap();
+    c.step();
+    assert!(matches!(quiet.try_recv(), Ok(EngineEvent::Token { .. })), "the quiet tenant was admitted at once");
+    while c.step() {}
+}

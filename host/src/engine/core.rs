@@ -37,6 +37,9 @@ pub struct EngineConfig {
     /// Largest `n` accepted.
     pub max_n: usize,
     pub max_logprobs: usize,
+    /// Batch slots no single tenant may take (multi-tenant serving): a tenant arriving while
+    /// another floods the engine finds a slot at once instead of waiting for one to free.
+    pub tenant_slot_reserve: usize,
 }
 
 impl Default for EngineConfig {
@@ -51,6 +54,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             max_n: 16,
             max_logprobs: 20,
+            tenant_slot_reserve: 0,
         }
     }
 }
@@ -266,7 +270,7 @@ impl EngineCore {
         //    furthest below its weighted fair share of batch slots, then arrival.
         if plan.len() == self.running.len() {
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs && !self.waiting.is_empty() {
-                let next = self.next_to_admit();
+                let Some(next) = self.next_to_admit() else { break };
                 let mut s = self.waiting.remove(next);
                 if self.cfg.enable_prefix_caching {
                     let hit = s.attach_cached_prefix(&mut self.pool);
@@ -302,18 +306,19 @@ impl EngineCore {
     /// Index in `waiting` of the sequence to admit next: highest priority; among those, the
     /// tenant with the fewest running sequences per unit of weight (weighted fair share, so a
     /// tenant flooding the queue cannot starve the others); then first come, first served.
-    fn next_to_admit(&self) -> usize {
+    /// A tenant already holding `max_num_seqs - tenant_slot_reserve` slots is not admitted more
+    /// (`None` when nobody waiting may be admitted).
+    fn next_to_admit(&self) -> Option<usize> {
         let mut share: HashMap<&str, usize> = HashMap::new();
         for s in &self.running {
             *share.entry(s.tenant.as_str()).or_default() += 1;
         }
-        let key = |s: &Sequence| {
-            let load = share.get(s.tenant.as_str()).copied().unwrap_or(0) as f64 / s.weight.max(1e-6);
-            (std::cmp::Reverse(s.priority), load, s.arrival)
-        };
+        let cap = self.cfg.max_num_seqs.saturating_sub(self.cfg.tenant_slot_reserve).max(1);
+        let held = |s: &Sequence| share.get(s.tenant.as_str()).copied().unwrap_or(0);
+        let key = |s: &Sequence| (std::cmp::Reverse(s.priority), held(s) as f64 / s.weight.max(1e-6), s.arrival);
         (0..self.waiting.len())
+            .filter(|&i| held(&self.waiting[i]) < cap)
             .min_by(|&a, &b| key(&self.waiting[a]).partial_cmp(&key(&self.waiting[b])).unwrap_or(std::cmp::Ordering::Equal))
-            .unwrap_or(0)
     }
 
     fn fail_request(&mut self, id: RequestId, msg: &str) {
