@@ -51,6 +51,12 @@ pub struct ServeArgs {
     /// Key for the /admin API (with --db).
     #[arg(long, env = "WASMSERVE_ADMIN_KEY", hide_env_values = true)]
     pub admin_key: Option<String>,
+    /// Plugin deployments to load at start (JSON: `{"plugins": [...]}`, see README).
+    #[arg(long, env = "WASMSERVE_PLUGINS")]
+    pub plugins: Option<PathBuf>,
+    /// Where compiled plugin code is cached across restarts.
+    #[arg(long, env = "WASMSERVE_PLUGIN_CACHE_DIR")]
+    pub plugin_cache_dir: Option<PathBuf>,
     /// HMAC secret for API key hashes (default: a random one stored in the database).
     #[arg(long, env = "WASMSERVE_KEY_SECRET", hide_env_values = true)]
     pub key_secret: Option<String>,
@@ -158,6 +164,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let engine = Engine::start(model, cfg);
     let mut state = ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes);
     state.tenancy = tenancy;
+    let plugins = crate::plugins::registry::Registry::new(crate::plugins::Runtime::new(args.plugin_cache_dir.clone())?);
+    plugins.set_admin_key(args.admin_key.clone());
+    if let Some(path) = &args.plugins {
+        let n = plugins.load_config(path).map_err(anyhow::Error::msg)?;
+        tracing::info!(plugins = n, config = %path.display(), "plugins deployed");
+    }
+    state.plugins = Some(Arc::new(plugins));
     let state = Arc::new(state);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
     let result = rt.block_on(serve(state, &args));
