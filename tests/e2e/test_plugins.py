@@ -167,3 +167,29 @@ def test_hot_swap_under_32_streams(psrv):
     assert versions == sorted(versions) and len(set(versions)) == 4
     assert all("Paris" in t for t in texts), texts
     psrv.wait_idle()
+
+
+def test_request_policies_cap_reject_and_contain_bad_output(psrv):
+    c = psrv.client()
+    with admin(psrv) as a:
+        try:
+            assert upload(psrv, "p1-cap", "request-policy", "policy-max-tokens-cap", {"max_tokens": 3}).status_code == 201
+            r = chat(c)
+            assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+            assert upload(psrv, "p2-len", "request-policy", "policy-prompt-length-limit", {"max_prompt_tokens": 5}).status_code == 201
+            with pytest.raises(openai.BadRequestError) as e:
+                chat(c)
+            assert e.value.body["code"] == "policy_rejected" and "p2-len" in e.value.body["message"]
+            assert a.delete("/admin/plugins/p2-len").status_code == 200
+            # A policy returning malformed JSON fails only the request that triggered it.
+            assert upload(psrv, "p3-hostile", "request-policy", "hostile-policy").status_code == 201
+            with pytest.raises(openai.APIStatusError) as e:
+                chat(c, stop=["BADJSON"])
+            assert e.value.status_code == 502 and e.value.body["code"] == "plugin_invalid_output"
+            assert chat(c).usage.completion_tokens == 3
+            m = a.get("/admin/plugins/p3-hostile").json()["metrics"]
+            assert m["invalid_output"] == 1 and m["instances_discarded"] == 1
+        finally:
+            for n in ("p1-cap", "p2-len", "p3-hostile"):
+                a.delete(f"/admin/plugins/{n}")
+    assert chat(c).usage.completion_tokens > 3

@@ -9,6 +9,7 @@
 //! The plugins only get what the WIT world passes them: no WASI, so no filesystem, network,
 //! clock or randomness (the host assigns random tool-call ids when a parser leaves them empty).
 
+pub mod apply;
 pub mod bindings;
 pub mod chat;
 pub mod error;

@@ -214,6 +214,10 @@ pub async fn handler(
     }
     let want_logprobs = req.logprobs == Some(true);
     ereq.logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0) as usize);
+    let policies = match &state.plugins {
+        Some(reg) => Some(crate::plugins::apply::apply(reg, &state.served_model_name, tenant, &mut ereq)?),
+        None => None,
+    };
     let admission = tenancy::admit(&state, &caller, "/v1/chat/completions", started, std::slice::from_mut(&mut ereq))?;
     let mut gen = Generation::submit(&state, in_flight, started, vec![ereq])
         .map_err(|e| match e.code {
@@ -245,6 +249,10 @@ pub async fn handler(
         return Ok(resp);
     }
     let (choices, usage) = collect(gen).await?;
+    if let Some(p) = &policies {
+        let reason = choices.first().and_then(|c| c.finish_reason).map_or("error", |r| r.as_str());
+        p.observe(usage.prompt_tokens, usage.completion_tokens, reason);
+    }
     let tok = &state.model.tokenizer;
     let choices: Vec<Value> = choices
         .into_iter()
