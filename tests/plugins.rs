@@ -215,3 +215,48 @@ fn wasm_parsers_match_vllm_fixtures() {
     }
     assert!(n >= 9, "only {n} cases ran");
 }
+
+/// The chat-template-jinja plugin renders the real templates (tests/reference/templates/) byte
+/// for byte as transformers' `apply_chat_template` does (expected.json, made by transformers),
+/// and refuses what transformers refuses.
+#[test]
+fn chat_template_plugin_matches_transformers() {
+    use wasmserve::plugins::template::{self, TemplatePool};
+    let Some(bytes) = component("chat-template-jinja") else { return };
+    let rt = Runtime::new(None).unwrap();
+    let c = rt.compile(&bytes).unwrap();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference");
+    let data: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("templates/expected.json")).unwrap()).unwrap();
+    let smol: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("smollm2/fixtures.json")).unwrap()).unwrap();
+    let mut pools: std::collections::HashMap<String, Arc<TemplatePool>> = Default::default();
+    let (mut same, mut refused) = (0, 0);
+    let mut failures = Vec::new();
+    for case in data["cases"].as_array().unwrap() {
+        let name = case["template"].as_str().unwrap();
+        let pool = pools.entry(name.to_string()).or_insert_with(|| {
+            let src = if name == "SmolLM2-135M-Instruct" {
+                smol["chat_template"].as_str().unwrap().to_string()
+            } else {
+                std::fs::read_to_string(dir.join(format!("templates/{name}.jinja"))).unwrap()
+            };
+            let cfg = serde_json::json!({"template": src, "bos_token": case["bos_token"], "eos_token": case["eos_token"]});
+            let limits = PluginLimits { call_timeout_ms: 2000, ..limits() };
+            TemplatePool::new(&rt, name, &c, &cfg.to_string(), limits, Arc::new(PluginMetrics::default())).unwrap()
+        });
+        let tools = (!case["tools"].is_null()).then(|| case["tools"].to_string());
+        let got = template::render(pool, &case["messages"].to_string(), tools.as_deref(), case["add_generation_prompt"].as_bool().unwrap(), None, "{}");
+        let label = format!("{name}/{}/gen={}", case["conversation"], case["add_generation_prompt"]);
+        match (got, case["prompt"].as_str()) {
+            (Ok(r), Some(want)) if r.prompt == want => same += 1,
+            (Err(e), None) => {
+                assert_eq!(e.kind, FailureKind::PluginError, "{label}: {e}");
+                refused += 1
+            }
+            (Ok(r), Some(want)) => failures.push(format!("{label}:\n--- got\n{}\n--- want\n{want}", r.prompt)),
+            (got, want) => failures.push(format!("{label}: got {:?}, want {want:?}", got.map(|r| r.prompt).map_err(|e| e.message))),
+        }
+    }
+    eprintln!("{same} renderings identical to transformers, {refused} refused by both, {} templates", pools.len());
+    assert!(failures.is_empty(), "{} differ:\n{}", failures.len(), failures.join("\n"));
+    assert!(same >= 90);
+}

@@ -20,6 +20,7 @@ pub mod policy;
 pub mod registry;
 pub mod pool;
 pub mod runtime;
+pub mod template;
 pub mod worlds;
 
 pub use error::{FailureKind, PluginError};

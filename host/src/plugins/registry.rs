@@ -12,12 +12,14 @@ use serde::{Deserialize, Serialize};
 use super::metrics::PluginMetrics;
 use super::parsers::{ReasoningPool, ToolPool};
 use super::policy::PolicyPool;
+use super::template::TemplatePool;
 use super::runtime::{PluginLimits, Runtime};
 use super::PluginInfo;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Kind {
+    ChatTemplate,
     ReasoningParser,
     ToolParser,
     RequestPolicy,
@@ -57,6 +59,7 @@ struct ConfigFile {
 
 #[derive(Clone)]
 pub enum Pools {
+    Template(Arc<TemplatePool>),
     Reasoning(Arc<ReasoningPool>),
     Tool(Arc<ToolPool>),
     Policy(Arc<PolicyPool>),
@@ -74,6 +77,7 @@ pub struct Deployment {
 impl Deployment {
     pub fn info(&self) -> &PluginInfo {
         match &self.pools {
+            Pools::Template(p) => &p.info,
             Pools::Reasoning(p) => &p.info,
             Pools::Tool(p) => &p.info,
             Pools::Policy(p) => &p.info,
@@ -87,6 +91,7 @@ impl Deployment {
 
     pub fn to_json(&self) -> serde_json::Value {
         let (idle, live) = match &self.pools {
+            Pools::Template(p) => (p.idle_instances(), p.live_instances()),
             Pools::Reasoning(p) => (p.idle_instances(), p.live_instances()),
             Pools::Tool(p) => (p.idle_instances(), p.live_instances()),
             Pools::Policy(p) => (p.idle_instances(), p.live_instances()),
@@ -111,16 +116,28 @@ pub struct Registry {
     pub runtime: Arc<Runtime>,
     deployments: RwLock<BTreeMap<String, Arc<Deployment>>>,
     admin_key: RwLock<Option<String>>,
+    /// The served model's template/bos/eos, given to chat-template plugins whose config names
+    /// no `template` (so the model's own template is what runs).
+    model_template: RwLock<Option<serde_json::Value>>,
 }
 
 impl Registry {
     pub fn new(runtime: Arc<Runtime>) -> Self {
-        Self { runtime, deployments: RwLock::new(BTreeMap::new()), admin_key: RwLock::new(None) }
+        Self { runtime, deployments: RwLock::new(BTreeMap::new()), admin_key: RwLock::new(None), model_template: RwLock::new(None) }
     }
 
     /// The key `/admin/plugins` requires (none: the admin API answers 403).
     pub fn set_admin_key(&self, key: Option<String>) {
         *self.admin_key.write().unwrap() = key.filter(|k| !k.is_empty());
+    }
+
+    pub fn set_model_template(&self, template: &str, bos: Option<&str>, eos: Option<&str>) {
+        *self.model_template.write().unwrap() = Some(serde_json::json!({"template": template, "bos_token": bos.unwrap_or(""), "eos_token": eos.unwrap_or("")}));
+    }
+
+    /// The chat-template deployment serving `model`, if any.
+    pub fn template_for(&self, model: &str) -> Option<String> {
+        self.select(Kind::ChatTemplate, model, "").map(|d| d.spec.name.clone())
     }
 
     pub fn admin_key(&self) -> Option<String> {
@@ -135,16 +152,28 @@ impl Registry {
         }
         let component = self.runtime.compile(bytes).map_err(|e| format!("not a valid Wasm component: {e:#}"))?;
         let metrics = Arc::new(PluginMetrics::default());
-        let config = spec.config.to_string();
+        let mut config = spec.config.clone();
+        if spec.kind == Kind::ChatTemplate {
+            if let (Some(obj), Some(serde_json::Value::Object(def))) = (config.as_object_mut(), self.model_template.read().unwrap().clone()) {
+                if !obj.contains_key("template") {
+                    for (k, v) in def {
+                        obj.entry(k).or_insert(v);
+                    }
+                }
+            }
+        }
+        let config = config.to_string();
         let rt = &self.runtime;
         let name = spec.name.as_str();
         let l = spec.limits.clone();
         let pools = match spec.kind {
+            Kind::ChatTemplate => Pools::Template(TemplatePool::new(rt, name, &component, &config, l, metrics.clone())?),
             Kind::ReasoningParser => Pools::Reasoning(ReasoningPool::new(rt, name, &component, &config, l, metrics.clone())?),
             Kind::ToolParser => Pools::Tool(ToolPool::new(rt, name, &component, &config, l, metrics.clone())?),
             Kind::RequestPolicy => Pools::Policy(PolicyPool::new(rt, name, &component, &config, l, metrics.clone())?),
         };
         match &pools {
+            Pools::Template(p) => p.warm_up(),
             Pools::Reasoning(p) => p.warm_up(),
             Pools::Tool(p) => p.warm_up(),
             Pools::Policy(p) => p.warm_up(),

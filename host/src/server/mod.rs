@@ -166,11 +166,20 @@ pub fn run(args: ServeArgs) -> Result<()> {
     state.tenancy = tenancy;
     let plugins = crate::plugins::registry::Registry::new(crate::plugins::Runtime::new(args.plugin_cache_dir.clone())?);
     plugins.set_admin_key(args.admin_key.clone());
+    if let Some(src) = state.model.tokenizer.chat_template.as_deref() {
+        plugins.set_model_template(src, state.model.tokenizer.bos_token.as_deref(), state.model.tokenizer.eos_token.as_deref());
+    }
     if let Some(path) = &args.plugins {
         let n = plugins.load_config(path).map_err(anyhow::Error::msg)?;
         tracing::info!(plugins = n, config = %path.display(), "plugins deployed");
     }
-    state.plugins = Some(Arc::new(plugins));
+    let plugins = Arc::new(plugins);
+    // A chat-template plugin for this model replaces the native renderer.
+    if let Some(name) = plugins.template_for(&state.served_model_name) {
+        tracing::info!(plugin = %name, "chat template rendered by a Wasm plugin");
+        state.template = Some(Arc::new(crate::plugins::template::WasmChatTemplate { registry: plugins.clone(), name }));
+    }
+    state.plugins = Some(plugins);
     let state = Arc::new(state);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
     let result = rt.block_on(serve(state, &args));

@@ -1,0 +1,220 @@
+//! `chat-template-jinja`: the model's own Hugging Face chat template, rendered inside Wasm.
+//!
+//! Config: `{"template": "<jinja source>", "bos_token": "...", "eos_token": "..."}`. minijinja is
+//! set up the way transformers sets up Jinja2 (`trim_blocks`, `lstrip_blocks`, loop controls,
+//! Python string methods via pycompat, its `tojson` that writes `json.dumps` text,
+//! `raise_exception`, `strftime_now`), the same as the host's native renderer
+//! (host/src/chat/jinja.rs), so the output matches `apply_chat_template` byte for byte.
+//!
+//! Plugins have no clock: `strftime_now` formats the Unix time the host passes in the extra
+//! variable `__now` (removed before rendering; 0 when absent).
+
+use std::cell::Cell;
+
+use minijinja::value::{Kwargs, Value as JValue};
+use minijinja::{Environment, Error, ErrorKind};
+use serde_json::{Map, Value};
+use wasmserve_guest::{ChatTemplate, Plugin, PluginInfo, RenderOptions, Rendered};
+
+pub struct JinjaTemplate {
+    env: Environment<'static>,
+    bos: String,
+    eos: String,
+}
+
+thread_local! {
+    static NOW: Cell<u64> = const { Cell::new(0) };
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
+/// sort_keys=False)` with those keyword arguments.
+fn tojson(value: JValue, kwargs: Kwargs) -> Result<String, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let json: Value = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    if ensure_ascii.is_none() && sort_keys.is_none() && separators.is_none() {
+        return Ok(wasmserve_parsers::pyjson::dumps(&json, indent));
+    }
+    let (item, key) = match separators.as_deref() {
+        Some([a, b]) => (a.clone(), b.clone()),
+        Some(_) => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair")),
+        // Python's defaults: ", " without an indent, "," with one.
+        None => (if indent.is_some() { ",".into() } else { ", ".into() }, ": ".into()),
+    };
+    let o = DumpOpts { indent, item, key, sort_keys: sort_keys.unwrap_or(false), ascii: ensure_ascii.unwrap_or(false) };
+    let mut out = String::new();
+    dump(&json, &o, 0, &mut out);
+    Ok(out)
+}
+
+struct DumpOpts {
+    indent: Option<usize>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+    ascii: bool,
+}
+
+fn dump_str(s: &str, ascii: bool, out: &mut String) {
+    // Same escapes as pyjson, plus \uXXXX (UTF-16) for non-ASCII when ensure_ascii.
+    let plain = wasmserve_parsers::pyjson::dumps(&Value::String(s.to_string()), None);
+    if !ascii {
+        out.push_str(&plain);
+        return;
+    }
+    for c in plain.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut buf = [0u16; 2];
+            for u in c.encode_utf16(&mut buf) {
+                out.push_str(&format!("\\u{:04x}", u));
+            }
+        }
+    }
+}
+
+fn newline(o: &DumpOpts, level: usize, out: &mut String) {
+    if let Some(i) = o.indent {
+        out.push('\n');
+        out.push_str(&" ".repeat(i * level));
+    }
+}
+
+fn dump(v: &Value, o: &DumpOpts, level: usize, out: &mut String) {
+    match v {
+        Value::String(s) => dump_str(s, o.ascii, out),
+        Value::Array(a) if !a.is_empty() => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&o.item);
+                }
+                newline(o, level + 1, out);
+                dump(x, o, level + 1, out);
+            }
+            newline(o, level, out);
+            out.push(']');
+        }
+        Value::Object(m) if !m.is_empty() => {
+            let mut entries: Vec<(&String, &Value)> = m.iter().collect();
+            if o.sort_keys {
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+            }
+            out.push('{');
+            for (i, (k, x)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&o.item);
+                }
+                newline(o, level + 1, out);
+                dump_str(k, o.ascii, out);
+                out.push_str(&o.key);
+                dump(x, o, level + 1, out);
+            }
+            newline(o, level, out);
+            out.push('}');
+        }
+        other => out.push_str(&wasmserve_parsers::pyjson::dumps(other, None)),
+    }
+}
+
+fn raise_exception(msg: String) -> Result<String, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+fn strftime_now(format: String) -> String {
+    format_utc(NOW.with(Cell::get), &format)
+}
+
+/// Minimal strftime for the directives chat templates use (%d %m %Y %y %b %B %H %M %S %%).
+fn format_utc(secs: u64, fmt: &str) -> String {
+    let days = (secs / 86400) as i64;
+    let rem = secs % 86400;
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
+    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y % 100)),
+            Some('B') => out.push_str(MONTHS[(m - 1) as usize]),
+            Some('b') => out.push_str(&MONTHS[(m - 1) as usize][..3]),
+            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", rem % 3600 / 60)),
+            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+impl Plugin for JinjaTemplate {
+    fn info() -> PluginInfo {
+        PluginInfo { name: "chat-template-jinja".into(), version: env!("CARGO_PKG_VERSION").into(), needs_special_tokens: false }
+    }
+
+    fn configure(config: &str) -> Result<Self, String> {
+        let cfg: Value = serde_json::from_str(config).map_err(|e| format!("config: {e}"))?;
+        let source = cfg.get("template").and_then(Value::as_str).ok_or("config: 'template' (the Jinja source) is required")?;
+        let s = |k: &str| cfg.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(|e| format!("template syntax: {e}"))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned("chat", source.to_string()).map_err(|e| format!("chat template does not compile: {e:#}"))?;
+        Ok(Self { env, bos: s("bos_token"), eos: s("eos_token") })
+    }
+}
+
+impl ChatTemplate for JinjaTemplate {
+    fn render(&self, messages: &str, tools: Option<&str>, options: &RenderOptions) -> Result<Rendered, String> {
+        let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
+        let mut ctx: Map<String, Value> = match serde_json::from_str(if options.extra.is_empty() { "{}" } else { &options.extra }) {
+            Ok(Value::Object(m)) => m,
+            _ => return Err("options.extra must be a JSON object".into()),
+        };
+        NOW.with(|n| n.set(ctx.remove("__now").and_then(|v| v.as_u64()).unwrap_or(0)));
+        if let Some(r) = &options.reasoning_effort {
+            ctx.insert("reasoning_effort".into(), r.clone().into());
+        }
+        let messages: Value = serde_json::from_str(messages).map_err(|e| format!("messages: {e}"))?;
+        ctx.insert("messages".into(), messages);
+        if let Some(t) = tools {
+            ctx.insert("tools".into(), serde_json::from_str(t).map_err(|e| format!("tools: {e}"))?);
+        }
+        ctx.insert("add_generation_prompt".into(), options.add_generation_prompt.into());
+        ctx.insert("bos_token".into(), self.bos.clone().into());
+        ctx.insert("eos_token".into(), self.eos.clone().into());
+        let prompt = tmpl.render(JValue::from(minijinja::value::Serde(&ctx))).map_err(|e| format!("chat template failed: {e:#}"))?;
+        Ok(Rendered { prompt, token_ids: None })
+    }
+}
+
+wasmserve_guest::export_chat_template!(JinjaTemplate);
