@@ -260,3 +260,100 @@ fn chat_template_plugin_matches_transformers() {
     assert!(failures.is_empty(), "{} differ:\n{}", failures.len(), failures.join("\n"));
     assert!(same >= 90);
 }
+
+fn percentiles(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[(v.len() * 99 / 100).min(v.len() - 1)])
+}
+
+/// Benchmark (printed; run with --nocapture): the cost of a plugin call through Wasm against
+/// the same parser compiled natively, per call and per streamed token.
+#[test]
+fn plugin_overhead_benchmark() {
+    use wasmserve::plugins::parsers::ReasoningPool;
+    use wasmserve_guest::{ReasoningStream as _, ToolStream as _};
+    use wasmserve_parsers::{kimi_k2::KimiStream, think};
+    let rt = Runtime::new(None).unwrap();
+    let (Some(rb), Some(kimi)) = (component("reasoning-kimi-k2"), tool_pool(&rt, "tool-kimi-k2", limits())) else { return };
+    let reasoning = ReasoningPool::new(&rt, "r", &rt.compile(&rb).unwrap(), "{}", limits(), Arc::new(PluginMetrics::default())).unwrap();
+    let ctx = RequestContext::default();
+    let gctx = wasmserve_guest::RequestContext::default();
+    let us = |t: Instant| t.elapsed().as_secs_f64() * 1e6;
+    const N: usize = 20_000;
+
+    // 1. Whole-text parse of a short output: lease, call, lift, return.
+    let text = "<think>short</think>Hello!";
+    let wasm: Vec<f64> = (0..N).map(|_| { let t = Instant::now(); parsers::reasoning_parse(&reasoning, text, &ctx).unwrap(); us(t) }).collect();
+    let native: Vec<f64> = (0..N).map(|_| { let t = Instant::now(); std::hint::black_box(think::parse(think::Flavor::KimiK2, text, &gctx)); us(t) }).collect();
+    let (wp50, wp99) = percentiles(wasm);
+    let (np50, np99) = percentiles(native);
+    eprintln!("BENCH parse call (kimi_k2 reasoning, 26 bytes): wasm p50 {wp50:.2} us p99 {wp99:.2} us | native p50 {np50:.2} us p99 {np99:.2} us");
+
+    // 2. One streamed delta (a token's text) into a live session.
+    let mut s = parsers::reasoning_session(&reasoning, &ctx).unwrap();
+    let wasm: Vec<f64> = (0..N).map(|_| { let t = Instant::now(); s.feed("tok ", &[1]).unwrap(); us(t) }).collect();
+    drop(s);
+    let mut ns = think::ThinkStream::new(think::Flavor::KimiK2, &gctx);
+    let native: Vec<f64> = (0..N).map(|_| { let t = Instant::now(); std::hint::black_box(ns.feed("tok ", &[1])); us(t) }).collect();
+    let (wp50, wp99) = percentiles(wasm);
+    let (np50, np99) = percentiles(native);
+    eprintln!("BENCH feed call (one token delta):             wasm p50 {wp50:.2} us p99 {wp99:.2} us | native p50 {np50:.2} us p99 {np99:.2} us");
+
+    // 3. A whole streamed Kimi answer, reasoning then tool parser, per generated token.
+    let args: String = (0..200).map(|i| format!("\"k{i}\": \"value {i}\", ")).collect();
+    let body = format!(
+        "<think>{}</think>Calling.<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{{{args}\"end\": 1}}<|tool_call_end|><|tool_calls_section_end|>",
+        "Let me think about this step by step. ".repeat(100)
+    );
+    let markers = ["<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"];
+    // ~4 chars per token, markers whole.
+    let mut tokens: Vec<String> = Vec::new();
+    for piece in wasmserve_guest::harness::token_like_chunks(&body, &markers) {
+        match tokens.last_mut() {
+            Some(last) if piece.len() == 1 && last.len() < 4 && !markers.contains(&last.as_str()) => last.push_str(piece),
+            _ => tokens.push(piece.to_string()),
+        }
+    }
+    let rounds = 5;
+    let t = Instant::now();
+    let mut wasm_args = String::new();
+    for _ in 0..rounds {
+        let mut r = parsers::reasoning_session(&reasoning, &ctx).unwrap();
+        let mut k = parsers::tool_session(&kimi, &ctx).unwrap();
+        wasm_args.clear();
+        for tok in &tokens {
+            let d = r.feed(tok, &[]).unwrap();
+            for c in k.feed(&d.content, &[]).unwrap().tool_calls {
+                wasm_args.push_str(&c.arguments);
+            }
+        }
+        let d = r.finish().unwrap();
+        k.feed(&d.content, &[]).unwrap();
+        k.finish().unwrap();
+    }
+    let wasm_tok = us(t) / (rounds * tokens.len()) as f64;
+    let t = Instant::now();
+    let mut native_args = String::new();
+    for _ in 0..rounds {
+        let mut r = think::ThinkStream::new(think::Flavor::KimiK2, &gctx);
+        let mut k = KimiStream::default();
+        native_args.clear();
+        for tok in &tokens {
+            let d = r.feed(tok, &[]);
+            for c in k.feed(&d.content, &[]).tool_calls {
+                native_args.push_str(&c.arguments);
+            }
+        }
+        let d = r.finish();
+        k.feed(&d.content, &[]);
+        k.finish();
+    }
+    let native_tok = us(t) / (rounds * tokens.len()) as f64;
+    assert_eq!(wasm_args, native_args);
+    eprintln!(
+        "BENCH streamed answer, {} tokens ({} bytes), reasoning+tool parser: wasm {wasm_tok:.2} us/token | native {native_tok:.3} us/token | added by Wasm {:.2} us/token",
+        tokens.len(),
+        body.len(),
+        wasm_tok - native_tok
+    );
+}
