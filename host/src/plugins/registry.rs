@@ -207,6 +207,30 @@ impl Registry {
         self.deployments.read().unwrap().values().filter(|d| d.spec.kind == Kind::RequestPolicy && d.matches(model, tenant)).cloned().collect()
     }
 
+    /// Per-deployment counters in the Prometheus text format (appended to `/metrics`).
+    pub fn prometheus(&self) -> String {
+        use std::fmt::Write;
+        const COUNTERS: &[(&str, &str, &str)] = &[
+            ("calls", "wasmserve_plugin_calls_total", "Guest calls"),
+            ("errors", "wasmserve_plugin_errors_total", "Failed guest calls"),
+            ("traps", "wasmserve_plugin_traps_total", "Guest calls that trapped"),
+            ("timeouts", "wasmserve_plugin_timeouts_total", "Guest calls past their deadline"),
+            ("out_of_memory", "wasmserve_plugin_out_of_memory_total", "Guest calls past the memory limit"),
+            ("invalid_output", "wasmserve_plugin_invalid_output_total", "Guest results the host refused"),
+            ("call_seconds_total", "wasmserve_plugin_call_seconds_total", "Time inside guest calls"),
+            ("instances_discarded", "wasmserve_plugin_instances_discarded_total", "Instances dropped after a failure"),
+        ];
+        let list = self.list();
+        let mut out = String::new();
+        for (key, name, help) in COUNTERS {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for d in &list {
+                let _ = writeln!(out, "{name}{{plugin=\"{}\",kind=\"{}\"}} {}", d.spec.name, kind_name(d.spec.kind), d.metrics.to_json()[*key]);
+            }
+        }
+        out
+    }
+
     /// Loads a JSON config file: `{"plugins": [DeploymentSpec, ...]}`; component paths are
     /// relative to the file. Any failure fails the whole load (the server does not start).
     pub fn load_config(&self, path: &Path) -> Result<usize, String> {
@@ -230,4 +254,13 @@ fn fingerprint(bytes: &[u8]) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     bytes.hash(&mut h);
     h.finish()
+}
+
+fn kind_name(k: Kind) -> &'static str {
+    match k {
+        Kind::ChatTemplate => "chat-template",
+        Kind::ReasoningParser => "reasoning-parser",
+        Kind::ToolParser => "tool-parser",
+        Kind::RequestPolicy => "request-policy",
+    }
 }

@@ -104,7 +104,10 @@ async fn health(State(state): State<AppState>) -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    let body = state.metrics.render(&state.engine.stats(), state.in_flight());
+    let mut body = state.metrics.render(&state.engine.stats(), state.in_flight());
+    if let Some(p) = &state.plugins {
+        body.push_str(&p.prometheus());
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
 }
 
