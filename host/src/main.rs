@@ -28,6 +28,8 @@ enum Command {
     /// Benchmarks (progress on stderr, a result table on stdout).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Convert a BF16/F16/F32 checkpoint to INT (compressed-tensors) or Cubic, data-free.
+    Quantize(wasmserve::quantize::QuantizeArgs),
     /// Manage tenants in the tenancy database (`serve --db`).
     #[command(subcommand)]
     Tenants(wasmserve::tenancy::cli::TenantsCommand),
@@ -40,6 +42,8 @@ enum Command {
 enum BenchCommand {
     /// Engine decode/prefill throughput and time to first token.
     Engine(BenchEngineArgs),
+    /// Perplexity on a text file (fixed windows).
+    Perplexity(wasmserve::perplexity::PerplexityArgs),
 }
 
 #[derive(Args)]
@@ -115,6 +119,8 @@ fn main() -> Result<()> {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => wasmserve::server::run(args),
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
+        Command::Bench(BenchCommand::Perplexity(args)) => wasmserve::perplexity::run(args),
+        Command::Quantize(args) => wasmserve::quantize::run(args),
         Command::Tenants(cmd) => wasmserve::tenancy::cli::tenants(cmd),
         Command::Keys(cmd) => wasmserve::tenancy::cli::keys(cmd),
     }

@@ -1,6 +1,7 @@
 //! A linear layer `y = x · Wᵀ`. An enum so quantized storage formats can sit beside dense f32
 //! without the model code knowing which one it multiplies with.
 
+use kernels::cpu::cubic::AnyCubic;
 use kernels::cpu::matmul::matmul_t;
 use kernels::cpu::mxfp4::Mxfp4Matrix;
 
@@ -13,6 +14,8 @@ pub enum Linear {
     Int(IntLinear),
     /// MXFP4 codes and E8M0 block scales kept packed.
     Mxfp4(Mxfp4Matrix),
+    /// Cubic codes (docs/cubic-format.md) with per-group scale and shape, kept packed.
+    Cubic(AnyCubic),
 }
 
 impl Linear {
@@ -21,6 +24,7 @@ impl Linear {
             Linear::Dense(t) => t.shape[0],
             Linear::Int(q) => q.out_features(),
             Linear::Mxfp4(q) => q.rows(),
+            Linear::Cubic(q) => q.rows(),
         }
     }
 
@@ -29,6 +33,7 @@ impl Linear {
             Linear::Dense(t) => t.shape[1],
             Linear::Int(q) => q.in_features(),
             Linear::Mxfp4(q) => q.cols(),
+            Linear::Cubic(q) => q.cols(),
         }
     }
 
@@ -39,6 +44,7 @@ impl Linear {
             Linear::Dense(t) => matmul_t(x, t.as_slice(), &mut out, n, self.in_features(), self.out_features()),
             Linear::Int(q) => q.forward(x, n, &mut out),
             Linear::Mxfp4(q) => q.matmul_t(x, &mut out, n),
+            Linear::Cubic(q) => q.matmul_t(x, &mut out, n),
         }
         out
     }

@@ -11,3 +11,4 @@ pub mod bitpack;
 pub mod packed_matmul;
 pub mod quant_int;
 pub mod mxfp4;
+pub mod cubic;

@@ -2,6 +2,7 @@
 //! layers that multiply straight from the packed form.
 
 pub mod ct_config;
+pub mod cubic;
 pub mod ct_linear;
 pub mod int_linear;
 pub mod mxfp4_linear;

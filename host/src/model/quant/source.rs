@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use super::ct_config::{CtConfig, CtFormat};
 use super::ct_linear::load_int_linear;
+use super::cubic::{load_cubic, CubicConfig};
 use super::mxfp4_linear::load_ct_mxfp4;
 use crate::model::error::LoadError;
 use crate::model::hf_source::SafetensorsSource;
@@ -17,6 +18,7 @@ use crate::model::tensor::Tensor;
 
 enum Config {
     CompressedTensors(CtConfig),
+    Cubic(CubicConfig),
 }
 
 pub struct QuantizedSource {
@@ -33,12 +35,13 @@ impl QuantizedSource {
             return Ok(Box::new(inner));
         };
         let err = |detail: String| LoadError::Config { file: config_file.to_path_buf(), detail: format!("quantization_config: {detail}") };
-        let config = match CtConfig::parse(q).map_err(err)? {
-            Some(ct) => Config::CompressedTensors(ct),
-            None => {
-                let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
-                return Err(err(format!("quant_method '{method}' is not supported (supported: compressed-tensors)")));
-            }
+        let config = if let Some(ct) = CtConfig::parse(q).map_err(err)? {
+            Config::CompressedTensors(ct)
+        } else if let Some(c) = CubicConfig::parse(q).map_err(err)? {
+            Config::Cubic(c)
+        } else {
+            let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
+            return Err(err(format!("quant_method '{method}' is not supported (supported: compressed-tensors, cubic)")));
         };
         Ok(Box::new(Self { inner, config, config_file: config_file.to_path_buf() }))
     }
@@ -47,7 +50,7 @@ impl QuantizedSource {
 impl WeightSource for QuantizedSource {
     fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError> {
         if let Some(module) = name.strip_suffix(".weight") {
-            if self.inner.contains(&format!("{module}.weight_packed")) {
+            if self.inner.contains(&format!("{module}.weight_packed")) || self.inner.contains(&format!("{module}.cubic_codes")) {
                 return Err(LoadError::BadTensor {
                     file: self.inner.file_of(name),
                     tensor: name.to_string(),
@@ -59,7 +62,10 @@ impl WeightSource for QuantizedSource {
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.inner.contains(name) || name.strip_suffix(".weight").is_some_and(|m| self.inner.contains(&format!("{m}.weight_packed")))
+        self.inner.contains(name)
+            || name
+                .strip_suffix(".weight")
+                .is_some_and(|m| self.inner.contains(&format!("{m}.weight_packed")) || self.inner.contains(&format!("{m}.cubic_codes")))
     }
 
     fn file_of(&self, name: &str) -> PathBuf {
@@ -67,7 +73,15 @@ impl WeightSource for QuantizedSource {
     }
 
     fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
-        let Config::CompressedTensors(ct) = &self.config;
+        let ct = match &self.config {
+            Config::CompressedTensors(ct) => ct,
+            Config::Cubic(c) => {
+                return match c.modules.get(module) {
+                    Some(layer) => load_cubic(&self.inner, module, rows, cols, *layer).map(Linear::Cubic),
+                    None => self.inner.load(&format!("{module}.weight"), &[rows, cols]).map(Linear::Dense),
+                }
+            }
+        };
         let Some(scheme) = ct.scheme_for(module) else {
             return self.inner.load(&format!("{module}.weight"), &[rows, cols]).map(Linear::Dense);
         };
