@@ -178,6 +178,8 @@ def test_request_policies_cap_reject_and_contain_bad_output(psrv):
             assert upload(psrv, "p1-cap", "request-policy", "policy-max-tokens-cap", {"max_tokens": 3}).status_code == 201
             r = chat(c)
             assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+            chunks = list(chat(c, stream=True, stream_options={"include_usage": True}))
+            assert chunks[-1].usage.completion_tokens == 3
             assert upload(psrv, "p2-len", "request-policy", "policy-prompt-length-limit", {"max_prompt_tokens": 5}).status_code == 201
             with pytest.raises(openai.BadRequestError) as e:
                 chat(c)

@@ -218,6 +218,7 @@ pub async fn handler(
         Some(reg) => Some(crate::plugins::apply::apply(reg, &state.served_model_name, tenant, &mut ereq)?),
         None => None,
     };
+    let prompt_len = ereq.prompt_ids.len();
     let admission = tenancy::admit(&state, &caller, "/v1/chat/completions", started, std::slice::from_mut(&mut ereq))?;
     let mut gen = Generation::submit(&state, in_flight, started, vec![ereq])
         .map_err(|e| match e.code {
@@ -243,6 +244,8 @@ pub async fn handler(
             parsers,
             streams: Vec::new(),
             error: None,
+            policies: policies.map(|p| (p, prompt_len)),
+            counted: (0, 0, 0),
         };
         let mut resp = stream_response(gen, fmt, req.sampling.include_usage());
         tenancy::add_headers(&mut resp, &rate_headers);
@@ -312,6 +315,10 @@ struct ChatChunks {
     parsers: Option<ChatParsers>,
     streams: Vec<Option<StreamParsers>>,
     error: Option<ApiError>,
+    /// Request policies to tell the outcome (with the prompt length), once every choice ended.
+    policies: Option<(crate::plugins::apply::Applied, usize)>,
+    /// (choices, finished choices, generated tokens) for that.
+    counted: (usize, usize, usize),
 }
 
 impl ChatChunks {
@@ -350,6 +357,7 @@ impl ChatChunks {
 
 impl ChunkFormatter for ChatChunks {
     fn start(&mut self, choices: usize) -> Vec<Value> {
+        self.counted.0 = choices;
         (0..choices)
             .map(|i| {
                 self.chunk(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
@@ -359,6 +367,7 @@ impl ChunkFormatter for ChatChunks {
 
     fn token(&mut self, ev: &GenEvent) -> Option<Value> {
         let GenEvent::Token { choice, text, logprob, .. } = ev else { return None };
+        self.counted.2 += 1;
         if self.forced_tool {
             if self.held.len() <= *choice {
                 self.held.resize(choice + 1, String::new());
@@ -388,6 +397,12 @@ impl ChunkFormatter for ChatChunks {
 
     fn finish(&mut self, ev: &GenEvent) -> Vec<Value> {
         let GenEvent::Finished { choice, reason, text } = ev else { return vec![] };
+        self.counted.1 += 1;
+        if self.counted.1 == self.counted.0 {
+            if let Some((p, prompt)) = self.policies.take() {
+                p.observe(prompt, self.counted.2, reason.as_str());
+            }
+        }
         if self.forced_tool {
             let mut full = self.held.get_mut(*choice).map(std::mem::take).unwrap_or_default();
             full.push_str(text);
