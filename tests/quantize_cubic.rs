@@ -33,10 +33,10 @@ fn args(output: &Path, format: FormatArg, bits: u32, group: usize, policy: Optio
     }
 }
 
-/// Level of code `i` straight from the spec text: t = (2i − d)/d, w = s·fma(a·t, t·t, t).
+/// Level of code `i` straight from the spec text: h = 2^(b−1), t = (i − h)/h, w = s·fma(a·t, t·t, t).
 fn spec_level(i: u32, bits: u32, s: f32, a: f32) -> f32 {
-    let d = ((1u32 << bits) - 1) as f32;
-    let t = (2.0 * i as f32 - d) / d;
+    let h = (1u32 << (bits - 1)) as f32;
+    let t = (i as f32 - h) / h;
     s * (a * t).mul_add(t * t, t)
 }
 

@@ -6,6 +6,8 @@ use std::time::Instant;
 use kernels::cpu::bitpack::PackedRows;
 use kernels::cpu::matmul::matmul_t;
 use kernels::cpu::packed_matmul::{packed_matmul_t_isa, Isa};
+use kernels::cpu::cubic::AnyCubic;
+use kernels::cpu::mxfp4::Mxfp4Matrix;
 use kernels::cpu::quant_int::IntMatrix;
 
 /// Fastest single call over about a second: the machine may be shared, and the minimum is the
@@ -35,6 +37,15 @@ fn main() {
         let codes: Vec<u8> = (0..m * k).map(|i| (i * 7 % 16) as u8).collect();
         let groups = m * k.div_ceil(128);
         let w = IntMatrix::new(PackedRows::from_codes(4, m, k, &codes), 128, &vec![0.01; groups], &vec![8.0; groups]);
+        let mx = Mxfp4Matrix::new(m, k, &codes.chunks(2).map(|p| p[0] | p[1] << 4).collect::<Vec<u8>>(), &vec![120u8; m * k / 32]);
+        let cubic: Vec<AnyCubic> = [3u32, 4]
+            .iter()
+            .map(|&b| {
+                let c: Vec<u8> = codes.iter().map(|&v| v % (1 << b)).collect();
+                let g = m * k.div_ceil(512);
+                AnyCubic::new(PackedRows::from_codes(b, m, k, &c), 512, &vec![0.01; g], &vec![0.3; g])
+            })
+            .collect();
         let dense: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 * 0.01).collect();
         for &n in &batches {
             let x: Vec<f32> = (0..n * k).map(|i| (i % 7) as f32 * 0.1).collect();
@@ -45,6 +56,14 @@ fn main() {
                 if isa == Isa::Scalar && m * k > 1 << 20 { continue; }
                 let t = time(|| packed_matmul_t_isa(isa, &w, &x, &mut out, n));
                 println!("{m}x{k} n={n:<3} int4 g128 {:<10} {:8.1} us  {:6.2} GB/s packed   {:6.1} GFLOP/s", isa.name(), t * 1e6, w.bytes() as f64 / t / 1e9, 2.0 * (n * m * k) as f64 / t / 1e9);
+            }
+            let isa = Isa::detect();
+            let t = time(|| packed_matmul_t_isa(isa, &mx, &x, &mut out, n));
+            println!("{m}x{k} n={n:<3} mxfp4      {:<10} {:8.1} us  {:6.2} GB/s packed   {:6.1} GFLOP/s", isa.name(), t * 1e6, mx.bytes() as f64 / t / 1e9, 2.0 * (n * m * k) as f64 / t / 1e9);
+            for c in &cubic {
+                let t = time(|| c.matmul_t_isa(isa, &x, &mut out, n));
+                let bytes = (m * k * c.bits() as usize).div_ceil(8) + m * k.div_ceil(512) * 4;
+                println!("{m}x{k} n={n:<3} cubic{} g512 {:<10} {:8.1} us  {:6.2} GB/s packed   {:6.1} GFLOP/s", c.bits(), isa.name(), t * 1e6, bytes as f64 / t / 1e9, 2.0 * (n * m * k) as f64 / t / 1e9);
             }
         }
     }

@@ -86,11 +86,11 @@ fn plan_tensors(src: &SafetensorsSource, policy: &Policy) -> Result<(Vec<Job>, V
                 let cols = t.shape[1];
                 match (16..=p.group_size).rev().step_by(16).find(|g| g % 16 == 0 && cols % g == 0) {
                     Some(g) => {
-                        notes.push(format!("{name}: {cols} columns do not divide into groups of {}; using groups of {g}", p.group_size));
+                        notes.push(format!("{cols} columns do not divide into groups of {}; using groups of {g}", p.group_size));
                         Some(LayerPlan { group_size: g, ..p })
                     }
                     None => {
-                        notes.push(format!("{name}: {cols} columns have no group size dividing them; kept dense"));
+                        notes.push(format!("{cols} columns have no group size dividing them; kept dense"));
                         None
                     }
                 }
@@ -192,8 +192,12 @@ pub fn quantize(a: &QuantizeArgs) -> Result<Report> {
     let policy = Policy::new(policy_text.as_deref(), format, a.bits, a.group_size).map_err(anyhow::Error::msg)?;
     let src = SafetensorsSource::open(&a.input)?;
     let (jobs, planned, notes) = plan_tensors(&src, &policy)?;
+    let mut counted: BTreeMap<&str, usize> = BTreeMap::new();
     for n in &notes {
-        tracing::warn!("{n}");
+        *counted.entry(n.as_str()).or_default() += 1;
+    }
+    for (n, count) in counted {
+        tracing::warn!("{count} weight tensors: {n}");
     }
 
     std::fs::create_dir(&a.output).with_context(|| format!("creating {}", a.output.display()))?;

@@ -1,8 +1,9 @@
 //! Cubic low-bit weights (docs/cubic-format.md): `b`-bit codes whose `2^b` levels are
-//! `s · (t + a·t³)` with `t` uniform on [-1, 1], per-group scale `s` and shape `a`.
+//! `s · (t + a·t³)` on the INT-like grid `t_i = (i − 2^(b−1)) / 2^(b−1)` (which contains 0), with
+//! per-group scale `s` (its sign mirrors the grid) and shape `a`.
 //!
 //! Levels are defined by these f32 operations (so every implementation gets the same bits):
-//! `d = 2^b − 1`, `t_i = (2i − d) / d`, `w = s · fma(a·t_i, t_i·t_i, t_i)`.
+//! `h = 2^(b−1)`, `t_i = (i − h) / h` (exact), `w = s · fma(a·t_i, t_i·t_i, t_i)`.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -10,11 +11,11 @@ use std::arch::x86_64::*;
 use super::bitpack::PackedRows;
 use super::packed_matmul::{decode_row, packed_matmul_t, Codec, Isa};
 
-/// `t_i` for code `i` of `bits` bits (exact numerator, one rounded division).
+/// `t_i` for code `i` of `bits` bits: `(i − h)/h`, `h = 2^(bits−1)` (exact in f32).
 #[inline(always)]
 pub fn grid(i: u32, bits: u32) -> f32 {
-    let d = ((1u32 << bits) - 1) as f32;
-    (2.0 * i as f32 - d) / d
+    let h = (1u32 << (bits - 1)) as f32;
+    (i as f32 - h) / h
 }
 
 /// The level of code `i` with unit scale: `fma(a·t, t·t, t)`.
@@ -87,18 +88,18 @@ impl<const B: u32> Codec for CubicMatrix<B> {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn value_avx2(codes: __m256i, p0: __m256, p1: __m256) -> __m256 {
-        let d = _mm256_set1_ps(((1u32 << B) - 1) as f32);
-        let two_i = _mm256_cvtepi32_ps(_mm256_add_epi32(codes, codes));
-        let t = _mm256_div_ps(_mm256_sub_ps(two_i, d), d);
+        // (i − h)·(1/h) is exact, hence equal to the scalar (i − h)/h.
+        let h = (1u32 << (B - 1)) as f32;
+        let t = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(h)), _mm256_set1_ps(1.0 / h));
         _mm256_mul_ps(p0, _mm256_fmadd_ps(_mm256_mul_ps(p1, t), _mm256_mul_ps(t, t), t))
     }
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn value_avx512(codes: __m512i, p0: __m512, p1: __m512) -> __m512 {
-        let d = _mm512_set1_ps(((1u32 << B) - 1) as f32);
-        let two_i = _mm512_cvtepi32_ps(_mm512_add_epi32(codes, codes));
-        let t = _mm512_div_ps(_mm512_sub_ps(two_i, d), d);
+        // (i − h)·(1/h) is exact, hence equal to the scalar (i − h)/h.
+        let h = (1u32 << (B - 1)) as f32;
+        let t = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(h)), _mm512_set1_ps(1.0 / h));
         _mm512_mul_ps(p0, _mm512_fmadd_ps(_mm512_mul_ps(p1, t), _mm512_mul_ps(t, t), t))
     }
 }
@@ -169,18 +170,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn levels_are_symmetric_and_uniform_when_a_is_zero() {
+    fn grid_contains_zero_and_is_uniform_when_a_is_zero() {
         for bits in 1..=8 {
-            let l = 1u32 << bits;
+            let h = 1u32 << (bits - 1);
             for a in [0.0f32, 0.3, 1.0] {
-                for i in 0..l {
-                    assert_eq!(unit_level(i, bits, a), -unit_level(l - 1 - i, bits, a));
+                assert_eq!(unit_level(h, bits, a), 0.0);
+                assert_eq!(unit_level(0, bits, a), -(1.0 + a));
+                for i in 1..h {
+                    assert_eq!(unit_level(h + i, bits, a), -unit_level(h - i, bits, a));
+                    assert!(unit_level(h + i, bits, a) > unit_level(h + i - 1, bits, a));
                 }
-                assert_eq!(unit_level(l - 1, bits, a), 1.0 + a);
             }
-            assert_eq!(unit_level(0, bits, 0.0), -1.0);
+            for i in 0..2 * h {
+                assert_eq!(unit_level(i, bits, 0.0), (i as f32 - h as f32) / h as f32);
+            }
         }
-        assert_eq!(grid(1, 2), -1.0 / 3.0);
+        assert_eq!(grid(1, 2), -0.5);
+        assert_eq!(level(3, 2, -2.0, 0.0), -1.0, "a negative scale mirrors the grid");
     }
 
     #[test]
@@ -191,6 +197,7 @@ mod tests {
             let groups = rows * cols / gs;
             let scale: Vec<f32> = (0..groups).map(|g| 0.01 + g as f32 * 1e-4).collect();
             let shape: Vec<f32> = (0..groups).map(|g| (g % 7) as f32 * 0.15).collect();
+            let scale: Vec<f32> = scale.iter().enumerate().map(|(g, &s)| if g % 3 == 0 { -s } else { s }).collect();
             let m = AnyCubic::new(PackedRows::from_codes(bits, rows, cols, &codes), gs, &scale, &shape);
             let x: Vec<f32> = (0..n * cols).map(|i| ((i * 31 % 97) as f32 - 48.0) / 30.0).collect();
             let deq: Vec<Vec<f32>> = (0..rows).map(|r| m.dequantize_row(r)).collect();
