@@ -81,6 +81,12 @@ impl HermesStream {
         Self { state: State::Content, scan: Scanner::default(), body: String::new(), calls: 0, held_ws: String::new(), content_started: false }
     }
 
+    /// A stream whose content so far was already handled by another parser (`qwen3`): whether
+    /// non-whitespace content was sent, and the whitespace-only content held back.
+    pub(crate) fn after_content(content_started: bool, held_ws: String) -> Self {
+        Self { content_started, held_ws, ..Self::new() }
+    }
+
     fn markers(&self) -> &'static [&'static str] {
         match self.state {
             State::Content | State::Between => START_ONLY,

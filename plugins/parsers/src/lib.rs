@@ -7,7 +7,9 @@
 
 pub mod hermes;
 pub mod kimi_k2;
+pub mod kimi_k3;
 pub mod pyjson;
+pub mod qwen3;
 pub mod scan;
 pub mod think;
 
