@@ -171,4 +171,9 @@ impl WeightSource for SafetensorsSource {
     fn file_of(&self, name: &str) -> PathBuf {
         self.index.get(name).map(|&i| self.shards[i].path.clone()).unwrap_or_else(|| self.dir.clone())
     }
+
+    fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        let shard = &self.shards[*self.index.get(name)?];
+        shard.meta.info(name).map(|info| info.shape.clone())
+    }
 }

@@ -6,6 +6,7 @@ pub mod ggml;
 pub mod gguf;
 pub mod gguf_source;
 pub mod hf_source;
+pub mod kda;
 pub mod kv;
 pub mod linear;
 pub mod llama;

@@ -15,6 +15,11 @@ pub trait WeightSource: Send + Sync {
     fn contains(&self, name: &str) -> bool;
     /// The file a tensor lives in, or the checkpoint's main file for errors about missing ones.
     fn file_of(&self, name: &str) -> PathBuf;
+    /// The stored shape of `name`, where the source can tell without loading it (for tensors whose
+    /// checkpoints disagree on the shape, e.g. KDA's `A_log`); `None` if absent or unknown.
+    fn shape_of(&self, _name: &str) -> Option<Vec<usize>> {
+        None
+    }
     /// The Linear layer `module` (e.g. `model.layers.0.mlp.up_proj`) of `[rows, cols]`: dense
     /// from `{module}.weight` unless the source keeps it quantized.
     fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {

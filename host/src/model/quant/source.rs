@@ -72,6 +72,10 @@ impl WeightSource for QuantizedSource {
         self.inner.file_of(name)
     }
 
+    fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        self.inner.shape_of(name)
+    }
+
     fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
         let ct = match &self.config {
             Config::CompressedTensors(ct) => ct,
