@@ -220,6 +220,103 @@ fn wasm_parsers_match_vllm_fixtures() {
     assert!(n >= 9, "only {n} cases ran");
 }
 
+/// The host's parser chain (reasoning deployment, then the tool deployment on its content, as
+/// chat completions run them) with the real Kimi K3 and Qwen3 components gives vLLM's answers
+/// (vllm_expected.json), for the whole text and streamed one char per delta.
+#[test]
+fn wasm_parser_chain_matches_vllm_for_kimi_k3_and_qwen3() {
+    use wasmserve::plugins::chat::ChatParsers;
+    use wasmserve::plugins::registry::{DeploymentSpec, Kind, Registry};
+    let names = ["reasoning-kimi-k3", "tool-kimi-k3", "reasoning-qwen3", "tool-qwen3"];
+    let mut bytes = std::collections::HashMap::new();
+    for n in names {
+        let Some(b) = component(n) else { return };
+        bytes.insert(n, b);
+    }
+    let registry = |reasoning: Option<&str>, tool: &str| {
+        let reg = Registry::new(Runtime::new(None).unwrap());
+        let mut deploy = |name: &str, kind: Kind, comp: &str| {
+            let spec = DeploymentSpec { name: name.into(), kind, component: None, models: vec![], tenants: vec![], config: serde_json::json!({}), limits: limits() };
+            reg.deploy(spec, &bytes[comp]).unwrap();
+        };
+        if let Some(r) = reasoning {
+            deploy("reasoning", Kind::ReasoningParser, r);
+        }
+        deploy("tools", Kind::ToolParser, tool);
+        reg
+    };
+    let k3 = registry(Some("reasoning-kimi-k3"), "tool-kimi-k3");
+    let qwen = registry(Some("reasoning-qwen3"), "tool-qwen3");
+    let qwen_tools_only = registry(None, "tool-qwen3");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/parsers/vllm_expected.json");
+    let data: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let (mut n, mut failures) = (0, Vec::new());
+    for case in data["cases"].as_array().unwrap() {
+        let reg = match (case["reasoning_parser"].as_str(), case["tool_parser"].as_str()) {
+            (Some("kimi_k3"), _) => &k3,
+            (Some("qwen3"), Some("qwen3_coder" | "hermes")) => &qwen,
+            (None, Some("qwen3_coder" | "hermes")) => &qwen_tools_only,
+            _ => continue,
+        };
+        let tools: Vec<Value> = case["tools"].as_array().unwrap().clone();
+        // The host gives the tool parser the request's tools (none: no tool parsing).
+        let tools = (!tools.is_empty() && !case["tool_parser"].is_null()).then_some(tools);
+        let kwargs = case.get("chat_template_kwargs").and_then(Value::as_object);
+        let parsers = ChatParsers::select(reg, "m", "", tools.as_deref(), kwargs).unwrap();
+        let text = case["text"].as_str().unwrap();
+        let want = &case["expected"];
+        let want_calls: Vec<(String, String)> =
+            want["tool_calls"].as_array().unwrap().iter().map(|c| (c["name"].as_str().unwrap().into(), c["arguments"].as_str().unwrap().into())).collect();
+        let k3_ids = case["tool_parser"] == "kimi_k3";
+        let want_ids: Vec<&str> = want["tool_calls"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
+
+        let (msg, _) = parsers.message(text).unwrap();
+        let calls: Vec<(String, String)> = msg["tool_calls"]
+            .as_array()
+            .map(|a| a.iter().map(|c| (c["function"]["name"].as_str().unwrap().into(), c["function"]["arguments"].as_str().unwrap().into())).collect())
+            .unwrap_or_default();
+        let ids: Vec<&str> = msg["tool_calls"].as_array().map(|a| a.iter().map(|c| c["id"].as_str().unwrap()).collect()).unwrap_or_default();
+        let label = format!("{}/{} {text:?}", case["reasoning_parser"], case["tool_parser"]);
+        if msg["content"] != want["content"] || msg["reasoning_content"] != want["reasoning"] || calls != want_calls || (k3_ids && ids != want_ids) {
+            failures.push(format!("whole {label}: got {msg}, want {want}"));
+        }
+
+        let mut s = parsers.stream().unwrap();
+        let (mut reasoning, mut content) = (String::new(), String::new());
+        let mut streamed: Vec<(String, String, String)> = Vec::new();
+        let chars: Vec<(usize, char)> = text.char_indices().collect();
+        for (k, (i, c)) in chars.iter().enumerate() {
+            let Some(d) = s.delta(&text[*i..i + c.len_utf8()], &[], k + 1 == chars.len()).unwrap() else { continue };
+            reasoning.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+            content.push_str(d["content"].as_str().unwrap_or(""));
+            for c in d["tool_calls"].as_array().into_iter().flatten() {
+                let i = c["index"].as_u64().unwrap() as usize;
+                if i == streamed.len() {
+                    streamed.push((c["id"].as_str().unwrap().into(), c["function"]["name"].as_str().unwrap().into(), String::new()));
+                }
+                streamed[i].2.push_str(c["function"]["arguments"].as_str().unwrap());
+            }
+        }
+        if case.get("truncated_call") == Some(&Value::Bool(true)) {
+            streamed.pop();
+        }
+        let got_calls: Vec<(String, String)> = streamed.iter().map(|c| (c.1.clone(), c.2.clone())).collect();
+        let content = Some(content).filter(|c| if got_calls.is_empty() { !c.is_empty() } else { !c.trim().is_empty() });
+        let stream_ids: Vec<&str> = streamed.iter().map(|c| c.0.as_str()).collect();
+        if content.as_deref() != want["content"].as_str()
+            || Some(reasoning.as_str()).filter(|r| !r.is_empty()) != want["reasoning"].as_str()
+            || got_calls != want_calls
+            || (k3_ids && stream_ids != want_ids)
+        {
+            failures.push(format!("stream {label}: got {reasoning:?} {content:?} {streamed:?}, want {want}"));
+        }
+        n += 1;
+    }
+    eprintln!("{n} cases through the Wasm parser chain");
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(n >= 50, "only {n} cases ran");
+}
+
 /// The chat-template-jinja plugin renders the real templates (tests/reference/templates/) byte
 /// for byte as transformers' `apply_chat_template` does (expected.json, made by transformers),
 /// and refuses what transformers refuses.

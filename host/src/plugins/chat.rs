@@ -76,6 +76,9 @@ impl ChatParsers {
                 msg["tool_calls"] = Value::Array(calls);
                 return Ok((msg, true));
             }
+            // No calls: the tool parser's content (vLLM uses it too; Kimi K3's parser unwraps
+            // the response channel here, the others return the text unchanged).
+            msg["content"] = json!(r.content.filter(|c| !c.is_empty()));
         }
         Ok((msg, false))
     }
