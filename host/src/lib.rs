@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod chat;
+pub mod decode_bench;
 pub mod engine;
 pub mod generate;
 pub mod model;

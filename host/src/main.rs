@@ -44,6 +44,8 @@ enum BenchCommand {
     Engine(BenchEngineArgs),
     /// Perplexity on a text file (fixed windows).
     Perplexity(wasmserve::perplexity::PerplexityArgs),
+    /// Single-stream decode tok/s of several checkpoints side by side (e.g. dense vs INT4 vs Cubic).
+    Decode(wasmserve::decode_bench::DecodeBenchArgs),
 }
 
 #[derive(Args)]
@@ -120,6 +122,7 @@ fn main() -> Result<()> {
         Command::Serve(args) => wasmserve::server::run(args),
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
         Command::Bench(BenchCommand::Perplexity(args)) => wasmserve::perplexity::run(args),
+        Command::Bench(BenchCommand::Decode(args)) => wasmserve::decode_bench::run(args),
         Command::Quantize(args) => wasmserve::quantize::run(args),
         Command::Tenants(cmd) => wasmserve::tenancy::cli::tenants(cmd),
         Command::Keys(cmd) => wasmserve::tenancy::cli::keys(cmd),

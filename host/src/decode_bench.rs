@@ -1,0 +1,67 @@
+//! `wasmserve bench decode`: single-stream greedy decode speed of several checkpoints of the same
+//! model (e.g. bf16 → dense f32, INT4, Cubic), measured side by side in one run. Rounds go over
+//! the models in turn and each model's fastest round is kept, so every model sees the same
+//! machine load (the machine may be shared); ratios are against the first model.
+
+use std::time::Instant;
+
+use crate::model::kv::{BatchRow, ContiguousKvCache};
+use crate::model::LoadedModel;
+
+#[derive(clap::Args)]
+pub struct DecodeBenchArgs {
+    /// Checkpoints (.gguf or Hugging Face directories); the first is the baseline of the ratios.
+    #[arg(long = "model", required = true)]
+    pub models: Vec<std::path::PathBuf>,
+    /// Prompt tokens prefilled before decoding.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_tokens: usize,
+    /// Tokens decoded (and timed) per round.
+    #[arg(long, default_value_t = 32)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+}
+
+/// Decodes `steps` greedy tokens after `prompt`; returns the decode time in seconds (prefill
+/// excluded) and the tokens, so the caller can check every model ran a real continuation.
+pub fn timed_decode(m: &LoadedModel, prompt: &[u32], steps: usize) -> (f64, Vec<u32>) {
+    let cfg = m.config();
+    let mut kv = ContiguousKvCache::new(cfg.num_layers(), cfg.kv_width(), 1);
+    let rows: Vec<BatchRow> = (0..prompt.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+    let mut logits = m.model.forward(prompt, &rows, &mut kv, &[prompt.len() - 1]);
+    let mut out = Vec::with_capacity(steps);
+    let started = Instant::now();
+    for i in 0..steps {
+        let next = argmax(&logits);
+        out.push(next);
+        logits = m.model.forward(&[next], &[BatchRow { seq: 0, pos: prompt.len() + i }], &mut kv, &[0]);
+    }
+    (started.elapsed().as_secs_f64(), out)
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
+}
+
+pub fn run(a: DecodeBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.prompt_tokens > 0 && a.steps > 0 && a.rounds > 0, "--prompt-tokens, --steps and --rounds must be positive");
+    let models = a.models.iter().map(|p| Ok(crate::model::load(p)?)).collect::<anyhow::Result<Vec<_>>>()?;
+    let text = "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer \
+                The slings and arrows of outrageous fortune, Or to take arms against a sea of troubles";
+    let mut best = vec![f64::MAX; models.len()];
+    for round in 0..a.rounds {
+        for (i, m) in models.iter().enumerate() {
+            let mut prompt = m.tokenizer.encode(text, false).map_err(anyhow::Error::msg)?;
+            prompt.resize(a.prompt_tokens, prompt[prompt.len() - 1]);
+            let (t, _) = timed_decode(m, &prompt, a.steps);
+            best[i] = best[i].min(t);
+            eprintln!("round {}/{}: {} {:.1} tok/s", round + 1, a.rounds, a.models[i].display(), a.steps as f64 / t);
+        }
+    }
+    println!("{:<48} {:>10} {:>9}", "model", "decode tok/s", "vs first");
+    for (i, p) in a.models.iter().enumerate() {
+        println!("{:<48} {:>10.1} {:>8.2}x", p.display(), a.steps as f64 / best[i], best[0] / best[i]);
+    }
+    Ok(())
+}
