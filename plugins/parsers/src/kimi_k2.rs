@@ -14,7 +14,7 @@
 
 use wasmserve_guest::{Plugin, PluginInfo, RequestContext, ToolCall, ToolCallDelta, ToolDelta, ToolParser, ToolResult, ToolStream};
 
-use crate::scan::{Piece, Scanner};
+use crate::scan::{flush_into, scan_into, Piece, Scanner};
 
 pub const SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
 pub const SECTION_END: &str = "<|tool_calls_section_end|>";
@@ -174,21 +174,13 @@ impl KimiStream {
 impl ToolStream for KimiStream {
     fn feed(&mut self, text: &str, _token_ids: &[u32]) -> ToolDelta {
         let mut out = ToolDelta::default();
-        let mut scan = std::mem::take(&mut self.scan);
-        scan.feed(text, self.markers(), |p| {
-            self.piece(p, &mut out);
-            self.markers()
-        });
-        self.scan = scan;
+        scan_into(self, |s| &mut s.scan, text, Self::markers, |s, p| s.piece(p, &mut out));
         out
     }
 
     fn finish(&mut self) -> ToolDelta {
         let mut out = ToolDelta::default();
-        let tail = self.scan.flush();
-        if !tail.is_empty() {
-            self.piece(Piece::Text(&tail), &mut out);
-        }
+        flush_into(self, |s| &mut s.scan, |s, p| s.piece(p, &mut out));
         if self.state == State::Args {
             self.end_call(&mut out);
         }

@@ -23,7 +23,7 @@ use wasmserve_guest::{
     ToolParser, ToolResult, ToolStream,
 };
 
-use crate::scan::{Piece, Scanner};
+use crate::scan::{flush_into, scan_into, Piece, Scanner};
 
 pub const THINK_OPEN: &str = "<|open|>think<|sep|>";
 pub const THINK_CLOSE: &str = "<|close|>think<|sep|>";
@@ -237,21 +237,13 @@ impl K3ReasoningStream {
 impl ReasoningStream for K3ReasoningStream {
     fn feed(&mut self, text: &str, _token_ids: &[u32]) -> ReasoningDelta {
         let mut out = ReasoningDelta::default();
-        let mut scan = std::mem::take(&mut self.scan);
-        scan.feed(text, self.markers(), |p| {
-            self.piece(p, &mut out);
-            self.markers()
-        });
-        self.scan = scan;
+        scan_into(self, |s| &mut s.scan, text, Self::markers, |s, p| s.piece(p, &mut out));
         out
     }
 
     fn finish(&mut self) -> ReasoningDelta {
         let mut out = ReasoningDelta::default();
-        let tail = self.scan.flush();
-        if !tail.is_empty() {
-            self.piece(Piece::Text(&tail), &mut out);
-        }
+        flush_into(self, |s| &mut s.scan, |s, p| s.piece(p, &mut out));
         if self.state == RState::Content && !self.raw_content {
             self.unwrap.finish(&mut out.content);
         }
@@ -648,21 +640,13 @@ impl K3ToolStream {
 impl ToolStream for K3ToolStream {
     fn feed(&mut self, text: &str, _token_ids: &[u32]) -> ToolDelta {
         let mut out = ToolDelta::default();
-        let mut scan = std::mem::take(&mut self.scan);
-        scan.feed(text, self.markers(), |p| {
-            self.piece(p, &mut out);
-            self.markers()
-        });
-        self.scan = scan;
+        scan_into(self, |s| &mut s.scan, text, Self::markers, |s, p| s.piece(p, &mut out));
         out
     }
 
     fn finish(&mut self) -> ToolDelta {
         let mut out = ToolDelta::default();
-        let tail = self.scan.flush();
-        if !tail.is_empty() {
-            self.piece(Piece::Text(&tail), &mut out);
-        }
+        flush_into(self, |s| &mut s.scan, |s, p| s.piece(p, &mut out));
         if self.state == TState::ArgValue {
             if let Some(c) = self.call.as_mut() {
                 c.pending_prefix.clear();

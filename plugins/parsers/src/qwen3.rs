@@ -20,7 +20,7 @@ use serde_json::{Map, Value};
 use wasmserve_guest::{Plugin, PluginInfo, RequestContext, ToolCall, ToolCallDelta, ToolDelta, ToolParser, ToolResult, ToolStream};
 
 use crate::hermes::HermesStream;
-use crate::scan::{Piece, Scanner};
+use crate::scan::{flush_into, Piece, Scanner};
 
 const TOOL_START: &str = "<tool_call>";
 const TOOL_END: &str = "</tool_call>";
@@ -474,10 +474,7 @@ impl ToolStream for Qwen3Stream {
             return h.finish();
         }
         let mut out = ToolDelta::default();
-        let tail = self.scan.flush();
-        if !tail.is_empty() {
-            self.piece(Piece::Text(&tail), &mut out);
-        }
+        flush_into(self, |s| &mut s.scan, |s, p| s.piece(p, &mut out));
         if let Some(h) = self.hermes.as_mut() {
             let d = h.finish();
             out.content.push_str(&d.content);

@@ -65,6 +65,34 @@ impl Scanner {
     }
 }
 
+/// Runs `text` through the `Scanner` that `scanner` finds inside `stream`, handing each piece to
+/// `piece` and asking `markers` for the marker set after every piece (the set depends on the
+/// stream's state). The scanner is taken out of the stream for the call, so `piece` may borrow
+/// the whole stream mutably.
+pub fn scan_into<S>(
+    stream: &mut S,
+    scanner: fn(&mut S) -> &mut Scanner,
+    text: &str,
+    markers: fn(&S) -> &'static [&'static str],
+    mut piece: impl FnMut(&mut S, Piece),
+) {
+    let mut scan = std::mem::take(scanner(stream));
+    scan.feed(text, markers(stream), |p| {
+        piece(stream, p);
+        markers(stream)
+    });
+    *scanner(stream) = scan;
+}
+
+/// End of generation: the scanner's held-back tail (it never became a marker) goes to `piece`
+/// as plain text.
+pub fn flush_into<S>(stream: &mut S, scanner: fn(&mut S) -> &mut Scanner, mut piece: impl FnMut(&mut S, Piece)) {
+    let tail = scanner(stream).flush();
+    if !tail.is_empty() {
+        piece(stream, Piece::Text(&tail));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

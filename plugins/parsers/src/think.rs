@@ -11,7 +11,7 @@
 
 use wasmserve_guest::{Plugin, PluginInfo, ReasoningDelta, ReasoningParser, ReasoningResult, ReasoningStream, RequestContext};
 
-use crate::scan::{Piece, Scanner};
+use crate::scan::{flush_into, scan_into, Piece, Scanner};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flavor {
@@ -125,21 +125,13 @@ impl ReasoningStream for ThinkStream {
             out.content.push_str(text);
             return out;
         }
-        let mut scan = std::mem::take(&mut self.scan);
-        scan.feed(text, self.markers(), |p| {
-            self.piece(p, &mut out);
-            self.markers()
-        });
-        self.scan = scan;
+        scan_into(self, |s| &mut s.scan, text, Self::markers, |s, p| s.piece(p, &mut out));
         out
     }
 
     fn finish(&mut self) -> ReasoningDelta {
         let mut out = ReasoningDelta::default();
-        let tail = self.scan.flush();
-        if !tail.is_empty() {
-            self.piece(Piece::Text(&tail), &mut out);
-        }
+        flush_into(self, |s| &mut s.scan, |s, p| s.piece(p, &mut out));
         out
     }
 }
