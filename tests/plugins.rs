@@ -235,7 +235,7 @@ fn wasm_parser_chain_matches_vllm_for_kimi_k3_and_qwen3() {
     }
     let registry = |reasoning: Option<&str>, tool: &str| {
         let reg = Registry::new(Runtime::new(None).unwrap());
-        let mut deploy = |name: &str, kind: Kind, comp: &str| {
+        let deploy = |name: &str, kind: Kind, comp: &str| {
             let spec = DeploymentSpec { name: name.into(), kind, component: None, models: vec![], tenants: vec![], config: serde_json::json!({}), limits: limits() };
             reg.deploy(spec, &bytes[comp]).unwrap();
         };
