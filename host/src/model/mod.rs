@@ -10,6 +10,7 @@ pub mod kda;
 pub mod kv;
 pub mod linear;
 pub mod llama;
+pub mod moe;
 pub mod quant;
 pub mod source;
 pub mod tensor;
