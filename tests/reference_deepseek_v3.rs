@@ -395,3 +395,45 @@ fn fp8_latent_cache_equals_per_row_e4m3_rounding() {
     eprintln!("fp8 latent cache: first-step top-5 logprobs vs E4M3-rounded forward {worst:.1e}, vs f32 transformers {drift:.3}");
     assert!(worst <= 1e-4, "the FP8 pool differs from per-row E4M3 rounding: {worst}");
 }
+
+#[test]
+fn int8_quantized_experts_load_packed_and_stay_close() {
+    // `wasmserve quantize` with a policy that packs only the routed experts (compressed-tensors
+    // INT8, groups of 16); the model loads them through WeightSource::linear as packed Linears.
+    let out = std::env::temp_dir().join(format!("wasmserve-dsv3-int8-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let policy = out.with_extension("policy.json");
+    std::fs::write(&policy, r#"{"format": "int", "bits": 8, "group_size": 16,
+        "rules": [{"match": "re:.*mlp\\.experts\\."}, {"match": "re:.*", "skip": true}]}"#).unwrap();
+    wasmserve::quantize::run(wasmserve::quantize::QuantizeArgs {
+        input: dir().join("model"),
+        output: out.clone(),
+        format: None,
+        bits: None,
+        group_size: None,
+        policy: Some(policy.clone()),
+        quiet: true,
+    })
+    .expect("quantizing the experts");
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["quantization_config"]["quant_method"], "compressed-tensors");
+    let q = wasmserve::model::load(&out).expect("loading the INT8-expert checkpoint");
+    let vocab = q.config().vocab_size;
+    // Routing is discontinuous: a rounding-sized change can flip a token's top-2 experts, which
+    // moves that position's logits by O(1). So: most positions close, the median very close.
+    let mut per = Vec::new();
+    for case in cases() {
+        let n = case.ids.len();
+        let mut kv = ContiguousKvCache::for_layout(&q.model.cache_layout(), 1);
+        let rows: Vec<BatchRow> = (0..n).map(|pos| BatchRow { seq: 0, pos }).collect();
+        let logits = q.model.forward(&case.ids, &rows, &mut kv, &(0..n).collect::<Vec<_>>());
+        per.extend(case.prefill.iter().enumerate().map(|(p, want)| max_diff(&logits[p * vocab..(p + 1) * vocab], want)));
+    }
+    per.sort_by(f32::total_cmp);
+    let (median, p90) = (per[per.len() / 2], per[per.len() * 9 / 10]);
+    eprintln!("INT8 experts: per-position max logit diff vs transformers (f32 experts): median {median:.3}, p90 {p90:.3}, max {:.3}", per[per.len() - 1]);
+    assert!(median > 1e-3, "the experts do not look quantized (median diff {median})");
+    assert!(median < 0.1 && p90 < 0.2, "INT8 experts drift too far: median {median}, p90 {p90}");
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(&policy);
+}
