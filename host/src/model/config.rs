@@ -84,7 +84,14 @@ impl ModelConfig {
     fn validate(self, file: &Path) -> Result<Self, LoadError> {
         let bad = |detail: String| Err(LoadError::Config { file: file.to_path_buf(), detail });
         if self.hidden_size == 0 || self.num_heads == 0 || self.num_kv_heads == 0 || self.layers.is_empty() || self.vocab_size == 0 {
-            return bad(format!("zero-sized model dimension in {self:?}"));
+            return bad(format!(
+                "zero-sized model dimension (hidden {}, heads {}, kv heads {}, layers {}, vocab {})",
+                self.hidden_size,
+                self.num_heads,
+                self.num_kv_heads,
+                self.layers.len(),
+                self.vocab_size
+            ));
         }
         if self.num_heads % self.num_kv_heads != 0 {
             return bad(format!("{} attention heads is not a multiple of {} key/value heads", self.num_heads, self.num_kv_heads));
