@@ -7,6 +7,7 @@ pub mod engine;
 pub mod generate;
 pub mod mesh;
 pub mod model;
+pub mod moe_bench;
 pub mod perplexity;
 pub mod plugins;
 pub mod sampling;

@@ -11,7 +11,7 @@ use crate::model::error::LoadError;
 use crate::model::kv::{BatchRow, KvCache};
 use crate::model::llama::{LlamaModel, SharedKv, TpRank};
 use crate::model::source::WeightSource;
-use crate::model::{gguf, gguf_source, hf_source, quant};
+use crate::model::{gguf, gguf_source, hf_source, quant, LanguageModel};
 
 use super::collective::{Collective, CollectiveError};
 use super::local::LocalCollective;

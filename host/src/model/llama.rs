@@ -20,7 +20,8 @@ use crate::mesh::{even_range, Collective, CollectiveError, LocalCollective};
 
 use super::config::ModelConfig;
 use super::error::LoadError;
-use super::kv::{BatchRow, KvCache};
+use super::kv::{BatchRow, CacheLayout, KvCache, LayerKvShape};
+use super::LanguageModel;
 use super::linear::Linear;
 use super::source::WeightSource;
 use super::tensor::Tensor;
@@ -153,22 +154,33 @@ impl LlamaModel {
         self.kv_heads * self.cfg.head_dim
     }
 
-    pub fn config(&self) -> &ModelConfig {
+}
+
+impl LanguageModel for LlamaModel {
+    fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
-    /// Runs `tokens` (one per entry of `rows`) through the model, storing their keys/values in
-    /// `kv`, and returns logits (`logit_rows.len() × vocab`) for the rows listed in `logit_rows`.
-    ///
-    /// Callers must pass token ids below `vocab_size` and, for every row, have already written (in
-    /// an earlier call or earlier in this batch) all positions before it of the same sequence.
-    pub fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
+    /// The cache this rank works on. Ranks of a tensor-parallel group share one cache, each
+    /// writing its own KV heads into its own layers (`layer * tp + rank`), so the shared layout
+    /// has `tp` times the layers, each as wide as this rank's KV heads (all ranks hold the same
+    /// number). With one rank this is the plain per-layer layout.
+    fn cache_layout(&self) -> CacheLayout {
+        CacheLayout::uniform(self.cfg.num_layers() * self.tp.size, LayerKvShape::heads(self.kv_heads, self.cfg.head_dim))
+    }
+
+    /// Single-device forward. A rank of a larger group runs only through
+    /// [`LlamaModel::forward_rank`] (the `mesh::TensorParallel` wrapper does that), since it
+    /// needs its peers to produce anything.
+    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         assert_eq!(self.tp.size, 1, "LlamaModel::forward on one tensor-parallel rank; use mesh::TensorParallel");
         let comm = LocalCollective::group(1).pop().expect("one rank");
         self.forward_rank(tokens, rows, &RwLock::new(kv), logit_rows, &comm).expect("a one-rank group has no peer to fail")
     }
+}
 
-    /// This rank's part of [`Self::forward`]: every rank of the TP group calls it with the same
+impl LlamaModel {
+    /// This rank's part of the forward pass: every rank of the TP group calls it with the same
     /// batch and its own handle on the group's communicator; all of them return the full logits.
     pub fn forward_rank<C: Collective>(
         &self,
@@ -278,6 +290,9 @@ impl LlamaModel {
         Ok(logits)
     }
 
+}
+
+impl LlamaModel {
     /// Causal softmax attention of every (row, head) over its sequence's cached positions `0..=pos`.
     fn attention(&self, layer: usize, q: &[f32], rows: &[BatchRow], kv: &dyn KvCache) -> Vec<f32> {
         let cfg = &self.cfg;
