@@ -235,7 +235,7 @@ fn wasm_parser_chain_matches_vllm_for_kimi_k3_and_qwen3() {
     }
     let registry = |reasoning: Option<&str>, tool: &str| {
         let reg = Registry::new(Runtime::new(None).unwrap());
-        let mut deploy = |name: &str, kind: Kind, comp: &str| {
+        let deploy = |name: &str, kind: Kind, comp: &str| {
             let spec = DeploymentSpec { name: name.into(), kind, component: None, models: vec![], tenants: vec![], config: serde_json::json!({}), limits: limits() };
             reg.deploy(spec, &bytes[comp]).unwrap();
         };
@@ -345,8 +345,13 @@ fn chat_template_plugin_matches_transformers() {
             TemplatePool::new(&rt, name, &c, &cfg.to_string(), limits, Arc::new(PluginMetrics::default())).unwrap()
         });
         let tools = (!case["tools"].is_null()).then(|| case["tools"].to_string());
-        let got = template::render(pool, &case["messages"].to_string(), tools.as_deref(), case["add_generation_prompt"].as_bool().unwrap(), None, "{}");
-        let label = format!("{name}/{}/gen={}", case["conversation"], case["add_generation_prompt"]);
+        // Template options as the server passes them: reasoning_effort in the render options,
+        // the other chat_template_kwargs as extra variables.
+        let mut kwargs = case["kwargs"].as_object().cloned().unwrap_or_default();
+        let effort = kwargs.remove("reasoning_effort").map(|v| v.as_str().unwrap().to_string());
+        let extra = Value::Object(kwargs).to_string();
+        let got = template::render(pool, &case["messages"].to_string(), tools.as_deref(), case["add_generation_prompt"].as_bool().unwrap(), effort.as_deref(), &extra);
+        let label = format!("{name}/{}/gen={}/{}", case["conversation"], case["add_generation_prompt"], case["kwargs"]);
         match (got, case["prompt"].as_str()) {
             (Ok(r), Some(want)) if r.prompt == want => same += 1,
             (Err(e), None) => {
@@ -359,7 +364,32 @@ fn chat_template_plugin_matches_transformers() {
     }
     eprintln!("{same} renderings identical to transformers, {refused} refused by both, {} templates", pools.len());
     assert!(failures.is_empty(), "{} differ:\n{}", failures.len(), failures.join("\n"));
-    assert!(same >= 90);
+    assert!(same >= 280 && refused >= 20, "{same} same, {refused} refused");
+}
+
+/// `tojson` inside the Wasm template plugin honours ensure_ascii / indent / separators /
+/// sort_keys exactly as Python's json.dumps (tojson_expected.json, made by transformers).
+#[test]
+fn chat_template_plugin_tojson_matches_python() {
+    use wasmserve::plugins::template::{self, TemplatePool};
+    let Some(bytes) = component("chat-template-jinja") else { return };
+    let rt = Runtime::new(None).unwrap();
+    let c = rt.compile(&bytes).unwrap();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/templates/tojson_expected.json");
+    let data: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut failures = Vec::new();
+    let cases = data["cases"].as_array().unwrap();
+    for case in cases {
+        let cfg = serde_json::json!({"template": case["template"]});
+        let pool = TemplatePool::new(&rt, "tojson", &c, &cfg.to_string(), limits(), Arc::new(PluginMetrics::default())).unwrap();
+        let extra = serde_json::json!({"value": case["value"]}).to_string();
+        let got = template::render(&pool, "[]", None, false, None, &extra).map(|r| r.prompt).map_err(|e| e.message);
+        if got.as_deref() != Ok(case["expected"].as_str().unwrap()) {
+            failures.push(format!("{} {}: got {got:?}, want {}", case["value_name"], case["template"], case["expected"]));
+        }
+    }
+    assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    assert!(cases.len() >= 60);
 }
 
 fn percentiles(mut v: Vec<f64>) -> (f64, f64) {

@@ -6,6 +6,7 @@ pub mod decode_bench;
 pub mod engine;
 pub mod generate;
 pub mod model;
+pub mod moe_bench;
 pub mod perplexity;
 pub mod plugins;
 pub mod sampling;

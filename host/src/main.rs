@@ -46,6 +46,8 @@ enum BenchCommand {
     Perplexity(wasmserve::perplexity::PerplexityArgs),
     /// Single-stream decode tok/s of several checkpoints side by side (e.g. dense vs INT4 vs Cubic).
     Decode(wasmserve::decode_bench::DecodeBenchArgs),
+    /// MoE decode step cost vs bytes of active expert weights, against a dense layer of the same bytes.
+    Moe(wasmserve::moe_bench::MoeBenchArgs),
 }
 
 #[derive(Args)]
@@ -123,6 +125,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
         Command::Bench(BenchCommand::Perplexity(args)) => wasmserve::perplexity::run(args),
         Command::Bench(BenchCommand::Decode(args)) => wasmserve::decode_bench::run(args),
+        Command::Bench(BenchCommand::Moe(args)) => wasmserve::moe_bench::run(args),
         Command::Quantize(args) => wasmserve::quantize::run(args),
         Command::Tenants(cmd) => wasmserve::tenancy::cli::tenants(cmd),
         Command::Keys(cmd) => wasmserve::tenancy::cli::keys(cmd),

@@ -25,7 +25,7 @@ pub fn perplexity(m: &LoadedModel, tokens: &[u32], ctx: usize, max_windows: usiz
     for window in tokens.chunks_exact(ctx).take(max_windows) {
         let rows: Vec<BatchRow> = (0..ctx).map(|pos| BatchRow { seq: 0, pos }).collect();
         let logit_rows: Vec<usize> = (0..ctx - 1).collect();
-        let mut kv = ContiguousKvCache::new(cfg.num_layers(), cfg.kv_width(), 1);
+        let mut kv = ContiguousKvCache::for_layout(&m.model.cache_layout(), 1);
         let logits = m.model.forward(window, &rows, &mut kv, &logit_rows);
         for (p, row) in logits.chunks_exact(vocab).enumerate() {
             let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;

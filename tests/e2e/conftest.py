@@ -16,7 +16,8 @@ import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BINARY = ROOT / "target" / "release" / "wasmserve"
+# cargo puts the binary under CARGO_TARGET_DIR when that is set (scripts/test-e2e builds it there).
+BINARY = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target").resolve() / "release" / "wasmserve"
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOG_DIR = ROOT / "target" / "e2e-logs"
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"

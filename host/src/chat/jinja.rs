@@ -13,12 +13,30 @@ pub struct JinjaChatTemplate {
     eos_token: String,
 }
 
-fn tojson(value: JValue, kwargs: Kwargs) -> Result<String, Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
+/// sort_keys=False)`, each overridable by the template (Kimi K3 passes `ensure_ascii=false`).
+pub(crate) fn tojson(value: JValue, kwargs: Kwargs) -> Result<String, Error> {
+    let opts = tojson_opts(&kwargs)?;
     kwargs.assert_all_used()?;
     let json: serde_json::Value =
         serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    Ok(pyjson::dumps(&json, indent))
+    Ok(pyjson::dumps_with(&json, &opts))
+}
+
+fn tojson_opts(kwargs: &Kwargs) -> Result<pyjson::DumpOpts, Error> {
+    let separators = match kwargs.get::<Option<Vec<String>>>("separators")? {
+        None => None,
+        Some(v) => match <[String; 2]>::try_from(v) {
+            Ok([item, key]) => Some((item, key)),
+            Err(_) => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be an (item, key) pair")),
+        },
+    };
+    Ok(pyjson::DumpOpts {
+        indent: kwargs.get("indent")?,
+        separators,
+        sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+        ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+    })
 }
 
 fn raise_exception(msg: String) -> Result<String, Error> {
@@ -136,5 +154,66 @@ mod tests {
         assert!(t.render(&ChatTemplateInput::default()).unwrap_err().contains("no system"));
         assert_eq!(format_utc(0, "%d %b %Y"), "01 Jan 1970");
         assert_eq!(format_utc(1_795_000_000, "%Y-%m-%d"), "2026-11-18");
+    }
+
+    fn reference(file: &str) -> serde_json::Value {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference").join(file);
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+    }
+
+    /// `tojson` with ensure_ascii / indent / separators / sort_keys writes what Python's
+    /// json.dumps writes (tests/reference/templates/tojson_expected.json, made by transformers).
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let data = reference("templates/tojson_expected.json");
+        let mut failures = Vec::new();
+        let cases = data["cases"].as_array().unwrap();
+        for case in cases {
+            let t = JinjaChatTemplate::new(case["template"].as_str().unwrap(), None, None).unwrap();
+            let mut extra = serde_json::Map::new();
+            extra.insert("value".into(), case["value"].clone());
+            let got = t.render(&ChatTemplateInput { extra, ..Default::default() });
+            if got.as_deref() != Ok(case["expected"].as_str().unwrap()) {
+                failures.push(format!("{} {}: got {got:?}, want {}", case["value_name"], case["template"], case["expected"]));
+            }
+        }
+        assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+        assert!(cases.len() >= 60);
+    }
+
+    /// The native renderer gives transformers' prompts byte for byte for the real templates
+    /// (tests/reference/templates/expected.json, with tools, multi-turn tool results and the
+    /// templates' thinking options), and refuses what transformers refuses.
+    #[test]
+    fn real_templates_match_transformers() {
+        let data = reference("templates/expected.json");
+        let smol = reference("smollm2/fixtures.json");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/templates");
+        let mut templates = std::collections::HashMap::new();
+        let (mut same, mut refused, mut failures) = (0, 0, Vec::new());
+        for case in data["cases"].as_array().unwrap() {
+            let name = case["template"].as_str().unwrap();
+            let t = templates.entry(name.to_string()).or_insert_with(|| {
+                let src = match name {
+                    "SmolLM2-135M-Instruct" => smol["chat_template"].as_str().unwrap().to_string(),
+                    _ => std::fs::read_to_string(dir.join(format!("{name}.jinja"))).unwrap(),
+                };
+                JinjaChatTemplate::new(&src, case["bos_token"].as_str(), case["eos_token"].as_str()).unwrap()
+            });
+            let input = ChatTemplateInput {
+                messages: case["messages"].as_array().unwrap().clone(),
+                tools: case["tools"].as_array().cloned(),
+                add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+                extra: case["kwargs"].as_object().cloned().unwrap_or_default(),
+            };
+            let label = format!("{name}/{}/gen={}/{}", case["conversation"], case["add_generation_prompt"], case["kwargs"]);
+            match (t.render(&input), case["prompt"].as_str()) {
+                (Ok(got), Some(want)) if got == want => same += 1,
+                (Err(_), None) => refused += 1,
+                (got, want) => failures.push(format!("{label}:\n--- got\n{got:?}\n--- want\n{want:?}")),
+            }
+        }
+        assert!(failures.is_empty(), "{} differ:\n{}", failures.len(), failures.join("\n"));
+        assert!(same >= 280 && refused >= 20, "{same} same, {refused} refused");
     }
 }

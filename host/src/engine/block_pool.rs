@@ -11,7 +11,7 @@ use std::hash::{Hash, Hasher};
 
 use kernels::cpu::fp8::quantize_e4m3;
 
-use crate::model::kv::KvRow;
+use crate::model::kv::{CacheLayout, KvRow, LayerKvShape};
 
 pub type BlockId = u32;
 
@@ -31,33 +31,87 @@ impl KvDtype {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+/// Geometry of the pool: what each layer keeps per token (from the model's `CacheLayout`) and
+/// the tokens per block. Layers without a per-token cache take no space.
+#[derive(Clone, Debug)]
 pub struct PoolShape {
-    pub num_layers: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
+    pub layers: Vec<Option<LayerKvShape>>,
     pub block_size: usize,
 }
 
 impl PoolShape {
-    pub fn width(&self) -> usize {
-        self.num_kv_heads * self.head_dim
+    pub fn new(layout: &CacheLayout, block_size: usize) -> Self {
+        Self { layers: layout.layers.clone(), block_size }
     }
 
     /// Bytes one block takes (keys + values, all layers, scales included).
     pub fn block_bytes(&self, dtype: KvDtype) -> usize {
-        let per_token = match dtype {
-            KvDtype::F32 => self.width() * 4,
-            KvDtype::Fp8E4m3 => self.width() + self.num_kv_heads * 4,
-        };
-        2 * self.num_layers * self.block_size * per_token
+        let per_token: usize = self
+            .layers
+            .iter()
+            .flatten()
+            .map(|l| match dtype {
+                KvDtype::F32 => (l.key_width + l.value_width) * 4,
+                KvDtype::Fp8E4m3 => l.key_width + l.value_width + 2 * l.groups * 4,
+            })
+            .sum();
+        self.block_size * per_token
     }
 }
 
-/// Storage for one of K or V: `[layer][block][slot][width]`.
+/// Storage for one of K or V of one layer: `[block][slot][width]`, scales `[block][slot][groups]`.
 enum Store {
     F32(Vec<f32>),
     Fp8 { codes: Vec<u8>, scales: Vec<f32> },
+}
+
+/// One layer's keys and values.
+struct LayerStore {
+    shape: LayerKvShape,
+    keys: Store,
+    values: Store,
+}
+
+impl LayerStore {
+    fn new(shape: LayerKvShape, slots: usize, dtype: KvDtype) -> Self {
+        let mk = |width: usize| match dtype {
+            KvDtype::F32 => Store::F32(vec![0.0; slots * width]),
+            KvDtype::Fp8E4m3 => Store::Fp8 { codes: vec![0; slots * width], scales: vec![1.0; slots * shape.groups] },
+        };
+        Self { shape, keys: mk(shape.key_width), values: mk(shape.value_width) }
+    }
+}
+
+impl Store {
+    fn write(&mut self, i: usize, x: &[f32], groups: usize) {
+        let w = x.len();
+        match self {
+            Store::F32(d) => d[i * w..(i + 1) * w].copy_from_slice(x),
+            Store::Fp8 { codes, scales } => {
+                let g = w / groups;
+                for h in 0..groups {
+                    scales[i * groups + h] = quantize_e4m3(&x[h * g..(h + 1) * g], &mut codes[i * w + h * g..i * w + (h + 1) * g]);
+                }
+            }
+        }
+    }
+
+    fn row(&self, i: usize, w: usize, groups: usize) -> KvRow<'_> {
+        match self {
+            Store::F32(d) => KvRow::F32(&d[i * w..(i + 1) * w]),
+            Store::Fp8 { codes, scales } => KvRow::Fp8 { codes: &codes[i * w..(i + 1) * w], scales: &scales[i * groups..(i + 1) * groups] },
+        }
+    }
+
+    fn copy(&mut self, s: usize, d: usize, slots: usize, w: usize, groups: usize) {
+        match self {
+            Store::F32(x) => x.copy_within(s * w..(s + slots) * w, d * w),
+            Store::Fp8 { codes, scales } => {
+                codes.copy_within(s * w..(s + slots) * w, d * w);
+                scales.copy_within(s * groups..(s + slots) * groups, d * groups);
+            }
+        }
+    }
 }
 
 pub type BlockHash = u64;
@@ -73,8 +127,8 @@ pub fn hash_block(parent: Option<BlockHash>, salt: &str, tokens: &[u32]) -> Bloc
 pub struct BlockPool {
     shape: PoolShape,
     num_blocks: usize,
-    keys: Store,
-    values: Store,
+    /// Per layer; `None` for layers without a per-token cache.
+    stores: Vec<Option<LayerStore>>,
     refcount: Vec<u32>,
     free: Vec<BlockId>,
     /// Cached blocks nobody references, least recently used first.
@@ -87,16 +141,12 @@ pub struct BlockPool {
 
 impl BlockPool {
     pub fn new(shape: PoolShape, num_blocks: usize, dtype: KvDtype) -> Self {
-        let n = shape.num_layers * num_blocks * shape.block_size;
-        let mk = || match dtype {
-            KvDtype::F32 => Store::F32(vec![0.0; n * shape.width()]),
-            KvDtype::Fp8E4m3 => Store::Fp8 { codes: vec![0; n * shape.width()], scales: vec![1.0; n * shape.num_kv_heads] },
-        };
+        let slots = num_blocks * shape.block_size;
+        let stores = shape.layers.iter().map(|l| l.map(|l| LayerStore::new(l, slots, dtype))).collect();
         Self {
             shape,
             num_blocks,
-            keys: mk(),
-            values: mk(),
+            stores,
             refcount: vec![0; num_blocks],
             free: (0..num_blocks as BlockId).rev().collect(),
             evictable: VecDeque::new(),
@@ -107,8 +157,8 @@ impl BlockPool {
         }
     }
 
-    pub fn shape(&self) -> PoolShape {
-        self.shape
+    pub fn shape(&self) -> &PoolShape {
+        &self.shape
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -184,57 +234,40 @@ impl BlockPool {
         }
     }
 
-    fn index(&self, layer: usize, block: BlockId, slot: usize) -> usize {
-        (layer * self.num_blocks + block as usize) * self.shape.block_size + slot
+    fn slot_index(&self, block: BlockId, slot: usize) -> usize {
+        block as usize * self.shape.block_size + slot
+    }
+
+    fn layer(&self, layer: usize) -> &LayerStore {
+        self.stores[layer].as_ref().unwrap_or_else(|| panic!("layer {layer} keeps no per-token cache"))
     }
 
     pub fn write(&mut self, layer: usize, block: BlockId, slot: usize, k: &[f32], v: &[f32]) {
-        let i = self.index(layer, block, slot);
-        let (w, heads, hd) = (self.shape.width(), self.shape.num_kv_heads, self.shape.head_dim);
-        for (store, x) in [(&mut self.keys, k), (&mut self.values, v)] {
-            match store {
-                Store::F32(d) => d[i * w..(i + 1) * w].copy_from_slice(x),
-                Store::Fp8 { codes, scales } => {
-                    for h in 0..heads {
-                        let r = i * w + h * hd..i * w + (h + 1) * hd;
-                        scales[i * heads + h] = quantize_e4m3(&x[h * hd..(h + 1) * hd], &mut codes[r]);
-                    }
-                }
-            }
-        }
-    }
-
-    fn row<'a>(&'a self, store: &'a Store, layer: usize, block: BlockId, slot: usize) -> KvRow<'a> {
-        let i = self.index(layer, block, slot);
-        let (w, heads) = (self.shape.width(), self.shape.num_kv_heads);
-        match store {
-            Store::F32(d) => KvRow::F32(&d[i * w..(i + 1) * w]),
-            Store::Fp8 { codes, scales } => KvRow::Fp8 { codes: &codes[i * w..(i + 1) * w], scales: &scales[i * heads..(i + 1) * heads] },
-        }
+        let i = self.slot_index(block, slot);
+        let st = self.stores[layer].as_mut().unwrap_or_else(|| panic!("layer {layer} keeps no per-token cache"));
+        debug_assert_eq!((k.len(), v.len()), (st.shape.key_width, st.shape.value_width), "layer {layer}: row widths");
+        let groups = st.shape.groups;
+        st.keys.write(i, k, groups);
+        st.values.write(i, v, groups);
     }
 
     pub fn key(&self, layer: usize, block: BlockId, slot: usize) -> KvRow<'_> {
-        self.row(&self.keys, layer, block, slot)
+        let st = self.layer(layer);
+        st.keys.row(self.slot_index(block, slot), st.shape.key_width, st.shape.groups)
     }
 
     pub fn value(&self, layer: usize, block: BlockId, slot: usize) -> KvRow<'_> {
-        self.row(&self.values, layer, block, slot)
+        let st = self.layer(layer);
+        st.values.row(self.slot_index(block, slot), st.shape.value_width, st.shape.groups)
     }
 
     /// Copies the first `slots` positions of every layer of `src` into `dst` (copy-on-write).
     pub fn copy_block(&mut self, src: BlockId, dst: BlockId, slots: usize) {
-        let (w, heads) = (self.shape.width(), self.shape.num_kv_heads);
-        for layer in 0..self.shape.num_layers {
-            let (s, d) = (self.index(layer, src, 0), self.index(layer, dst, 0));
-            for store in [&mut self.keys, &mut self.values] {
-                match store {
-                    Store::F32(x) => x.copy_within(s * w..(s + slots) * w, d * w),
-                    Store::Fp8 { codes, scales } => {
-                        codes.copy_within(s * w..(s + slots) * w, d * w);
-                        scales.copy_within(s * heads..(s + slots) * heads, d * heads);
-                    }
-                }
-            }
+        let (s, d) = (self.slot_index(src, 0), self.slot_index(dst, 0));
+        for st in self.stores.iter_mut().flatten() {
+            let LayerKvShape { key_width, value_width, groups } = st.shape;
+            st.keys.copy(s, d, slots, key_width, groups);
+            st.values.copy(s, d, slots, value_width, groups);
         }
     }
 }
@@ -244,7 +277,7 @@ mod tests {
     use super::*;
 
     fn pool(n: usize) -> BlockPool {
-        BlockPool::new(PoolShape { num_layers: 2, num_kv_heads: 1, head_dim: 4, block_size: 2 }, n, KvDtype::F32)
+        BlockPool::new(PoolShape::new(&CacheLayout::uniform(2, LayerKvShape::heads(1, 4)), 2), n, KvDtype::F32)
     }
 
     #[test]
@@ -270,5 +303,28 @@ mod tests {
     fn salt_separates_cache_entries() {
         assert_ne!(hash_block(None, "a", &[1, 2]), hash_block(None, "b", &[1, 2]));
         assert_ne!(hash_block(Some(1), "a", &[1, 2]), hash_block(Some(2), "a", &[1, 2]));
+    }
+
+    #[test]
+    fn layers_of_different_widths_share_block_ids() {
+        let layout = CacheLayout {
+            layers: vec![Some(LayerKvShape { key_width: 6, value_width: 2, groups: 2 }), None, Some(LayerKvShape::heads(1, 4))],
+            recurrent_bytes_per_seq: 0,
+        };
+        let shape = PoolShape::new(&layout, 2);
+        assert_eq!(shape.block_bytes(KvDtype::F32), 2 * (8 + 8) * 4);
+        assert_eq!(shape.block_bytes(KvDtype::Fp8E4m3), 2 * ((8 + 2 * 2 * 4) + (8 + 2 * 4)));
+        for dtype in [KvDtype::F32, KvDtype::Fp8E4m3] {
+            let mut p = BlockPool::new(shape.clone(), 3, dtype);
+            let (a, b) = (p.allocate().unwrap(), p.allocate().unwrap());
+            p.write(0, a, 1, &[1.0, 2.0, 3.0, -1.0, -2.0, -3.0], &[0.5, 0.25]);
+            p.write(2, a, 1, &[4.0; 4], &[8.0; 4]);
+            p.copy_block(a, b, 2);
+            let q = [1.0f32; 3];
+            // E4M3 keeps 3 mantissa bits: a few percent of error per element.
+            let got = p.key(0, b, 1).dot_span(3, &q);
+            assert!((got + 6.0).abs() < 0.3, "{dtype:?} {got}");
+            assert!((p.value(2, b, 1).dot_span(0, &[1.0; 4]) - 32.0).abs() < 0.5, "{dtype:?}");
+        }
     }
 }

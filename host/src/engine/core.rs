@@ -113,7 +113,7 @@ pub struct EngineCore {
 impl EngineCore {
     pub fn new(model: Arc<LoadedModel>, cfg: EngineConfig) -> Self {
         let mc = model.config();
-        let shape = PoolShape { num_layers: mc.num_layers(), num_kv_heads: mc.num_kv_heads, head_dim: mc.head_dim, block_size: cfg.block_size };
+        let shape = PoolShape::new(&model.model.cache_layout(), cfg.block_size);
         let num_blocks = (cfg.kv_cache_bytes / shape.block_bytes(cfg.kv_dtype)).max(1);
         let max_model_len = mc.max_position_embeddings.min(num_blocks * cfg.block_size);
         tracing::info!(

@@ -13,31 +13,86 @@ pub struct BatchRow {
     pub pos: usize,
 }
 
-/// One cached token's keys or values for all KV heads of a layer.
+/// What one layer keeps per cached token: a key row and a value row of fixed widths, each
+/// split into `groups` equal parts (one FP8 scale per part; for grouped-query attention a part is
+/// one KV head). Latent attention stores its compressed latent here instead of per-head keys, so
+/// the widths differ per layer and between key and value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerKvShape {
+    pub key_width: usize,
+    pub value_width: usize,
+    /// Scale groups of each row; `key_width` and `value_width` are multiples of it.
+    pub groups: usize,
+}
+
+impl LayerKvShape {
+    /// Grouped-query attention: `kv_heads` heads of `head_dim` for both keys and values.
+    pub fn heads(kv_heads: usize, head_dim: usize) -> Self {
+        Self { key_width: kv_heads * head_dim, value_width: kv_heads * head_dim, groups: kv_heads }
+    }
+}
+
+/// What a model keeps per sequence: per layer, its per-token cache rows (`None` for layers that
+/// keep none, such as linear-attention layers), plus fixed-size recurrent state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheLayout {
+    pub layers: Vec<Option<LayerKvShape>>,
+    /// Bytes of recurrent (non-paged) state one sequence needs across all layers; 0 when the
+    /// model has none. The engine budgets it beside the paged blocks.
+    pub recurrent_bytes_per_seq: usize,
+}
+
+impl CacheLayout {
+    /// Every layer the same grouped-query shape (Llama-style models).
+    pub fn uniform(num_layers: usize, shape: LayerKvShape) -> Self {
+        Self { layers: vec![Some(shape); num_layers], recurrent_bytes_per_seq: 0 }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Cache floats (keys + values) one token takes over all layers.
+    pub fn floats_per_token(&self) -> usize {
+        self.layers.iter().flatten().map(|s| s.key_width + s.value_width).sum()
+    }
+}
+
+/// One cached token's keys or values for a layer (`LayerKvShape::key_width` / `value_width`).
 pub enum KvRow<'a> {
     F32(&'a [f32]),
-    /// E4M3 codes with one scale per KV head.
+    /// E4M3 codes with one scale per group of `codes.len() / scales.len()` elements.
     Fp8 { codes: &'a [u8], scales: &'a [f32] },
 }
 
 impl KvRow<'_> {
-    /// `q · row[head]`.
+    /// `q · row[start..start + q.len()]`.
     #[inline]
-    pub fn dot_head(&self, head: usize, head_dim: usize, q: &[f32]) -> f32 {
-        let r = head * head_dim..(head + 1) * head_dim;
+    pub fn dot_span(&self, start: usize, q: &[f32]) -> f32 {
+        let r = start..start + q.len();
         match self {
             KvRow::F32(v) => dot(q, &v[r]),
             KvRow::Fp8 { codes, scales } => {
-                let s: f32 = codes[r].iter().zip(q).map(|(&c, &x)| E4M3_TO_F32[c as usize] * x).sum();
-                s * scales[head]
+                let group = codes.len() / scales.len();
+                let mut total = 0.0;
+                // Walk the span group by group so each partial sum is scaled once.
+                let mut at = start;
+                while at < r.end {
+                    let g = at / group;
+                    let end = ((g + 1) * group).min(r.end);
+                    let s: f32 = codes[at..end].iter().zip(&q[at - start..end - start]).map(|(&c, &x)| E4M3_TO_F32[c as usize] * x).sum();
+                    total += s * scales[g];
+                    at = end;
+                }
+                total
             }
         }
     }
 
-    /// `out += w * row[head]`.
+    /// `out += w * row[start..start + out.len()]`.
     #[inline]
-    pub fn axpy_head(&self, head: usize, head_dim: usize, w: f32, out: &mut [f32]) {
-        let r = head * head_dim..(head + 1) * head_dim;
+    pub fn axpy_span(&self, start: usize, w: f32, out: &mut [f32]) {
+        let r = start..start + out.len();
         match self {
             KvRow::F32(v) => {
                 for (o, &x) in out.iter_mut().zip(&v[r]) {
@@ -45,17 +100,29 @@ impl KvRow<'_> {
                 }
             }
             KvRow::Fp8 { codes, scales } => {
-                let ws = w * scales[head];
-                for (o, &c) in out.iter_mut().zip(&codes[r]) {
-                    *o += ws * E4M3_TO_F32[c as usize];
+                let group = codes.len() / scales.len();
+                for (i, o) in r.zip(out.iter_mut()) {
+                    *o += w * scales[i / group] * E4M3_TO_F32[codes[i] as usize];
                 }
             }
         }
     }
+
+    /// `q · row[head]` for rows made of equal heads of `head_dim`.
+    #[inline]
+    pub fn dot_head(&self, head: usize, head_dim: usize, q: &[f32]) -> f32 {
+        self.dot_span(head * head_dim, &q[..head_dim])
+    }
+
+    /// `out += w * row[head]`.
+    #[inline]
+    pub fn axpy_head(&self, head: usize, head_dim: usize, w: f32, out: &mut [f32]) {
+        self.axpy_span(head * head_dim, w, &mut out[..head_dim])
+    }
 }
 
 pub trait KvCache: Sync {
-    /// Stores this token's keys and values (`num_kv_heads * head_dim` each) for `layer`.
+    /// Stores this token's keys and values (the layer's `LayerKvShape` widths) for `layer`.
     fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]);
     /// Keys of `seq` at `pos` for `layer` (written earlier, in this or a previous step).
     fn key(&self, layer: usize, seq: usize, pos: usize) -> KvRow<'_>;
@@ -65,19 +132,33 @@ pub trait KvCache: Sync {
 /// One growable buffer per sequence and layer: the simplest cache, used by single-request
 /// generation and as the reference the paged cache is tested against.
 pub struct ContiguousKvCache {
-    width: usize,
+    /// Per layer: (key width, value width); layers without a per-token cache have (0, 0).
+    widths: Vec<(usize, usize)>,
     /// [seq][layer] -> (keys, values), each `positions * width`
     seqs: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
+    /// Positions written per sequence (highest position + 1).
+    lens: Vec<usize>,
 }
 
 impl ContiguousKvCache {
+    /// Every layer `width` floats of keys and of values per token.
     pub fn new(num_layers: usize, width: usize, num_seqs: usize) -> Self {
-        Self { width, seqs: (0..num_seqs).map(|_| vec![(Vec::new(), Vec::new()); num_layers]).collect() }
+        Self::with_widths(vec![(width, width); num_layers], num_seqs)
     }
 
-    /// Positions stored for `seq` (taken from layer 0).
+    /// Sized for a model's `CacheLayout`.
+    pub fn for_layout(layout: &CacheLayout, num_seqs: usize) -> Self {
+        Self::with_widths(layout.layers.iter().map(|l| l.map_or((0, 0), |s| (s.key_width, s.value_width))).collect(), num_seqs)
+    }
+
+    fn with_widths(widths: Vec<(usize, usize)>, num_seqs: usize) -> Self {
+        let layers = widths.len();
+        Self { widths, seqs: (0..num_seqs).map(|_| vec![(Vec::new(), Vec::new()); layers]).collect(), lens: vec![0; num_seqs] }
+    }
+
+    /// Positions stored for `seq`.
     pub fn len(&self, seq: usize) -> usize {
-        self.seqs[seq][0].0.len() / self.width
+        self.lens[seq]
     }
 
     pub fn is_empty(&self, seq: usize) -> bool {
@@ -87,22 +168,73 @@ impl ContiguousKvCache {
 
 impl KvCache for ContiguousKvCache {
     fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let w = self.width;
+        let (kw, vw) = self.widths[layer];
         let (ks, vs) = &mut self.seqs[seq][layer];
-        let need = (pos + 1) * w;
-        if ks.len() < need {
-            ks.resize(need, 0.0);
-            vs.resize(need, 0.0);
+        if ks.len() < (pos + 1) * kw {
+            ks.resize((pos + 1) * kw, 0.0);
         }
-        ks[pos * w..need].copy_from_slice(k);
-        vs[pos * w..need].copy_from_slice(v);
+        if vs.len() < (pos + 1) * vw {
+            vs.resize((pos + 1) * vw, 0.0);
+        }
+        ks[pos * kw..(pos + 1) * kw].copy_from_slice(k);
+        vs[pos * vw..(pos + 1) * vw].copy_from_slice(v);
+        self.lens[seq] = self.lens[seq].max(pos + 1);
     }
 
     fn key(&self, layer: usize, seq: usize, pos: usize) -> KvRow<'_> {
-        KvRow::F32(&self.seqs[seq][layer].0[pos * self.width..(pos + 1) * self.width])
+        let kw = self.widths[layer].0;
+        KvRow::F32(&self.seqs[seq][layer].0[pos * kw..(pos + 1) * kw])
     }
 
     fn value(&self, layer: usize, seq: usize, pos: usize) -> KvRow<'_> {
-        KvRow::F32(&self.seqs[seq][layer].1[pos * self.width..(pos + 1) * self.width])
+        let vw = self.widths[layer].1;
+        KvRow::F32(&self.seqs[seq][layer].1[pos * vw..(pos + 1) * vw])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kernels::cpu::fp8::quantize_e4m3;
+
+    #[test]
+    fn fp8_spans_crossing_scale_groups_match_the_dequantised_row() {
+        let x: Vec<f32> = (0..12).map(|i| (i as f32 - 5.0) * if i < 4 { 0.01 } else if i < 8 { 1.0 } else { 30.0 }).collect();
+        let mut codes = vec![0u8; 12];
+        let scales: Vec<f32> = (0..3).map(|g| quantize_e4m3(&x[g * 4..(g + 1) * 4], &mut codes[g * 4..(g + 1) * 4])).collect();
+        let row = KvRow::Fp8 { codes: &codes, scales: &scales };
+        let deq: Vec<f32> = (0..12).map(|i| E4M3_TO_F32[codes[i] as usize] * scales[i / 4]).collect();
+        let q: Vec<f32> = (0..7).map(|i| 0.5 + i as f32).collect();
+        let want: f32 = q.iter().zip(&deq[3..10]).map(|(a, b)| a * b).sum();
+        assert!((row.dot_span(3, &q) - want).abs() <= 1e-4 * want.abs().max(1.0));
+        let mut out = vec![1.0f32; 7];
+        row.axpy_span(3, 2.0, &mut out);
+        for (o, d) in out.iter().zip(&deq[3..10]) {
+            assert!((o - (1.0 + 2.0 * d)).abs() < 1e-4);
+        }
+        // Each group keeps its own scale: the small first group is not flushed by the large third.
+        assert!((deq[0] - x[0]).abs() < 0.01 * x[0].abs());
+    }
+
+    #[test]
+    fn contiguous_cache_follows_per_layer_widths() {
+        let layout = CacheLayout {
+            layers: vec![Some(LayerKvShape { key_width: 3, value_width: 1, groups: 1 }), None, Some(LayerKvShape::heads(2, 2))],
+            recurrent_bytes_per_seq: 0,
+        };
+        assert_eq!(layout.floats_per_token(), 3 + 1 + 4 + 4);
+        let mut kv = ContiguousKvCache::for_layout(&layout, 2);
+        kv.write(0, 1, 0, &[1.0, 2.0, 3.0], &[4.0]);
+        kv.write(2, 1, 1, &[5.0; 4], &[6.0; 4]);
+        assert_eq!(kv.len(1), 2);
+        assert!(kv.is_empty(0));
+        match kv.key(0, 1, 0) {
+            KvRow::F32(k) => assert_eq!(k, &[1.0, 2.0, 3.0]),
+            _ => unreachable!(),
+        }
+        match kv.value(2, 1, 1) {
+            KvRow::F32(v) => assert_eq!(v, &[6.0; 4]),
+            _ => unreachable!(),
+        }
     }
 }

@@ -37,6 +37,16 @@ impl Linear {
         }
     }
 
+    /// Bytes of weight storage a forward pass reads (codes plus scales for quantized formats).
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            Linear::Dense(t) => t.len() * 4,
+            Linear::Int(q) => q.w.bytes(),
+            Linear::Mxfp4(q) => q.bytes(),
+            Linear::Cubic(q) => q.bytes(),
+        }
+    }
+
     /// `x` holds `n` rows of `in_features`; returns `n` rows of `out_features`.
     pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
         let mut out = vec![0.0; n * self.out_features()];

@@ -10,7 +10,8 @@ use rayon::prelude::*;
 
 use super::config::ModelConfig;
 use super::error::LoadError;
-use super::kv::{BatchRow, KvCache};
+use super::kv::{BatchRow, CacheLayout, KvCache, LayerKvShape};
+use super::LanguageModel;
 use super::linear::Linear;
 use super::source::WeightSource;
 use super::tensor::Tensor;
@@ -69,16 +70,18 @@ impl LlamaModel {
         Ok(Self { cfg, embed, layers, norm, lm_head, rope })
     }
 
-    pub fn config(&self) -> &ModelConfig {
+}
+
+impl LanguageModel for LlamaModel {
+    fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
-    /// Runs `tokens` (one per entry of `rows`) through the model, storing their keys/values in
-    /// `kv`, and returns logits (`logit_rows.len() × vocab`) for the rows listed in `logit_rows`.
-    ///
-    /// Callers must pass token ids below `vocab_size` and, for every row, have already written (in
-    /// an earlier call or earlier in this batch) all positions before it of the same sequence.
-    pub fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
+    fn cache_layout(&self) -> CacheLayout {
+        CacheLayout::uniform(self.cfg.num_layers(), LayerKvShape::heads(self.cfg.num_kv_heads, self.cfg.head_dim))
+    }
+
+    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         let cfg = &self.cfg;
         let (n, d, hd) = (tokens.len(), cfg.hidden_size, cfg.head_dim);
         assert_eq!(n, rows.len(), "forward: one BatchRow per token");
@@ -135,6 +138,9 @@ impl LlamaModel {
         }
     }
 
+}
+
+impl LlamaModel {
     /// Causal softmax attention of every (row, head) over its sequence's cached positions `0..=pos`.
     fn attention(&self, layer: usize, q: &[f32], rows: &[BatchRow], kv: &dyn KvCache) -> Vec<f32> {
         let cfg = &self.cfg;

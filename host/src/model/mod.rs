@@ -10,6 +10,7 @@ pub mod kda;
 pub mod kv;
 pub mod linear;
 pub mod llama;
+pub mod moe;
 pub mod quant;
 pub mod source;
 pub mod tensor;
@@ -17,18 +18,42 @@ pub mod tensor;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use config::ModelConfig;
+use config::{Architecture, ModelConfig};
 use error::LoadError;
+use kv::{BatchRow, CacheLayout, KvCache};
 use llama::LlamaModel;
+use source::WeightSource;
 
 use crate::tokenizer::Tokenizer;
+
+/// What the engine, generation and benchmarks need from an architecture: its configuration, what
+/// it caches per token and per sequence, and one batched forward pass.
+pub trait LanguageModel: Send + Sync {
+    fn config(&self) -> &ModelConfig;
+
+    /// Per-layer cache rows (which the paged pool is shaped after) and recurrent state size.
+    fn cache_layout(&self) -> CacheLayout;
+
+    /// Runs `tokens` (one per entry of `rows`) through the model, storing what each layer caches
+    /// in `kv`, and returns logits (`logit_rows.len() × vocab`) for the rows listed in
+    /// `logit_rows`. Callers pass token ids below `vocab_size` and, for every row, have already
+    /// run (earlier, or earlier in this batch) all positions before it of the same sequence.
+    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32>;
+}
+
+/// Builds the architecture `cfg` names from a checkpoint's weights.
+pub fn build(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Box<dyn LanguageModel>, LoadError> {
+    match cfg.architecture {
+        Architecture::Llama => Ok(Box::new(LlamaModel::load(cfg, src)?)),
+    }
+}
 
 /// A model ready to run: weights, tokenizer and chat template.
 pub struct LoadedModel {
     /// Name served as the OpenAI `model` id (file stem or directory name).
     pub name: String,
     pub path: PathBuf,
-    pub model: LlamaModel,
+    pub model: Box<dyn LanguageModel>,
     pub tokenizer: Tokenizer,
 }
 
@@ -50,13 +75,13 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
         let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
         let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
         let tokenizer = Tokenizer::from_hf_dir(path, &raw)?;
-        (LlamaModel::load(cfg, src.as_ref())?, tokenizer)
+        (build(cfg, src.as_ref())?, tokenizer)
     } else {
         let file = gguf::GgufFile::open(path)?;
         let cfg = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let src = gguf_source::GgufSource::new(file);
-        (LlamaModel::load(cfg, &src)?, tokenizer)
+        (build(cfg, &src)?, tokenizer)
     };
     let cfg = model.config();
     tracing::info!(

@@ -5,6 +5,7 @@
 //! - `pool`: warm, exclusively leased instances; a failed instance is discarded.
 //! - `parsers`, `policy`, `template`: typed calls for each world, with output checks.
 //! - `registry`: named deployments, swapped atomically (in-flight requests keep the old one).
+//! - `defaults`: the parsers a model gets without a config (`--reasoning-parser` / `--tool-call-parser`).
 //!
 //! The plugins only get what the WIT world passes them: no WASI, so no filesystem, network,
 //! clock or randomness (the host assigns random tool-call ids when a parser leaves them empty).
@@ -12,6 +13,7 @@
 pub mod apply;
 pub mod bindings;
 pub mod chat;
+pub mod defaults;
 pub mod error;
 pub mod http;
 pub mod metrics;

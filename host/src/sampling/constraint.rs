@@ -1,5 +1,6 @@
 //! Output constraints the sampler can enforce token by token.
 
+use super::choice_constraint::ChoiceConstraint;
 use super::json_constraint::JsonState;
 use super::tool_call_constraint::ToolCallConstraint;
 
@@ -10,12 +11,15 @@ pub enum ConstraintSpec {
     JsonObject,
     /// `{"name": <one of these>, "arguments": {...}}` (forced tool choice).
     ToolCall { names: Vec<String> },
+    /// Exactly one of these strings (`structured_outputs: {"choice": [...]}`).
+    Choice { choices: Vec<String> },
 }
 
 #[derive(Clone, Debug)]
 pub enum Constraint {
     Json(JsonState),
     ToolCall(ToolCallConstraint),
+    Choice(ChoiceConstraint),
 }
 
 impl Constraint {
@@ -23,6 +27,7 @@ impl Constraint {
         match spec {
             ConstraintSpec::JsonObject => Constraint::Json(JsonState::default()),
             ConstraintSpec::ToolCall { names } => Constraint::ToolCall(ToolCallConstraint::new(names)),
+            ConstraintSpec::Choice { choices } => Constraint::Choice(ChoiceConstraint::new(choices)),
         }
     }
 
@@ -30,6 +35,7 @@ impl Constraint {
         match self {
             Constraint::Json(j) => j.accepts(bytes),
             Constraint::ToolCall(t) => t.accepts(bytes),
+            Constraint::Choice(c) => c.accepts(bytes),
         }
     }
 
@@ -37,6 +43,7 @@ impl Constraint {
         match self {
             Constraint::Json(j) => j.feed(bytes),
             Constraint::ToolCall(t) => t.feed(bytes),
+            Constraint::Choice(c) => c.feed(bytes),
         }
     }
 
@@ -44,6 +51,7 @@ impl Constraint {
         match self {
             Constraint::Json(j) => j.is_complete(),
             Constraint::ToolCall(t) => t.is_complete(),
+            Constraint::Choice(c) => c.is_complete(),
         }
     }
 }

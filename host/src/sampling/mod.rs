@@ -2,6 +2,7 @@
 //! a seeded draw. Semantics follow vLLM: repetition penalty over prompt and output (divide
 //! positive logits, multiply negative ones), presence and frequency penalties over output tokens.
 
+pub mod choice_constraint;
 pub mod constraint;
 pub mod json_constraint;
 pub mod stop;

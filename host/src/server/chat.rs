@@ -197,6 +197,9 @@ pub async fn handler(
     if req.response_format.as_ref().and_then(|rf| rf.get("type")).and_then(Value::as_str) == Some("json_object") {
         ereq.constraint = Some(ConstraintSpec::JsonObject);
     }
+    if let Some(choice) = super::structured::choice_constraint(req.structured_outputs.as_ref(), req.guided_choice.as_ref())? {
+        ereq.constraint = Some(choice);
+    }
     let forced = forced_constraint(req.tool_choice.as_ref(), req.tools.as_deref())?;
     let forced_tool = forced.is_some();
     if forced.is_some() {

@@ -15,6 +15,7 @@ pub mod openai;
 pub mod routes;
 pub mod sse;
 pub mod state;
+mod structured;
 mod tool_choice;
 
 use std::net::SocketAddr;
@@ -54,6 +55,16 @@ pub struct ServeArgs {
     /// Plugin deployments to load at start (JSON: `{"plugins": [...]}`, see README).
     #[arg(long, env = "WASMSERVE_PLUGINS")]
     pub plugins: Option<PathBuf>,
+    /// Reasoning parser, as vLLM's flag: `auto` (picked from the model name and chat template),
+    /// `none`, or deepseek_r1 / qwen3 / kimi_k2 / kimi_k3.
+    #[arg(long, env = "WASMSERVE_REASONING_PARSER", default_value = "auto", value_parser = crate::plugins::defaults::Choice::parse)]
+    pub reasoning_parser: crate::plugins::defaults::Choice,
+    /// Tool-call parser, as vLLM's flag: `auto`, `none`, or hermes / kimi_k2 / kimi_k3 / qwen3_coder / qwen3_xml.
+    #[arg(long, env = "WASMSERVE_TOOL_CALL_PARSER", default_value = "auto", value_parser = crate::plugins::defaults::Choice::parse)]
+    pub tool_call_parser: crate::plugins::defaults::Choice,
+    /// Directory of the built parser components (default: target/plugins beside the binary's directory, else ./target/plugins).
+    #[arg(long, env = "WASMSERVE_PLUGIN_DIR")]
+    pub plugin_dir: Option<PathBuf>,
     /// Where compiled plugin code is cached across restarts.
     #[arg(long, env = "WASMSERVE_PLUGIN_CACHE_DIR")]
     pub plugin_cache_dir: Option<PathBuf>,
@@ -173,6 +184,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         let n = plugins.load_config(path).map_err(anyhow::Error::msg)?;
         tracing::info!(plugins = n, config = %path.display(), "plugins deployed");
     }
+    // Both names: --served-model-name may hide the family the file name tells.
+    let names = format!("{} {}", state.served_model_name, state.model.name);
+    deploy_default_parsers(&plugins, &args, &names, state.model.tokenizer.chat_template.as_deref())?;
     let plugins = Arc::new(plugins);
     // A chat-template plugin for this model replaces the native renderer.
     if let Some(name) = plugins.template_for(&state.served_model_name) {
@@ -185,6 +199,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let result = rt.block_on(serve(state, &args));
     engine.stop();
     result
+}
+
+/// `--reasoning-parser` / `--tool-call-parser` (default `auto`: the model's usual parsers).
+fn deploy_default_parsers(reg: &crate::plugins::registry::Registry, args: &ServeArgs, model: &str, template: Option<&str>) -> Result<()> {
+    use crate::plugins::defaults;
+    let detected = defaults::detect(model, template);
+    let configured = |k| reg.list().iter().any(|d| d.spec.kind == k);
+    let planned = defaults::plan(&args.reasoning_parser, &args.tool_call_parser, detected, configured).map_err(anyhow::Error::msg)?;
+    defaults::deploy(reg, &planned, &defaults::plugin_dir(args.plugin_dir.as_deref())).map_err(anyhow::Error::msg)
 }
 
 async fn serve(state: AppState, args: &ServeArgs) -> Result<()> {

@@ -60,6 +60,9 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
     pub response_format: Option<Value>,
+    /// vLLM's structured outputs (`{"choice": [...]}`) and its older `guided_choice`.
+    pub structured_outputs: Option<Value>,
+    pub guided_choice: Option<Value>,
     pub reasoning_effort: Option<String>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub add_generation_prompt: Option<bool>,

@@ -156,6 +156,10 @@ impl AnyCubic {
     pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
         each!(self, m => m.dequantize_row(r))
     }
+    /// Bytes held: packed codes plus per-group parameters (what a multiply reads).
+    pub fn bytes(&self) -> usize {
+        each!(self, m => m.packed.packed_bytes() + m.params.len() * 8)
+    }
     pub fn matmul_t(&self, x: &[f32], out: &mut [f32], n: usize) {
         each!(self, m => m.matmul_t(x, out, n))
     }

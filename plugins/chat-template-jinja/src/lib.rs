@@ -14,6 +14,7 @@ use std::cell::Cell;
 use minijinja::value::{Kwargs, Value as JValue};
 use minijinja::{Environment, Error, ErrorKind};
 use serde_json::{Map, Value};
+use wasmserve_parsers::pyjson;
 use wasmserve_guest::{ChatTemplate, Plugin, PluginInfo, RenderOptions, Rendered};
 
 pub struct JinjaTemplate {
@@ -27,98 +28,24 @@ thread_local! {
 }
 
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
-/// sort_keys=False)` with those keyword arguments.
+/// sort_keys=False)`, each overridable by the template (Kimi K3 passes `ensure_ascii=false`).
 fn tojson(value: JValue, kwargs: Kwargs) -> Result<String, Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
-    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
-    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
-    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let separators = match kwargs.get::<Option<Vec<String>>>("separators")? {
+        None => None,
+        Some(v) => match <[String; 2]>::try_from(v) {
+            Ok([item, key]) => Some((item, key)),
+            Err(_) => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be an (item, key) pair")),
+        },
+    };
+    let opts = pyjson::DumpOpts {
+        indent: kwargs.get("indent")?,
+        separators,
+        sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+        ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+    };
     kwargs.assert_all_used()?;
     let json: Value = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    if ensure_ascii.is_none() && sort_keys.is_none() && separators.is_none() {
-        return Ok(wasmserve_parsers::pyjson::dumps(&json, indent));
-    }
-    let (item, key) = match separators.as_deref() {
-        Some([a, b]) => (a.clone(), b.clone()),
-        Some(_) => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair")),
-        // Python's defaults: ", " without an indent, "," with one.
-        None => (if indent.is_some() { ",".into() } else { ", ".into() }, ": ".into()),
-    };
-    let o = DumpOpts { indent, item, key, sort_keys: sort_keys.unwrap_or(false), ascii: ensure_ascii.unwrap_or(false) };
-    let mut out = String::new();
-    dump(&json, &o, 0, &mut out);
-    Ok(out)
-}
-
-struct DumpOpts {
-    indent: Option<usize>,
-    item: String,
-    key: String,
-    sort_keys: bool,
-    ascii: bool,
-}
-
-fn dump_str(s: &str, ascii: bool, out: &mut String) {
-    // Same escapes as pyjson, plus \uXXXX (UTF-16) for non-ASCII when ensure_ascii.
-    let plain = wasmserve_parsers::pyjson::dumps(&Value::String(s.to_string()), None);
-    if !ascii {
-        out.push_str(&plain);
-        return;
-    }
-    for c in plain.chars() {
-        if c.is_ascii() {
-            out.push(c);
-        } else {
-            let mut buf = [0u16; 2];
-            for u in c.encode_utf16(&mut buf) {
-                out.push_str(&format!("\\u{:04x}", u));
-            }
-        }
-    }
-}
-
-fn newline(o: &DumpOpts, level: usize, out: &mut String) {
-    if let Some(i) = o.indent {
-        out.push('\n');
-        out.push_str(&" ".repeat(i * level));
-    }
-}
-
-fn dump(v: &Value, o: &DumpOpts, level: usize, out: &mut String) {
-    match v {
-        Value::String(s) => dump_str(s, o.ascii, out),
-        Value::Array(a) if !a.is_empty() => {
-            out.push('[');
-            for (i, x) in a.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(&o.item);
-                }
-                newline(o, level + 1, out);
-                dump(x, o, level + 1, out);
-            }
-            newline(o, level, out);
-            out.push(']');
-        }
-        Value::Object(m) if !m.is_empty() => {
-            let mut entries: Vec<(&String, &Value)> = m.iter().collect();
-            if o.sort_keys {
-                entries.sort_by(|a, b| a.0.cmp(b.0));
-            }
-            out.push('{');
-            for (i, (k, x)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push_str(&o.item);
-                }
-                newline(o, level + 1, out);
-                dump_str(k, o.ascii, out);
-                out.push_str(&o.key);
-                dump(x, o, level + 1, out);
-            }
-            newline(o, level, out);
-            out.push('}');
-        }
-        other => out.push_str(&wasmserve_parsers::pyjson::dumps(other, None)),
-    }
+    Ok(pyjson::dumps_with(&json, &opts))
 }
 
 fn raise_exception(msg: String) -> Result<String, Error> {

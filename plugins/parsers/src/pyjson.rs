@@ -1,16 +1,47 @@
-//! JSON text as Python's `json.dumps(obj, ensure_ascii=False)` writes it (what vLLM puts in
-//! tool-call `arguments`). Same rules as the host's `chat::pyjson`, duplicated because plugins
-//! cannot depend on the host crate.
+//! JSON text exactly as Python's `json.dumps` writes it: what vLLM puts in tool-call
+//! `arguments` (`ensure_ascii=False`) and what transformers' `tojson` template filter writes
+//! (with the template's `ensure_ascii` / `indent` / `separators` / `sort_keys`).
+//!
+//! The same code is in the host's host/src/chat/pyjson.rs (plugins cannot depend on the host
+//! crate); both are checked against tests/reference/templates/tojson_expected.json (made by
+//! Python).
 
 use serde_json::Value;
 
+/// `json.dumps` keyword arguments. `Default` is transformers' `tojson` default
+/// (`ensure_ascii=False`, no indent, Python's default separators, insertion order).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DumpOpts {
+    pub indent: Option<usize>,
+    /// `(item_separator, key_separator)`; None: `(", ", ": ")`, or `(",", ": ")` with an indent.
+    pub separators: Option<(String, String)>,
+    pub sort_keys: bool,
+    pub ensure_ascii: bool,
+}
+
+/// `json.dumps(v, ensure_ascii=False, indent=indent)`.
 pub fn dumps(v: &Value, indent: Option<usize>) -> String {
+    dumps_with(v, &DumpOpts { indent, ..Default::default() })
+}
+
+pub fn dumps_with(v: &Value, o: &DumpOpts) -> String {
+    let (item, key) = match &o.separators {
+        Some((i, k)) => (i.as_str(), k.as_str()),
+        None if o.indent.is_some() => (",", ": "),
+        None => (", ", ": "),
+    };
     let mut out = String::new();
-    write(v, indent, 0, &mut out);
+    write(v, &Ctx { o, item, key }, 0, &mut out);
     out
 }
 
-fn write_str(s: &str, out: &mut String) {
+struct Ctx<'a> {
+    o: &'a DumpOpts,
+    item: &'a str,
+    key: &'a str,
+}
+
+fn write_str(s: &str, ascii: bool, out: &mut String) {
     out.push('"');
     for c in s.chars() {
         match c {
@@ -22,74 +53,113 @@ fn write_str(s: &str, out: &mut String) {
             '\u{08}' => out.push_str("\\b"),
             '\u{0c}' => out.push_str("\\f"),
             c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            // ensure_ascii escapes everything outside ' '..='~' (DEL too), as UTF-16 units.
+            c if ascii && !(' '..='~').contains(&c) => {
+                let mut buf = [0u16; 2];
+                for u in c.encode_utf16(&mut buf) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
             c => out.push(c),
         }
     }
     out.push('"');
 }
 
-fn write_number(n: &serde_json::Number, out: &mut String) {
-    if let Some(f) = n.as_f64().filter(|_| n.is_f64()) {
-        // Python prints floats with repr(): always a '.' or exponent, `1e-05` style exponents.
-        if f.is_finite() && f == f.trunc() && f.abs() < 1e16 {
-            out.push_str(&format!("{f:.1}"));
+/// Python's `repr(float)`: the shortest round-trip digits, positional when the decimal
+/// exponent is in -4..16 (with a trailing `.0` for whole numbers), else `1.5e+16` / `1e-05`.
+fn write_float(f: f64, out: &mut String) {
+    if !f.is_finite() {
+        // json.dumps writes these (allow_nan=True); serde_json cannot hold them, but be exact.
+        out.push_str(if f.is_nan() { "NaN" } else if f > 0.0 { "Infinity" } else { "-Infinity" });
+        return;
+    }
+    let sci = format!("{:e}", f.abs()); // shortest digits: "1.2345e-5", "1e16", "0e0"
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    if f.is_sign_negative() {
+        out.push('-');
+    }
+    if (-4..16).contains(&exp) {
+        if exp >= 0 {
+            let int_len = exp as usize + 1;
+            if digits.len() <= int_len {
+                out.push_str(&digits);
+                out.push_str(&"0".repeat(int_len - digits.len()));
+                out.push_str(".0");
+            } else {
+                out.push_str(&digits[..int_len]);
+                out.push('.');
+                out.push_str(&digits[int_len..]);
+            }
         } else {
-            let s = format!("{f:?}");
-            out.push_str(&s);
+            out.push_str("0.");
+            out.push_str(&"0".repeat((-exp - 1) as usize));
+            out.push_str(&digits);
         }
     } else {
-        out.push_str(&n.to_string());
+        out.push_str(&digits[..1]);
+        if digits.len() > 1 {
+            out.push('.');
+            out.push_str(&digits[1..]);
+        }
+        out.push_str(&format!("e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs()));
     }
 }
 
-fn newline(indent: Option<usize>, level: usize, out: &mut String) {
-    if let Some(i) = indent {
+fn write_number(n: &serde_json::Number, out: &mut String) {
+    match n.as_f64().filter(|_| n.is_f64()) {
+        Some(f) => write_float(f, out),
+        None => out.push_str(&n.to_string()),
+    }
+}
+
+fn newline(c: &Ctx, level: usize, out: &mut String) {
+    if let Some(i) = c.o.indent {
         out.push('\n');
         out.push_str(&" ".repeat(i * level));
     }
 }
 
-fn write(v: &Value, indent: Option<usize>, level: usize, out: &mut String) {
-    let item_sep = if indent.is_some() { "," } else { ", " };
+fn write(v: &Value, c: &Ctx, level: usize, out: &mut String) {
     match v {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
         Value::Number(n) => write_number(n, out),
-        Value::String(s) => write_str(s, out),
+        Value::String(s) => write_str(s, c.o.ensure_ascii, out),
+        Value::Array(a) if a.is_empty() => out.push_str("[]"),
+        Value::Object(o) if o.is_empty() => out.push_str("{}"),
         Value::Array(a) => {
-            if a.is_empty() {
-                out.push_str("[]");
-                return;
-            }
             out.push('[');
             for (i, x) in a.iter().enumerate() {
                 if i > 0 {
-                    out.push_str(item_sep);
+                    out.push_str(c.item);
                 }
-                newline(indent, level + 1, out);
-                write(x, indent, level + 1, out);
+                newline(c, level + 1, out);
+                write(x, c, level + 1, out);
             }
-            newline(indent, level, out);
+            newline(c, level, out);
             out.push(']');
         }
         Value::Object(o) => {
-            if o.is_empty() {
-                out.push_str("{}");
-                return;
+            let mut entries: Vec<(&String, &Value)> = o.iter().collect();
+            if c.o.sort_keys {
+                // Python sorts str keys by code point, which is UTF-8 byte order.
+                entries.sort_by(|a, b| a.0.cmp(b.0));
             }
             out.push('{');
-            for (i, (k, x)) in o.iter().enumerate() {
+            for (i, (k, x)) in entries.into_iter().enumerate() {
                 if i > 0 {
-                    out.push_str(item_sep);
+                    out.push_str(c.item);
                 }
-                newline(indent, level + 1, out);
-                write_str(k, out);
-                out.push_str(": ");
-                write(x, indent, level + 1, out);
+                newline(c, level + 1, out);
+                write_str(k, c.o.ensure_ascii, out);
+                out.push_str(c.key);
+                write(x, c, level + 1, out);
             }
-            newline(indent, level, out);
+            newline(c, level, out);
             out.push('}');
         }
     }
 }
-

@@ -20,6 +20,15 @@ BOS_EOS = {
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
                                                            "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time in a time zone",
+                                        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+# Template options (chat_template_kwargs / reasoning_effort, passed to the template as variables
+# the way vLLM passes them), each rendered with the conversations in KWARGS_CONVERSATIONS.
+# The templates read different names: Qwen3/SmolLM3 enable_thinking, DeepSeek-V3.x and Kimi K3
+# thinking, Kimi K3 thinking_effort (it refuses 'medium').
+KWARGS = [{"enable_thinking": False}, {"enable_thinking": True}, {"thinking": True}, {"thinking": False},
+          {"reasoning_effort": "high"}, {"thinking_effort": "low"}, {"thinking_effort": "medium"}, {"thinking": False, "tool_choice": "auto"}]
+KWARGS_CONVERSATIONS = ["reasoning", "tools_multi_turn"]
 CONVERSATIONS = {
     "single_user": {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
     "multi_turn": {"messages": [
@@ -33,6 +42,18 @@ CONVERSATIONS = {
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "functions.get_weather:0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather", "content": "18°C, sunny"},
+    ]},
+    # Two calls in one turn, their results, the final answer and a follow-up question.
+    "tools_multi_turn": {"tools": [WEATHER, TIME], "messages": [
+        {"role": "system", "content": "You answer with tools."},
+        {"role": "user", "content": "Weather and time in Zürich?"},
+        {"role": "assistant", "content": "Checking both.", "reasoning_content": "Two tools are needed.", "tool_calls": [
+            {"id": "functions.get_weather:0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}},
+            {"id": "functions.get_time:1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "Europe/Zurich"}}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather", "content": "{\"temp\": 18, \"sky\": \"sunny\"}"},
+        {"role": "tool", "tool_call_id": "functions.get_time:1", "name": "get_time", "content": "14:05"},
+        {"role": "assistant", "content": "18°C and sunny; it is 14:05.", "reasoning_content": "Both results are in."},
+        {"role": "user", "content": "And tomorrow?"},
     ]},
     "reasoning": {"messages": [
         {"role": "user", "content": "2+2?"},
@@ -49,20 +70,31 @@ def templates():
         yield os.path.basename(p)[: -len(".jinja")], open(p, encoding="utf-8").read()
 
 
+def renderings():
+    """(conversation name, add_generation_prompt, kwargs) for every rendering of a template."""
+    for conv in CONVERSATIONS:
+        for gen in (True, False):
+            yield conv, gen, {}
+    for conv in KWARGS_CONVERSATIONS:
+        for kwargs in KWARGS:
+            yield conv, True, kwargs
+
+
 def main():
     out = []
     for name, src in templates():
         bos, eos = next((v for k, v in BOS_EOS.items() if k in name), ("", ""))
-        for conv, c in CONVERSATIONS.items():
-            for gen in (True, False):
+        for conv, gen, kwargs in renderings():
+            c = CONVERSATIONS[conv]
+            if True:
                 try:
                     prompt = render_jinja_template(conversations=[c["messages"]], tools=c.get("tools"), chat_template=src,
-                                                   add_generation_prompt=gen, bos_token=bos, eos_token=eos)[0][0]
+                                                   add_generation_prompt=gen, bos_token=bos, eos_token=eos, **kwargs)[0][0]
                 except Exception as e:  # the template refuses this conversation: the plugin must too
                     prompt, err = None, f"{type(e).__name__}: {e}"
                 else:
                     err = None
-                out.append({"template": name, "conversation": conv, "add_generation_prompt": gen, "bos_token": bos, "eos_token": eos,
+                out.append({"template": name, "conversation": conv, "add_generation_prompt": gen, "kwargs": kwargs, "bos_token": bos, "eos_token": eos,
                             "messages": c["messages"], "tools": c.get("tools"), "prompt": prompt, "error": err})
     json.dump({"transformers": transformers.__version__, "cases": out}, open(os.path.join(HERE, "expected.json"), "w"),
               ensure_ascii=False, indent=1)
