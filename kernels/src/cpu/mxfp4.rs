@@ -77,6 +77,7 @@ impl Codec for Mxfp4Matrix {
     fn value(code: u32, p: [f32; 2]) -> f32 {
         E2M1[code as usize & 15] * p[0]
     }
+    const SCALED_TABLE: Option<&'static [f32; 16]> = Some(&E2M1);
     // The packed kernels build each block's 16-entry table with these (one permute and one
     // multiply instead of 16 scalar lookups: with 32-weight blocks that was most of the work).
     #[cfg(target_arch = "x86_64")]

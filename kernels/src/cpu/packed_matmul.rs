@@ -96,6 +96,11 @@ pub trait Codec: Sync {
     /// The parameters of group `group` of row `row` (meaning is the codec's).
     fn params(&self, row: usize, group: usize) -> [f32; 2];
     fn value(code: u32, p: [f32; 2]) -> f32;
+    /// `Some(t)` when a ≤ 4-bit weight is `t[code] · p[0]` (MXFP4). The vector kernels then
+    /// permute this constant table and multiply by the broadcast scale instead of building a
+    /// table per group: with 32-weight blocks that per-group setup was most of the work.
+    /// The product is the same f32 multiply as in `value`, so results stay bit-identical.
+    const SCALED_TABLE: Option<&'static [f32; 16]> = None;
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
@@ -269,7 +274,9 @@ struct Group256 {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn group256<C: Codec, const TABLE: bool>(p: [f32; 2], bits: u32) -> Group256 {
     let (p0, p1) = (_mm256_set1_ps(p[0]), _mm256_set1_ps(p[1]));
-    let (lo, hi) = if TABLE {
+    let (lo, hi) = if let (true, Some(t)) = (TABLE, C::SCALED_TABLE) {
+        (_mm256_loadu_ps(t.as_ptr()), _mm256_loadu_ps(t.as_ptr().add(8)))
+    } else if TABLE {
         let mask = _mm256_set1_epi32((1i32 << bits) - 1);
         let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         let iota_hi = _mm256_add_epi32(iota, _mm256_set1_epi32(8));
@@ -290,7 +297,12 @@ unsafe fn weights8<C: Codec, const TABLE: bool>(row: *const u8, j: usize, s: Spr
         let idx = codes8(row, j, s, false);
         let lo = _mm256_permutevar8x32_ps(g.lo, idx);
         let hi = _mm256_permutevar8x32_ps(g.hi, idx);
-        _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)))
+        let v = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        if C::SCALED_TABLE.is_some() {
+            _mm256_mul_ps(v, g.p0)
+        } else {
+            v
+        }
     } else {
         C::value_avx2(codes8(row, j, s, true), g.p0, g.p1)
     }

@@ -103,7 +103,9 @@ macro_rules! avx512_kernels {
             #[target_feature(enable = $features)]
             unsafe fn group<C: Codec, const TABLE: bool>(p: [f32; 2], bits: u32) -> Group {
                 let (p0, p1) = (_mm512_set1_ps(p[0]), _mm512_set1_ps(p[1]));
-                let table = if TABLE {
+                let table = if let (true, Some(t)) = (TABLE, C::SCALED_TABLE) {
+                    _mm512_loadu_ps(t.as_ptr())
+                } else if TABLE {
                     let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
                     C::value_avx512(_mm512_and_si512(iota, _mm512_set1_epi32((1i32 << bits) - 1)), p0, p1)
                 } else {
@@ -118,7 +120,12 @@ macro_rules! avx512_kernels {
             unsafe fn weights16<C: Codec, const TABLE: bool>(row: *const u8, j: usize, s: Spread, g: Group) -> __m512 {
                 if TABLE {
                     // vpermps reads the low 4 bits of each index.
-                    _mm512_permutexvar_ps(codes16(row, j, s, false), g.table)
+                    let v = _mm512_permutexvar_ps(codes16(row, j, s, false), g.table);
+                    if C::SCALED_TABLE.is_some() {
+                        _mm512_mul_ps(v, g.p0)
+                    } else {
+                        v
+                    }
                 } else {
                     C::value_avx512(codes16(row, j, s, true), g.p0, g.p1)
                 }
