@@ -31,14 +31,14 @@ impl RecurrentSlots {
         Self { slots: vec![template; count], in_use: vec![false; count], free: (0..count).rev().collect(), bytes_per_slot }
     }
 
-    /// How many slots to preallocate: one per possible running sequence (`max_num_seqs`), but at
-    /// most half of the KV budget, so paged blocks for the full-attention layers always remain;
+    /// How many slots to preallocate: one per possible running sequence (`max_num_seqs`), but in
+    /// at most 7/8 of the KV budget, so paged blocks for the full-attention layers always remain;
     /// at least one, so a lone request can run. 0 when the model keeps no recurrent state.
     pub fn count_for(bytes_per_seq: usize, max_num_seqs: usize, kv_cache_bytes: usize) -> usize {
         if bytes_per_seq == 0 {
             return 0;
         }
-        max_num_seqs.min(kv_cache_bytes / 2 / bytes_per_seq).max(1)
+        max_num_seqs.min((kv_cache_bytes - kv_cache_bytes / 8) / bytes_per_seq).max(1)
     }
 
     /// Whether sequences need a slot (the model has recurrent layers).
@@ -123,10 +123,10 @@ mod tests {
     }
 
     #[test]
-    fn sizing_is_bounded_by_seqs_and_half_the_budget() {
+    fn sizing_is_bounded_by_seqs_and_the_budget() {
         assert_eq!(RecurrentSlots::count_for(0, 64, 1 << 30), 0);
         assert_eq!(RecurrentSlots::count_for(1000, 64, 1 << 30), 64);
-        assert_eq!(RecurrentSlots::count_for(1000, 64, 10_000), 5);
+        assert_eq!(RecurrentSlots::count_for(1000, 64, 8_000), 7);
         assert_eq!(RecurrentSlots::count_for(1000, 64, 100), 1);
         assert!(!RecurrentSlots::none().enabled());
         assert_eq!(pool(3).total_bytes(), 3 * SequenceState::bytes(&cfgs()));

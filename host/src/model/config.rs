@@ -14,14 +14,18 @@ use super::gguf::{GgufFile, MetaValue};
 pub enum Architecture {
     /// Llama family: RMSNorm, RoPE, grouped-query attention, SwiGLU (Llama 2/3, Mistral, SmolLM).
     Llama,
+    /// Kimi-Linear: KDA linear attention and latent full attention, dense MLP or MoE
+    /// (`model::kimi_linear`; needs the raw `config.json`, see `model::build_hf`).
+    KimiLinear,
 }
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "llama (also mistral, smollm)";
+    pub const SUPPORTED: &'static str = "llama (also mistral, smollm), kimi_linear";
 
     fn from_name(name: &str) -> Option<Self> {
         match name {
             "llama" | "mistral" | "smollm" | "LlamaForCausalLM" | "MistralForCausalLM" => Some(Self::Llama),
+            "kimi_linear" | "KimiLinearForCausalLM" => Some(Self::KimiLinear),
             _ => None,
         }
     }
