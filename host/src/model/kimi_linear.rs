@@ -1,17 +1,12 @@
 //! Kimi-Linear (transformers' `KimiLinearForCausalLM`): a hybrid decoder whose layers are either
-//! Kimi Delta Attention (linear attention with a fixed-size per-sequence state, `kda/`) or latent
-//! full attention (`latent_attention`), each followed by a dense SwiGLU MLP (the first
+//! Kimi Delta Attention (linear attention with a fixed-size per-sequence state, `kda/`) or
+//! multi-head latent attention without RoPE (`mla/`, `mla_use_nope`), each followed by a dense SwiGLU MLP (the first
 //! `first_k_dense_replace` layers) or a mixture of experts (`moe/`).
 //!
 //! The layer plan comes from `linear_attn_config` (`kda/plan.rs`); KDA layers cache nothing per
 //! token and read their state from `KvCache::recurrent`, latent layers cache one latent row.
 
-pub mod latent_attention;
-
-use std::path::Path;
-
 use kernels::cpu::norm::rms_norm;
-use serde_json::Value;
 
 use super::config::ModelConfig;
 use super::error::LoadError;
@@ -20,17 +15,17 @@ use super::kda::state::SequenceState;
 use super::kda::{KdaConfig, KdaLayer};
 use super::kv::{BatchRow, CacheLayout, KvCache};
 use super::linear::Linear;
+use super::mla::{MlaConfig, MlaLayer};
 use super::moe::mlp::{Activation, GatedMlp};
 use super::moe::{MoeConfig, MoeLayer};
 use super::source::WeightSource;
 use super::tensor::Tensor;
 use super::LanguageModel;
-use latent_attention::{LatentAttention, LatentAttentionConfig};
 
 enum Mixer {
     /// `ordinal`: index among the KDA layers, which is where its state lives.
     Kda { layer: KdaLayer, ordinal: usize },
-    Latent(LatentAttention),
+    Latent(MlaLayer),
 }
 
 enum Ffn {
@@ -57,14 +52,20 @@ pub struct KimiLinearModel {
 }
 
 impl KimiLinearModel {
-    /// Loads the model; `raw` is its `config.json` (read from `file`), whose Kimi-specific parts
-    /// (`linear_attn_config`, latent attention and MoE fields) `ModelConfig` does not carry.
-    pub fn load(cfg: ModelConfig, src: &dyn WeightSource, file: &Path, raw: &Value) -> Result<Self, LoadError> {
+    /// Loads the model; `cfg.hf_config` must hold its `config.json`, whose Kimi-specific parts
+    /// (`linear_attn_config`, MLA and MoE fields) the rest of `ModelConfig` does not carry.
+    pub fn load(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Self, LoadError> {
         let d = cfg.hidden_size;
+        let file = src.file_of("config.json").with_file_name("config.json");
+        let raw = cfg.hf_config.clone().ok_or_else(|| LoadError::Config { file: file.clone(), detail: "Kimi-Linear is loaded from a Hugging Face config.json".into() })?;
+        let (file, raw) = (file.as_path(), raw.as_ref());
         let plan = layer_plan(file, raw, cfg.num_layers())?;
         let kda_cfg = KdaConfig::from_hf_config(file, raw)?;
-        let needs_latent = plan.contains(&MixerKind::FullAttention);
-        let latent_cfg = if needs_latent { Some(LatentAttentionConfig::from_hf_config(file, raw)?) } else { None };
+        let latent_cfg = if plan.contains(&MixerKind::FullAttention) { Some(MlaConfig::from_hf_config(file, raw)?) } else { None };
+        if latent_cfg.as_ref().is_some_and(|m| m.rope.is_some()) {
+            // Kimi-Linear's full-attention layers are NoPE; a config asking for RoPE is not one.
+            return Err(LoadError::Config { file: file.to_path_buf(), detail: "Kimi-Linear MLA layers with RoPE (mla_use_nope: false) are not supported".into() });
+        }
         let moe = MoeConfig::from_hf_config(file, raw)?;
         let mut layers = Vec::with_capacity(plan.len());
         let mut kda = Vec::new();
@@ -78,8 +79,9 @@ impl KimiLinearModel {
                     Mixer::Kda { layer: KdaLayer::load(kda_cfg.clone(), src, &format!("{p}.self_attn"))?, ordinal: kda.len() - 1 }
                 }
                 (MixerKind::FullAttention, Some(lc)) => {
-                    cache_layers.push(Some(lc.kv_shape()));
-                    Mixer::Latent(LatentAttention::load(lc.clone(), src, &format!("{p}.self_attn"))?)
+                    let mla = MlaLayer::load(lc, src, &format!("{p}.self_attn"))?;
+                    cache_layers.push(Some(mla.cache_shape()));
+                    Mixer::Latent(mla)
                 }
                 (MixerKind::FullAttention, None) => unreachable!("latent config is read when the plan has full attention"),
             };
@@ -139,7 +141,7 @@ impl LanguageModel for KimiLinearModel {
                     let mut view = states.layer(*ordinal);
                     kda.forward(&normed, rows, &mut view)
                 }
-                Mixer::Latent(attn) => attn.forward(li, &normed, rows, kv),
+                Mixer::Latent(attn) => attn.forward(&normed, rows, kv, li),
             };
             for (h, a) in hidden.iter_mut().zip(&mixed) {
                 *h += a;

@@ -1,6 +1,7 @@
 //! Model loading: checkpoint formats, the architecture registry and the forward pass.
 
 pub mod config;
+pub mod deepseek;
 pub mod error;
 pub mod ggml;
 pub mod gguf;
@@ -11,6 +12,7 @@ pub mod kimi_linear;
 pub mod kv;
 pub mod linear;
 pub mod llama;
+pub mod mla;
 pub mod moe;
 pub mod quant;
 pub mod source;
@@ -59,19 +61,8 @@ pub trait LanguageModel: Send + Sync {
 pub fn build(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Box<dyn LanguageModel>, LoadError> {
     match cfg.architecture {
         Architecture::Llama => Ok(Box::new(LlamaModel::load(cfg, src)?)),
-        Architecture::KimiLinear => Err(LoadError::Config {
-            file: PathBuf::from("config.json"),
-            detail: "Kimi-Linear is only loaded from a Hugging Face directory (its config.json carries the layer plan)".into(),
-        }),
-    }
-}
-
-/// `build` for a Hugging Face checkpoint, whose `config.json` (`raw`, read from `file`) some
-/// architectures need beyond `ModelConfig`.
-pub fn build_hf(cfg: ModelConfig, src: &dyn WeightSource, file: &Path, raw: &serde_json::Value) -> Result<Box<dyn LanguageModel>, LoadError> {
-    match cfg.architecture {
-        Architecture::KimiLinear => Ok(Box::new(kimi_linear::KimiLinearModel::load(cfg, src, file, raw)?)),
-        _ => build(cfg, src),
+        Architecture::DeepseekV3 => Ok(Box::new(deepseek::DeepseekV3Model::load(cfg, src)?)),
+        Architecture::KimiLinear => Ok(Box::new(kimi_linear::KimiLinearModel::load(cfg, src)?)),
     }
 }
 
@@ -102,7 +93,7 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
         let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
         let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
         let tokenizer = Tokenizer::from_hf_dir(path, &raw)?;
-        (build_hf(cfg, src.as_ref(), &cfg_path, &raw)?, tokenizer)
+        (build(cfg, src.as_ref())?, tokenizer)
     } else {
         let file = gguf::GgufFile::open(path)?;
         let cfg = ModelConfig::from_gguf(&file)?;
