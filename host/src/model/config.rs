@@ -16,15 +16,19 @@ pub enum Architecture {
     Llama,
     /// DeepSeek-V3: MLA attention, dense first layers then MoE (model/deepseek.rs).
     DeepseekV3,
+    /// Kimi-Linear: KDA linear attention and MLA full attention, dense MLP or MoE
+    /// (model/kimi_linear.rs).
+    KimiLinear,
 }
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "llama (also mistral, smollm), deepseek_v3";
+    pub const SUPPORTED: &'static str = "llama (also mistral, smollm), deepseek_v3, kimi_linear";
 
     fn from_name(name: &str) -> Option<Self> {
         match name {
             "llama" | "mistral" | "smollm" | "LlamaForCausalLM" | "MistralForCausalLM" => Some(Self::Llama),
             "deepseek_v3" | "DeepseekV3ForCausalLM" => Some(Self::DeepseekV3),
+            "kimi_linear" | "KimiLinearForCausalLM" => Some(Self::KimiLinear),
             _ => None,
         }
     }
