@@ -1,4 +1,5 @@
-//! `wasmserve quantize`: data-free conversion of a BF16/F16/F32 Hugging Face checkpoint into
+//! `wasmserve quantize`: data-free conversion of a BF16/F16/F32 (or compressed-tensors MXFP4,
+//! see `source`) Hugging Face checkpoint into
 //! compressed-tensors INT (`pack-quantized`) or Cubic (docs/cubic-format.md), with a per-layer
 //! policy. Streams tensor by tensor (memory: the mapped input plus one tensor and its quantized
 //! form), never overwrites, and reports per storage configuration the scale-free NRMSE of the
@@ -36,7 +37,7 @@ pub enum FormatArg {
 
 #[derive(Args)]
 pub struct QuantizeArgs {
-    /// Hugging Face model directory (config.json + BF16/F16/F32 safetensors + tokenizer files).
+    /// Hugging Face model directory (config.json + BF16/F16/F32 or mxfp4-pack-quantized safetensors + tokenizer files).
     #[arg(long)]
     pub input: PathBuf,
     /// Output directory; must not exist.
