@@ -5,6 +5,7 @@ pub mod chat;
 pub mod decode_bench;
 pub mod engine;
 pub mod generate;
+pub mod mesh;
 pub mod model;
 pub mod moe_bench;
 pub mod perplexity;

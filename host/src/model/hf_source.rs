@@ -12,6 +12,8 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata};
 use safetensors::SafeTensors;
 
+use crate::mesh::split::Split;
+
 use super::error::LoadError;
 use super::source::{check_shape, WeightSource};
 use super::tensor::Tensor;
@@ -170,6 +172,44 @@ impl WeightSource for SafetensorsSource {
 
     fn file_of(&self, name: &str) -> PathBuf {
         self.index.get(name).map(|&i| self.shards[i].path.clone()).unwrap_or_else(|| self.dir.clone())
+    }
+
+    /// Decodes only this rank's rows or columns, so a tensor-parallel rank never holds the
+    /// whole tensor in f32.
+    fn load_split(&self, name: &str, shape: &[usize], split: &Split) -> Result<Tensor, LoadError> {
+        if *split == Split::Full {
+            return self.load(name, shape);
+        }
+        let raw = self.raw(name)?;
+        check_shape(raw.file, name, raw.shape, shape)?;
+        let bad = |detail: String| LoadError::BadTensor { file: raw.file.to_path_buf(), tensor: name.to_string(), detail };
+        let part = split.shape(raw.shape).map_err(bad)?;
+        let esize = match raw.dtype {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            other => return Err(bad(format!("dtype {other:?} is not supported for this weight (expected F32, F16 or BF16)"))),
+        };
+        let width: usize = raw.shape[1..].iter().product();
+        let mut bytes = Vec::with_capacity(part.iter().product::<usize>() * esize);
+        match split {
+            Split::Full => unreachable!("handled above"),
+            Split::Rows(r) => bytes.extend_from_slice(&raw.bytes[r.start * width * esize..r.end * width * esize]),
+            Split::Cols(c) => {
+                for row in raw.bytes.chunks_exact((width * esize).max(1)) {
+                    bytes.extend_from_slice(&row[c.start * esize..c.end * esize]);
+                }
+            }
+        }
+        let data: Vec<f32> = match raw.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            _ => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        };
+        Ok(Tensor::owned(part, data))
+    }
+
+    fn linear_split(&self, module: &str, rows: usize, cols: usize, split: &Split) -> Result<super::linear::Linear, LoadError> {
+        self.load_split(&format!("{module}.weight"), &[rows, cols], split).map(super::linear::Linear::Dense)
     }
 
     fn shape_of(&self, name: &str) -> Option<Vec<usize>> {

@@ -121,7 +121,8 @@ impl KvRow<'_> {
     }
 }
 
-pub trait KvCache: Sync {
+/// `Send + Sync` so tensor-parallel ranks (threads) can share one cache behind a lock.
+pub trait KvCache: Send + Sync {
     /// Stores this token's keys and values (the layer's `LayerKvShape` widths) for `layer`.
     fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]);
     /// Keys of `seq` at `pos` for `layer` (written earlier, in this or a previous step).

@@ -4,6 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::mesh::split::{slice_linear, slice_tensor, Split};
+
 use super::error::LoadError;
 use super::linear::Linear;
 use super::tensor::Tensor;
@@ -24,6 +26,22 @@ pub trait WeightSource: Send + Sync {
     /// from `{module}.weight` unless the source keeps it quantized.
     fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
         self.load(&format!("{module}.weight"), &[rows, cols]).map(Linear::Dense)
+    }
+    /// The part `split` of `name` (whose full shape is `shape`): what one tensor-parallel rank
+    /// holds. The default loads the whole tensor and copies the part out; a source that can
+    /// decode just the part overrides it.
+    fn load_split(&self, name: &str, shape: &[usize], split: &Split) -> Result<Tensor, LoadError> {
+        let t = self.load(name, shape)?;
+        slice_tensor(t, split).map_err(|detail| LoadError::BadTensor { file: self.file_of(name), tensor: name.to_string(), detail })
+    }
+    /// The part `split` of the Linear layer `module` of full shape `[rows, cols]`.
+    fn linear_split(&self, module: &str, rows: usize, cols: usize, split: &Split) -> Result<Linear, LoadError> {
+        if *split == Split::Full {
+            return self.linear(module, rows, cols);
+        }
+        let l = self.linear(module, rows, cols)?;
+        let name = format!("{module}.weight");
+        slice_linear(l, split).map_err(|detail| LoadError::BadTensor { file: self.file_of(&name), tensor: name, detail })
     }
 }
 

@@ -1,0 +1,17 @@
+//! Sharding across devices: a device mesh (tensor-parallel × expert-parallel layout), the
+//! collective-communication interface ranks exchange activations through, and an in-process
+//! implementation that runs N simulated devices as N threads on the CPU.
+//!
+//! Design notes: docs/sharding.md.
+
+pub mod collective;
+pub mod layout;
+pub mod local;
+pub mod split;
+pub mod tp;
+
+pub use collective::{Collective, CollectiveError, Element, ReduceElement};
+pub use layout::{DeviceMesh, MeshCoord, MeshError};
+pub use local::LocalCollective;
+pub use split::{even_range, Split};
+pub use tp::TensorParallel;

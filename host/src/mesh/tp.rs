@@ -1,0 +1,125 @@
+//! `TensorParallel`: a Llama model split over N simulated devices. Each rank is its own
+//! `LlamaModel` holding only its slice of the weights, run on its own thread for every forward
+//! pass; ranks meet only in the collectives (an all-reduce after each row-parallel projection
+//! and the embedding, an all-gather of the vocabulary-split logits).
+
+use std::path::Path;
+use std::sync::RwLock;
+
+use crate::model::config::ModelConfig;
+use crate::model::error::LoadError;
+use crate::model::kv::{BatchRow, KvCache};
+use crate::model::llama::{LlamaModel, SharedKv, TpRank};
+use crate::model::source::WeightSource;
+use crate::model::{gguf, gguf_source, hf_source, quant, LanguageModel};
+
+use super::collective::{Collective, CollectiveError};
+use super::local::LocalCollective;
+
+pub struct TensorParallel {
+    ranks: Vec<LlamaModel>,
+}
+
+/// Aborts the group when its rank unwinds, so the other ranks stop waiting for it.
+struct AbortOnPanic<'a>(&'a LocalCollective);
+
+impl Drop for AbortOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.abort("rank panicked");
+        }
+    }
+}
+
+impl TensorParallel {
+    /// Loads `tp` ranks, each on its own thread reading only its slice from `src`.
+    pub fn load(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Self, LoadError> {
+        if tp == 0 {
+            return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "tensor parallel size must be at least 1".into() });
+        }
+        let ranks = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..tp)
+                .map(|rank| {
+                    let cfg = cfg.clone();
+                    s.spawn(move || LlamaModel::load_rank(cfg, src, TpRank { rank, size: tp }))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect::<Result<Vec<_>, _>>()
+        })?;
+        tracing::info!(tp, "tensor-parallel ranks loaded");
+        Ok(Self { ranks })
+    }
+
+    /// Opens a `.gguf` file or a Hugging Face directory (as `model::load` does) and loads `tp`
+    /// ranks from it.
+    pub fn open(path: &Path, tp: usize) -> Result<Self, LoadError> {
+        if path.is_dir() {
+            let cfg_path = path.join("config.json");
+            let text = std::fs::read_to_string(&cfg_path).map_err(|e| LoadError::Io { file: cfg_path.clone(), source: e })?;
+            let raw: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| LoadError::Corrupt { file: cfg_path.clone(), detail: format!("invalid JSON: {e}") })?;
+            let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
+            let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
+            Self::load(cfg, src.as_ref(), tp)
+        } else {
+            let file = gguf::GgufFile::open(path)?;
+            let cfg = ModelConfig::from_gguf(&file)?;
+            Self::load(cfg, &gguf_source::GgufSource::new(file), tp)
+        }
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.ranks[0].config()
+    }
+
+    pub fn tp_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// The cache this model needs: each rank keeps its own KV heads in its own layers
+    /// (`layer * tp + rank`), so there are `tp` times the layers at `1/tp` of the width (or
+    /// one head's width when KV heads are replicated because there are fewer than ranks).
+    pub fn cache_layers(&self) -> usize {
+        self.config().num_layers() * self.tp_size()
+    }
+
+    pub fn cache_width(&self) -> usize {
+        self.ranks[0].cache_width()
+    }
+
+    /// The single-device forward contract ([`LlamaModel::forward`]) with the work split over
+    /// the ranks; `kv` must have the layout of [`Self::cache_layers`] × [`Self::cache_width`].
+    pub fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
+        let comms = LocalCollective::group(self.tp_size());
+        let shared: SharedKv<'_> = RwLock::new(kv);
+        let run = |model: &LlamaModel, comm: &LocalCollective| -> Result<Vec<f32>, CollectiveError> {
+            let _guard = AbortOnPanic(comm);
+            let out = model.forward_rank(tokens, rows, &shared, logit_rows, comm);
+            if let Err(e) = &out {
+                comm.abort(&e.to_string());
+            }
+            out
+        };
+        std::thread::scope(|s| {
+            let peers: Vec<_> = self.ranks[1..]
+                .iter()
+                .zip(&comms[1..])
+                .enumerate()
+                .map(|(i, (model, comm))| {
+                    std::thread::Builder::new()
+                        .name(format!("tp-rank-{}", i + 1))
+                        .spawn_scoped(s, move || run(model, comm))
+                        .expect("spawning a tensor-parallel rank thread")
+                })
+                .collect();
+            // Rank 0 runs on the caller's thread; the result is the same on every rank.
+            let mine = run(&self.ranks[0], &comms[0]);
+            for p in peers {
+                if let Err(panic) = p.join() {
+                    std::panic::resume_unwind(panic);
+                }
+            }
+            mine.unwrap_or_else(|e| panic!("tensor-parallel forward failed: {e}"))
+        })
+    }
+}
