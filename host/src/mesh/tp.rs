@@ -8,7 +8,7 @@ use std::sync::RwLock;
 
 use crate::model::config::ModelConfig;
 use crate::model::error::LoadError;
-use crate::model::kv::{BatchRow, KvCache};
+use crate::model::kv::{BatchRow, CacheLayout, KvCache};
 use crate::model::llama::{LlamaModel, SharedKv, TpRank};
 use crate::model::source::WeightSource;
 use crate::model::{gguf, gguf_source, hf_source, quant, LanguageModel};
@@ -68,10 +68,6 @@ impl TensorParallel {
         }
     }
 
-    pub fn config(&self) -> &ModelConfig {
-        self.ranks[0].config()
-    }
-
     pub fn tp_size(&self) -> usize {
         self.ranks.len()
     }
@@ -87,9 +83,24 @@ impl TensorParallel {
         self.ranks[0].cache_width()
     }
 
-    /// The single-device forward contract ([`LlamaModel::forward`]) with the work split over
-    /// the ranks; `kv` must have the layout of [`Self::cache_layers`] × [`Self::cache_width`].
-    pub fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
+}
+
+/// The engine serves a `TensorParallel` like any model: one forward call runs every rank and
+/// returns rank 0's logits (all ranks hold the same after the all-gather).
+impl LanguageModel for TensorParallel {
+    fn config(&self) -> &ModelConfig {
+        self.ranks[0].config()
+    }
+
+    /// [`Self::cache_layers`] layers of [`Self::cache_width`]: rank r's KV heads of layer l live
+    /// in cache layer `l * tp + r`.
+    fn cache_layout(&self) -> CacheLayout {
+        self.ranks[0].cache_layout()
+    }
+
+    /// The single-device forward contract with the work split over the ranks; `kv` must have
+    /// [`Self::cache_layout`].
+    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         let comms = LocalCollective::group(self.tp_size());
         let shared: SharedKv<'_> = RwLock::new(kv);
         let run = |model: &LlamaModel, comm: &LocalCollective| -> Result<Vec<f32>, CollectiveError> {
