@@ -14,14 +14,17 @@ use super::gguf::{GgufFile, MetaValue};
 pub enum Architecture {
     /// Llama family: RMSNorm, RoPE, grouped-query attention, SwiGLU (Llama 2/3, Mistral, SmolLM).
     Llama,
+    /// DeepSeek-V3: MLA attention, dense first layers then MoE (model/deepseek.rs).
+    DeepseekV3,
 }
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "llama (also mistral, smollm)";
+    pub const SUPPORTED: &'static str = "llama (also mistral, smollm), deepseek_v3";
 
     fn from_name(name: &str) -> Option<Self> {
         match name {
             "llama" | "mistral" | "smollm" | "LlamaForCausalLM" | "MistralForCausalLM" => Some(Self::Llama),
+            "deepseek_v3" | "DeepseekV3ForCausalLM" => Some(Self::DeepseekV3),
             _ => None,
         }
     }
@@ -31,12 +34,16 @@ impl Architecture {
 pub enum AttentionKind {
     /// Multi-head / grouped-query softmax attention with RoPE.
     Gqa,
+    /// Multi-head latent attention (model/mla), compressed latent cache.
+    Mla,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FfnKind {
     /// SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
     DenseSwiGlu,
+    /// Mixture of experts (model/moe).
+    Moe,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,6 +66,9 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     pub layers: Vec<LayerSpec>,
+    /// The checkpoint's `config.json`, for architectures whose own modules parse further fields
+    /// (MLA, MoE); `None` for GGUF.
+    pub hf_config: Option<std::sync::Arc<Value>>,
 }
 
 impl ModelConfig {
@@ -130,6 +140,7 @@ impl ModelConfig {
             max_position_embeddings: g.meta(&key("context_length")).and_then(MetaValue::as_u64).unwrap_or(2048) as usize,
             tie_word_embeddings: g.tensor("output.weight").is_none(),
             layers: vec![spec; n_layers],
+            hf_config: None,
         }
         .validate(file)
     }
@@ -159,7 +170,8 @@ impl ModelConfig {
         let scaling = rope.or_else(|| cfg.get("rope_scaling").filter(|v| !v.is_null()));
         if let Some(scaling) = scaling {
             let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str).unwrap_or("default");
-            if kind != "default" {
+            // MLA parses its own RoPE scaling (YaRN) in model/mla/config.rs.
+            if kind != "default" && architecture != Architecture::DeepseekV3 {
                 return Err(cfg_err(format!("rope scaling type '{kind}' is not supported yet")));
             }
         }
@@ -190,6 +202,7 @@ impl ModelConfig {
             max_position_embeddings: cfg.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(2048) as usize,
             tie_word_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
             layers: vec![spec; req("num_hidden_layers")?],
+            hf_config: Some(std::sync::Arc::new(cfg.clone())),
         }
         .validate(file)
     }

@@ -1,6 +1,7 @@
 //! Model loading: checkpoint formats, the architecture registry and the forward pass.
 
 pub mod config;
+pub mod deepseek;
 pub mod error;
 pub mod ggml;
 pub mod gguf;
@@ -10,6 +11,7 @@ pub mod kda;
 pub mod kv;
 pub mod linear;
 pub mod llama;
+pub mod mla;
 pub mod moe;
 pub mod quant;
 pub mod source;
@@ -45,6 +47,7 @@ pub trait LanguageModel: Send + Sync {
 pub fn build(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Box<dyn LanguageModel>, LoadError> {
     match cfg.architecture {
         Architecture::Llama => Ok(Box::new(LlamaModel::load(cfg, src)?)),
+        Architecture::DeepseekV3 => Ok(Box::new(deepseek::DeepseekV3Model::load(cfg, src)?)),
     }
 }
 

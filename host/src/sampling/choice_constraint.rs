@@ -6,28 +6,33 @@
 #[derive(Clone, Debug)]
 pub struct ChoiceConstraint {
     choices: Vec<Vec<u8>>,
+    /// Choices the output so far is a prefix of. `accepts` runs for every vocabulary token each
+    /// step, so it must only compare the candidate's bytes, never the whole output again.
+    live: Vec<usize>,
     sofar: Vec<u8>,
 }
 
 impl ChoiceConstraint {
     pub fn new(choices: &[String]) -> Self {
-        Self { choices: choices.iter().map(|c| c.as_bytes().to_vec()).collect(), sofar: Vec::new() }
+        Self { choices: choices.iter().map(|c| c.as_bytes().to_vec()).collect(), live: (0..choices.len()).collect(), sofar: Vec::new() }
     }
 
     /// The output equals a choice (the first one reached ends it, as the shorter of two choices
     /// where one is a prefix of the other).
     pub fn is_complete(&self) -> bool {
-        self.choices.iter().any(|c| *c == self.sofar)
+        self.live.iter().any(|&i| self.choices[i].len() == self.sofar.len())
     }
 
     pub fn accepts(&self, bytes: &[u8]) -> bool {
-        let n = self.sofar.len() + bytes.len();
-        !bytes.is_empty() && self.choices.iter().any(|c| c.len() >= n && c.starts_with(&self.sofar) && c[self.sofar.len()..n] == *bytes)
+        let (at, n) = (self.sofar.len(), self.sofar.len() + bytes.len());
+        !bytes.is_empty() && self.live.iter().any(|&i| self.choices[i].get(at..n) == Some(bytes))
     }
 
     pub fn feed(&mut self, bytes: &[u8]) -> bool {
         let ok = self.accepts(bytes);
         if ok {
+            let (at, n) = (self.sofar.len(), self.sofar.len() + bytes.len());
+            self.live.retain(|&i| self.choices[i].get(at..n) == Some(bytes));
             self.sofar.extend_from_slice(bytes);
         }
         ok

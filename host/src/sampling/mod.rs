@@ -142,12 +142,18 @@ impl Sampler {
         self.draw(logits)
     }
 
-    /// Like `sample`, but only tokens `allowed` accepts can come out: a rejected draw is masked
-    /// and drawn again (lazy masking: usually only a few candidates are ever checked). `None`
-    /// when no token is allowed.
+    /// Like `sample`, but only tokens `allowed` accepts can come out. `None` when no token is
+    /// allowed.
+    ///
+    /// A few draws are tried lazily first (a rejected token is masked and the draw repeated:
+    /// equivalent to drawing from the masked distribution, and usually the model's own choice is
+    /// allowed). Each draw costs a pass over the vocabulary, so when those fail (a constraint far
+    /// from what the model wants, such as a forced `choice` text) the whole vocabulary is masked
+    /// in one pass and drawn once, keeping a step O(vocab) instead of O(vocab × rejections).
     pub fn sample_allowed(&mut self, logits: &mut [f32], allowed: impl Fn(u32) -> bool) -> Option<Sampled> {
+        const LAZY_DRAWS: usize = 4;
         self.process(logits);
-        for _ in 0..logits.len() {
+        for _ in 0..LAZY_DRAWS.min(logits.len()) {
             let s = self.draw(logits);
             if logits[s.token as usize] == f32::NEG_INFINITY {
                 return None;
@@ -157,7 +163,17 @@ impl Sampler {
             }
             logits[s.token as usize] = f32::NEG_INFINITY;
         }
-        None
+        let mut any = false;
+        for (t, l) in logits.iter_mut().enumerate() {
+            if *l > f32::NEG_INFINITY {
+                if allowed(t as u32) {
+                    any = true;
+                } else {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        any.then(|| self.draw(logits))
     }
 
     /// Draws from already processed logits.
@@ -252,6 +268,22 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sample_allowed_takes_the_best_allowed_token_lazily_or_by_mask() {
+        let logits: Vec<f32> = (0..1000).map(|i| i as f32 / 100.0).collect();
+        let mut s = Sampler::new(SamplingParams::greedy(), &[]);
+        // The model's favourite is allowed: the lazy path.
+        assert_eq!(s.sample_allowed(&mut logits.clone(), |_| true).unwrap().token, 999);
+        // Only tokens far down the ranking are allowed: the full mask picks the best of them.
+        assert_eq!(s.sample_allowed(&mut logits.clone(), |t| t % 97 == 3).unwrap().token, 973);
+        assert!(s.sample_allowed(&mut logits.clone(), |_| false).is_none());
+        // Sampled draws only ever return allowed tokens.
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() }, &[]);
+        for _ in 0..50 {
+            assert_eq!(s.sample_allowed(&mut logits.clone(), |t| t < 10).unwrap().token / 10, 0);
+        }
+    }
 
     #[test]
     fn greedy_picks_max_and_seed_reproduces() {

@@ -219,6 +219,12 @@ mod tests {
                         assert_eq!(out[i * rows + r], dot_canonical(&x[i * cols..(i + 1) * cols], &deq[r]), "{isa:?} bits {bits}");
                     }
                 }
+                // Decode-sized batches take the direct (in-register) path: same results.
+                for nd in 1..=4 {
+                    let mut direct = vec![0.0; nd * rows];
+                    m.matmul_t_isa(isa, &x[..nd * cols], &mut direct, nd);
+                    assert_eq!(direct, out[..nd * rows], "{isa:?} bits {bits} direct n={nd}");
+                }
             }
         }
     }

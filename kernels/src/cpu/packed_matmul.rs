@@ -7,9 +7,10 @@
 //! across register tiles. Either way each weight is decoded once per call.
 //!
 //! Dequantising in registers: for codes of at most 4 bits the group's 16 possible weights are
-//! computed once (scalar, with the codec's own formula) into a table and each chunk is one table
-//! permute (`vpermps`), which costs less than any formula and is exact by construction. Wider
-//! codes use the codec's vector formula.
+//! computed once per group (the codec's vector formula applied to the codes 0..16) into a
+//! register and each chunk is one table permute (`vpermps`), which costs less than any formula
+//! and is exact by construction. Wider codes use the codec's vector formula per chunk. With
+//! VBMI, codes of ≤ 4 bits reach their lanes through one `vpmultishiftqb` (packed_matmul/avx512.rs).
 //!
 //! Canonical order (batch and ISA invariance): every output `out[i][o]` is
 //! `reduce16(acc)` with `acc[l] = fma(x[i][j], w[o][j], acc[l])` over `j = l, l+16, l+32, …`
@@ -28,6 +29,9 @@ use rayon::prelude::*;
 
 use super::bitpack::{code_at, PackedRows};
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 pub const LANES: usize = 16;
 /// Weight rows decoded together into the scratch (one register tile's worth of columns).
 const STRIP: usize = 4;
@@ -41,6 +45,9 @@ pub enum Isa {
     Scalar,
     Avx2,
     Avx512,
+    /// AVX-512 plus VBMI: codes of ≤ 4 bits are spread to lanes by one `vpmultishiftqb` of a
+    /// broadcast 64-bit load instead of two or three shuffles (the shuffle port is the limit).
+    Avx512Vbmi,
 }
 
 impl Isa {
@@ -59,6 +66,9 @@ impl Isa {
                 v.push(Isa::Avx2);
                 if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
                     v.push(Isa::Avx512);
+                    if is_x86_feature_detected!("avx512vbmi") {
+                        v.push(Isa::Avx512Vbmi);
+                    }
                 }
             }
         }
@@ -70,6 +80,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma",
             Isa::Avx512 => "avx512f+bw",
+            Isa::Avx512Vbmi => "avx512f+bw+vbmi",
         }
     }
 }
@@ -85,6 +96,11 @@ pub trait Codec: Sync {
     /// The parameters of group `group` of row `row` (meaning is the codec's).
     fn params(&self, row: usize, group: usize) -> [f32; 2];
     fn value(code: u32, p: [f32; 2]) -> f32;
+    /// `Some(t)` when a ≤ 4-bit weight is `t[code] · p[0]` (MXFP4). The vector kernels then
+    /// permute this constant table and multiply by the broadcast scale instead of building a
+    /// table per group: with 32-weight blocks that per-group setup was most of the work.
+    /// The product is the same f32 multiply as in `value`, so results stay bit-identical.
+    const SCALED_TABLE: Option<&'static [f32; 16]> = None;
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
@@ -115,26 +131,6 @@ pub trait Codec: Sync {
     }
 }
 
-/// A group's dequantisation state: its parameters and, for codes of ≤ 4 bits, all its weights
-/// indexed by code, repeated with period `2^bits` so garbage above a code's bits is harmless.
-struct GroupTable {
-    params: [f32; 2],
-    table: [f32; 16],
-}
-
-#[inline(always)]
-fn group_table<C: Codec>(w: &C, row: usize, group: usize) -> GroupTable {
-    let params = w.params(row, group);
-    let bits = w.packed().bits();
-    let mut table = [0.0f32; 16];
-    if bits <= 4 {
-        for (i, t) in table.iter_mut().enumerate() {
-            *t = C::value(i as u32 % (1 << bits), params);
-        }
-    }
-    GroupTable { params, table }
-}
-
 /// Dequantises row `r` of `w` into `dst` (length `cols`) with the given instruction set.
 pub fn decode_row<C: Codec>(isa: Isa, w: &C, r: usize, dst: &mut [f32]) {
     let p = w.packed();
@@ -146,20 +142,25 @@ pub fn decode_row<C: Codec>(isa: Isa, w: &C, r: usize, dst: &mut [f32]) {
     while lo < full {
         let g = lo / gs;
         let hi = ((g + 1) * gs).min(full);
-        let t = group_table(w, r, g);
+        let params = w.params(r, g);
+        let table = bits <= 4;
         match isa {
             // SAFETY: the vector paths are only chosen when Isa::available lists them.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if bits <= 4 => unsafe { decode_range_avx512::<C, true>(row, bits, lo, hi, &t, dst) },
+            Isa::Avx512Vbmi if table => unsafe { avx512::vbmi::decode_range::<C, true>(row, bits, lo, hi, params, dst) },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { decode_range_avx512::<C, false>(row, bits, lo, hi, &t, dst) },
+            Isa::Avx512Vbmi => unsafe { avx512::vbmi::decode_range::<C, false>(row, bits, lo, hi, params, dst) },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 if bits <= 4 => unsafe { decode_range_avx2::<C, true>(row, bits, lo, hi, &t, dst) },
+            Isa::Avx512 if table => unsafe { avx512::bw::decode_range::<C, true>(row, bits, lo, hi, params, dst) },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { decode_range_avx2::<C, false>(row, bits, lo, hi, &t, dst) },
+            Isa::Avx512 => unsafe { avx512::bw::decode_range::<C, false>(row, bits, lo, hi, params, dst) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 if table => unsafe { decode_range_avx2::<C, true>(row, bits, lo, hi, params, dst) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { decode_range_avx2::<C, false>(row, bits, lo, hi, params, dst) },
             _ => {
                 for j in lo..hi {
-                    dst[j] = C::value(code_at(row, bits, j), t.params);
+                    dst[j] = C::value(code_at(row, bits, j), params);
                 }
             }
         }
@@ -193,7 +194,7 @@ const fn spread_tables<const SRC: usize>(bits: u32) -> ([u8; 64], [u32; 16]) {
     (ctl, shift)
 }
 
-const fn all_tables<const SRC: usize>() -> [([u8; 64], [u32; 16]); 9] {
+pub(crate) const fn all_tables<const SRC: usize>() -> [([u8; 64], [u32; 16]); 9] {
     let mut t = [([0u8; 64], [0u32; 16]); 9];
     let mut b = 1;
     while b <= 8 {
@@ -205,8 +206,6 @@ const fn all_tables<const SRC: usize>() -> [([u8; 64], [u32; 16]); 9] {
 
 #[cfg(target_arch = "x86_64")]
 static TABLES_AVX2: [([u8; 64], [u32; 16]); 9] = all_tables::<8>();
-#[cfg(target_arch = "x86_64")]
-static TABLES_AVX512: [([u8; 64], [u32; 16]); 9] = all_tables::<16>();
 
 // ---------------------------------------------------------------------------------------------
 // AVX2: a 16-weight chunk is two halves of 8.
@@ -268,16 +267,24 @@ struct Group256 {
     p1: __m256,
 }
 
+/// A group's parameters and, for codes of ≤ 4 bits, its 16 weights by code (repeated with period
+/// `2^bits`, so bits above a code are harmless), from the codec's own vector formula.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn group256(t: &GroupTable) -> Group256 {
-    Group256 {
-        lo: _mm256_loadu_ps(t.table.as_ptr()),
-        hi: _mm256_loadu_ps(t.table.as_ptr().add(8)),
-        p0: _mm256_set1_ps(t.params[0]),
-        p1: _mm256_set1_ps(t.params[1]),
-    }
+unsafe fn group256<C: Codec, const TABLE: bool>(p: [f32; 2], bits: u32) -> Group256 {
+    let (p0, p1) = (_mm256_set1_ps(p[0]), _mm256_set1_ps(p[1]));
+    let (lo, hi) = if let (true, Some(t)) = (TABLE, C::SCALED_TABLE) {
+        (_mm256_loadu_ps(t.as_ptr()), _mm256_loadu_ps(t.as_ptr().add(8)))
+    } else if TABLE {
+        let mask = _mm256_set1_epi32((1i32 << bits) - 1);
+        let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let iota_hi = _mm256_add_epi32(iota, _mm256_set1_epi32(8));
+        (C::value_avx2(_mm256_and_si256(iota, mask), p0, p1), C::value_avx2(_mm256_and_si256(iota_hi, mask), p0, p1))
+    } else {
+        (_mm256_setzero_ps(), _mm256_setzero_ps())
+    };
+    Group256 { lo, hi, p0, p1 }
 }
 
 /// Weights `j .. j+8` of a row.
@@ -290,7 +297,12 @@ unsafe fn weights8<C: Codec, const TABLE: bool>(row: *const u8, j: usize, s: Spr
         let idx = codes8(row, j, s, false);
         let lo = _mm256_permutevar8x32_ps(g.lo, idx);
         let hi = _mm256_permutevar8x32_ps(g.hi, idx);
-        _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)))
+        let v = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        if C::SCALED_TABLE.is_some() {
+            _mm256_mul_ps(v, g.p0)
+        } else {
+            v
+        }
     } else {
         C::value_avx2(codes8(row, j, s, true), g.p0, g.p1)
     }
@@ -298,108 +310,14 @@ unsafe fn weights8<C: Codec, const TABLE: bool>(row: *const u8, j: usize, s: Spr
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn decode_range_avx2<C: Codec, const TABLE: bool>(row: &[u8], bits: u32, lo: usize, hi: usize, t: &GroupTable, dst: &mut [f32]) {
+unsafe fn decode_range_avx2<C: Codec, const TABLE: bool>(row: &[u8], bits: u32, lo: usize, hi: usize, p: [f32; 2], dst: &mut [f32]) {
     let s = spread256(bits);
-    let g = group256(t);
+    let g = group256::<C, TABLE>(p, bits);
     debug_assert!(hi * bits as usize / 8 + 8 <= row.len());
     let mut j = lo;
     while j < hi {
         _mm256_storeu_ps(dst.as_mut_ptr().add(j), weights8::<C, TABLE>(row.as_ptr(), j, s, g));
         j += 8;
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// AVX-512: a chunk is one register.
-
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct Spread512 {
-    bits: u32,
-    ctl: __m512i,
-    shift: __m512i,
-    mask: __m512i,
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn spread512(bits: u32) -> Spread512 {
-    let (ctl, shift) = &TABLES_AVX512[bits as usize];
-    Spread512 {
-        bits,
-        ctl: _mm512_loadu_si512(ctl.as_ptr() as *const __m512i),
-        shift: _mm512_loadu_si512(shift.as_ptr() as *const __m512i),
-        mask: _mm512_set1_epi32((1i32 << bits) - 1),
-    }
-}
-
-/// Codes `j .. j+16` (`j` a multiple of 16) as 32-bit lanes whose low `bits` bits are the code;
-/// higher bits are masked off only when `masked`.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn codes16(row: *const u8, j: usize, s: Spread512, masked: bool) -> __m512i {
-    let v = match s.bits {
-        // Byte i's low nibble is element 2i; shifting 16-bit words right by 4 brings element
-        // 2i+1 into the low nibble of byte 2i; interleaving restores element order.
-        4 => {
-            let b = _mm_loadl_epi64(row.add(j / 2) as *const __m128i);
-            _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4)))
-        }
-        8 => return _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(j) as *const __m128i)),
-        // 16 codes take 2·bits ≤ 16 bytes; every 128-bit lane gets all of them.
-        b => {
-            let src = _mm_loadu_si128(row.add(j * b as usize / 8) as *const __m128i);
-            _mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(src), s.ctl), s.shift)
-        }
-    };
-    if masked {
-        _mm512_and_si512(v, s.mask)
-    } else {
-        v
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct Group512 {
-    table: __m512,
-    p0: __m512,
-    p1: __m512,
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn group512(t: &GroupTable) -> Group512 {
-    Group512 { table: _mm512_loadu_ps(t.table.as_ptr()), p0: _mm512_set1_ps(t.params[0]), p1: _mm512_set1_ps(t.params[1]) }
-}
-
-/// Weights `j .. j+16` of a row.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn weights16<C: Codec, const TABLE: bool>(row: *const u8, j: usize, s: Spread512, g: Group512) -> __m512 {
-    if TABLE {
-        // vpermps reads the low 4 bits of each index: the code, or the code plus a multiple of
-        // its period in the table.
-        _mm512_permutexvar_ps(codes16(row, j, s, false), g.table)
-    } else {
-        C::value_avx512(codes16(row, j, s, true), g.p0, g.p1)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn decode_range_avx512<C: Codec, const TABLE: bool>(row: &[u8], bits: u32, lo: usize, hi: usize, t: &GroupTable, dst: &mut [f32]) {
-    let s = spread512(bits);
-    let g = group512(t);
-    debug_assert!(hi * bits as usize / 8 + 16 <= row.len());
-    let mut j = lo;
-    while j < hi {
-        _mm512_storeu_ps(dst.as_mut_ptr().add(j), weights16::<C, TABLE>(row.as_ptr(), j, s, g));
-        j += 16;
     }
 }
 
@@ -456,7 +374,7 @@ unsafe fn finish_avx(lo: __m256, hi: __m256, x_tail: &[f32], w_tail: &[f32]) -> 
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn finish_avx512(acc: __m512, x_tail: &[f32], w_tail: &[f32]) -> f32 {
+pub(crate) unsafe fn finish_avx512(acc: __m512, x_tail: &[f32], w_tail: &[f32]) -> f32 {
     let lo = _mm512_castps512_ps256(acc);
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
     finish_avx(lo, hi, x_tail, w_tail)
@@ -476,7 +394,7 @@ pub fn dot_canonical(x: &[f32], w: &[f32]) -> f32 {
 }
 
 /// The weights of the partial last chunk of row `r` (scalar decode, same values as the vectors).
-fn tail_weights<C: Codec>(w: &C, r: usize, full: usize) -> [f32; LANES] {
+pub(crate) fn tail_weights<C: Codec>(w: &C, r: usize, full: usize) -> [f32; LANES] {
     let p = w.packed();
     let mut t = [0.0f32; LANES];
     for j in full..p.cols() {
@@ -567,7 +485,7 @@ fn run_tile<const R: usize, const C: usize>(isa: Isa, x: &[f32], strip: &[f32], 
     let res = match isa {
         // SAFETY: the vector paths are only chosen when Isa::available lists them.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { tile_avx512::<R, C>(xs, ws) },
+        Isa::Avx512 | Isa::Avx512Vbmi => unsafe { tile_avx512::<R, C>(xs, ws) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { tile_avx2::<R, C>(xs, ws) },
         _ => tile_scalar::<R, C>(xs, ws),
@@ -609,59 +527,12 @@ fn run_strip(isa: Isa, x: &[f32], n: usize, k: usize, m: usize, strip: &[f32], c
 // ---------------------------------------------------------------------------------------------
 // Direct path: small batches, weights decoded in registers.
 
-/// `R` activation rows × weight rows `o0..o0+CC`, each weight chunk decoded once for all rows.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn direct_avx512<C: Codec, const TABLE: bool, const R: usize, const CC: usize>(w: &C, x: [&[f32]; R], o0: usize) -> [[f32; CC]; R] {
-    let p = w.packed();
-    let (k, gs) = (p.cols(), w.group_size());
-    let s = spread512(p.bits());
-    let full = k / LANES * LANES;
-    let mut rows = [std::ptr::null::<u8>(); CC];
-    for c in 0..CC {
-        rows[c] = p.row_tail(o0 + c).as_ptr();
-    }
-    let mut acc = [[_mm512_setzero_ps(); CC]; R];
-    let mut lo = 0;
-    while lo < full {
-        let g = lo / gs;
-        let hi = ((g + 1) * gs).min(full);
-        let mut gt = [group512(&group_table(w, o0, g)); CC];
-        for c in 1..CC {
-            gt[c] = group512(&group_table(w, o0 + c, g));
-        }
-        let mut j = lo;
-        while j < hi {
-            let mut xv = [_mm512_setzero_ps(); R];
-            for r in 0..R {
-                xv[r] = _mm512_loadu_ps(x[r].as_ptr().add(j));
-            }
-            for c in 0..CC {
-                let wv = weights16::<C, TABLE>(rows[c], j, s, gt[c]);
-                for r in 0..R {
-                    acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
-                }
-            }
-            j += LANES;
-        }
-        lo = hi;
-    }
-    let mut out = [[0.0f32; CC]; R];
-    for c in 0..CC {
-        let wt = tail_weights(w, o0 + c, full);
-        for r in 0..R {
-            out[r][c] = finish_avx512(acc[r][c], &x[r][full..], &wt[..k - full]);
-        }
-    }
-    out
-}
-
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn direct_avx2<C: Codec, const TABLE: bool, const R: usize, const CC: usize>(w: &C, x: [&[f32]; R], o0: usize) -> [[f32; CC]; R] {
     let p = w.packed();
-    let (k, gs) = (p.cols(), w.group_size());
-    let s = spread256(p.bits());
+    let (k, gs, bits) = (p.cols(), w.group_size(), p.bits());
+    let s = spread256(bits);
     let full = k / LANES * LANES;
     let mut rows = [std::ptr::null::<u8>(); CC];
     for c in 0..CC {
@@ -674,9 +545,9 @@ unsafe fn direct_avx2<C: Codec, const TABLE: bool, const R: usize, const CC: usi
     while lo < full {
         let g = lo / gs;
         let hi = ((g + 1) * gs).min(full);
-        let mut gt = [group256(&group_table(w, o0, g)); CC];
+        let mut gt = [group256::<C, TABLE>(w.params(o0, g), bits); CC];
         for c in 1..CC {
-            gt[c] = group256(&group_table(w, o0 + c, g));
+            gt[c] = group256::<C, TABLE>(w.params(o0 + c, g), bits);
         }
         let mut j = lo;
         while j < hi {
@@ -715,8 +586,10 @@ fn run_direct<C: Codec, const R: usize, const CC: usize>(isa: Isa, w: &C, x: &[f
     let xs: [&[f32]; R] = std::array::from_fn(|r| &x[r * k..(r + 1) * k]);
     let res = match isa {
         // SAFETY: only called for instruction sets that Isa::available lists.
-        Isa::Avx512 if w.packed().bits() <= 4 => unsafe { direct_avx512::<C, true, R, CC>(w, xs, o0) },
-        Isa::Avx512 => unsafe { direct_avx512::<C, false, R, CC>(w, xs, o0) },
+        Isa::Avx512Vbmi if w.packed().bits() <= 4 => unsafe { avx512::vbmi::direct::<C, true, R, CC>(w, xs, o0) },
+        Isa::Avx512Vbmi => unsafe { avx512::vbmi::direct::<C, false, R, CC>(w, xs, o0) },
+        Isa::Avx512 if w.packed().bits() <= 4 => unsafe { avx512::bw::direct::<C, true, R, CC>(w, xs, o0) },
+        Isa::Avx512 => unsafe { avx512::bw::direct::<C, false, R, CC>(w, xs, o0) },
         _ if w.packed().bits() <= 4 => unsafe { direct_avx2::<C, true, R, CC>(w, xs, o0) },
         _ => unsafe { direct_avx2::<C, false, R, CC>(w, xs, o0) },
     };
@@ -733,7 +606,7 @@ fn run_direct<C: Codec, const R: usize, const CC: usize>(isa: Isa, w: &C, x: &[f
 #[cfg(target_arch = "x86_64")]
 fn run_direct_rows<C: Codec>(isa: Isa, w: &C, x: &[f32], n: usize, k: usize, m: usize, start: usize, end: usize, out: OutPtr) {
     let wide = match (isa, n) {
-        (Isa::Avx512, _) => 4,
+        (Isa::Avx512 | Isa::Avx512Vbmi, _) => 4,
         (_, 1 | 2) => 2,
         _ => 1,
     };
@@ -756,10 +629,21 @@ fn run_direct_rows<C: Codec>(isa: Isa, w: &C, x: &[f32], n: usize, k: usize, m: 
 // ---------------------------------------------------------------------------------------------
 // Entry points.
 
-/// Weight rows per parallel task: a multiple of `STRIP` covering about 32 KiB of packed data.
-fn rows_per_task(m: usize, packed_row_bytes: usize) -> usize {
-    let r = (32 * 1024 / packed_row_bytes.max(1)).clamp(STRIP, 512);
-    (r / STRIP * STRIP).min(m.max(1))
+/// Weight rows per parallel task, a multiple of `STRIP`. The scratch path reuses each decoded
+/// strip across activation rows, so its tasks cover about 32 KiB of packed data (L1-sized). The
+/// direct path reads every weight once and reuses only the activations (which stay in cache
+/// whatever the task size), so its tasks are as large as balancing allows: about 512 KiB, but at
+/// least 4 tasks per thread, since per-task scheduling costs about as much as decoding a few
+/// thousand weights.
+fn rows_per_task(m: usize, packed_row_bytes: usize, direct: bool) -> usize {
+    let row = packed_row_bytes.max(1);
+    let r = if direct {
+        let balanced = m.div_ceil(4 * rayon::current_num_threads());
+        (512 * 1024 / row).min(balanced).max(STRIP)
+    } else {
+        (32 * 1024 / row).clamp(STRIP, 512)
+    };
+    (r.div_ceil(STRIP) * STRIP).min(m.max(1))
 }
 
 /// `out[n, m] = x[n, k] · Wᵀ` with the widest instruction set this CPU has.
@@ -779,12 +663,13 @@ pub fn packed_matmul_t_isa<C: Codec>(isa: Isa, w: &C, x: &[f32], out: &mut [f32]
     if n == 0 || m == 0 {
         return;
     }
-    let step = rows_per_task(m, p.stride());
+    let direct = cfg!(target_arch = "x86_64") && n <= DIRECT_MAX_N && isa != Isa::Scalar;
+    let step = rows_per_task(m, p.stride(), direct);
     let out_ptr = OutPtr(out.as_mut_ptr());
     (0..m.div_ceil(step)).into_par_iter().for_each(|task| {
         let (start, end) = (task * step, ((task + 1) * step).min(m));
         #[cfg(target_arch = "x86_64")]
-        if n <= DIRECT_MAX_N && isa != Isa::Scalar {
+        if direct {
             return run_direct_rows(isa, w, x, n, k, m, start, end, out_ptr);
         }
         let mut strip = vec![0.0f32; STRIP * k];
