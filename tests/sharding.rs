@@ -278,4 +278,8 @@ fn engine_on_tp2_gives_the_greedy_tokens_of_one_device() {
     // Shapes that do not divide are refused with the reason, not a panic.
     let err = wasmserve::model::load_tp(&path, 2).err().expect("SmolLM2 tp=2 must be refused").to_string();
     assert!(err.contains("does not divide the 9 attention heads"), "{err}");
+    // Architectures without a tensor-parallel forward yet are refused by name.
+    let dsv3 = common::repo_root().join("tests/reference/deepseek_v3/model");
+    let err = wasmserve::model::load_tp(&dsv3, 2).err().expect("DeepSeek-V3 tp=2 must be refused").to_string();
+    assert!(err.contains("Llama-architecture models only, not DeepseekV3"), "{err}");
 }
