@@ -12,9 +12,8 @@
 mod common;
 
 use serde_json::Value;
-use wasmserve::mesh::{Collective, CollectiveError, LocalCollective, TensorParallel};
+use wasmserve::mesh::{Collective, CollectiveError, LocalCollective};
 use wasmserve::model::kv::{BatchRow, ContiguousKvCache, KvCache};
-use wasmserve::model::LanguageModel;
 
 /// Runs `f(rank, comm)` on one thread per rank and returns the results in rank order.
 fn on_ranks<R: Send>(world: usize, f: impl Fn(usize, &LocalCollective) -> R + Sync) -> Vec<R> {
@@ -151,10 +150,12 @@ fn check_tp(path: &std::path::Path, tp: usize, prompt: &[u32], steps: usize) -> 
     let cfg = single.config().clone();
     let mut kv1 = ContiguousKvCache::new(cfg.num_layers(), cfg.kv_width(), 1);
     let (want, want_tokens) = run_greedy(&|t, r, kv, l| single.model.forward(t, r, kv, l), &mut kv1, prompt, cfg.vocab_size, steps);
-    let sharded = TensorParallel::open(path, tp).unwrap();
-    assert_eq!(sharded.tp_size(), tp);
-    let mut kv = ContiguousKvCache::new(sharded.cache_layers(), sharded.cache_width(), 1);
-    let (got, got_tokens) = run_greedy(&|t, r, kv, l| sharded.forward(t, r, kv, l), &mut kv, prompt, cfg.vocab_size, steps);
+    let sharded = wasmserve::model::load_tp(path, tp).unwrap();
+    // Rank r's KV heads of layer l sit in cache layer l * tp + r.
+    let layout = sharded.model.cache_layout();
+    assert_eq!(layout.num_layers(), tp * cfg.num_layers());
+    let mut kv = ContiguousKvCache::for_layout(&layout, 1);
+    let (got, got_tokens) = run_greedy(&|t, r, kv, l| sharded.model.forward(t, r, kv, l), &mut kv, prompt, cfg.vocab_size, steps);
     let worst = assert_close(&got, &want, &format!("{} tp={tp}", path.display()));
     eprintln!("{} tp={tp}: worst relative logit difference vs one device {worst:.2e}", path.display());
     assert_eq!(got_tokens, want_tokens, "tp={tp} greedy tokens");
@@ -214,11 +215,11 @@ fn smollm2_tp3_matches_one_device_and_transformers() {
 fn non_divisible_shapes_are_clear_errors() {
     let (dir, _) = tiny_llama();
     // 4 attention heads do not split over 3 ranks.
-    let err = TensorParallel::open(&dir, 3).err().expect("tp=3 must be refused").to_string();
+    let err = wasmserve::model::load_tp(&dir, 3).err().expect("tp=3 must be refused").to_string();
     assert!(err.contains("tensor parallel size 3 does not divide the 4 attention heads"), "{err}");
-    let err = TensorParallel::open(&common::default_model_path(), 2).err().expect("SmolLM2 tp=2 must be refused").to_string();
+    let err = wasmserve::model::load_tp(&common::default_model_path(), 2).err().expect("SmolLM2 tp=2 must be refused").to_string();
     assert!(err.contains("does not divide the 9 attention heads"), "{err}");
-    let err = TensorParallel::open(&dir, 0).err().expect("tp=0 must be refused").to_string();
+    let err = wasmserve::model::load_tp(&dir, 0).err().expect("tp=0 must be refused").to_string();
     assert!(err.contains("at least 1"), "{err}");
 }
 

@@ -3,7 +3,6 @@
 //! pass; ranks meet only in the collectives (an all-reduce after each row-parallel projection
 //! and the embedding, an all-gather of the vocabulary-split logits).
 
-use std::path::Path;
 use std::sync::RwLock;
 
 use crate::model::config::ModelConfig;
@@ -11,7 +10,7 @@ use crate::model::error::LoadError;
 use crate::model::kv::{BatchRow, CacheLayout, KvCache};
 use crate::model::llama::{LlamaModel, SharedKv, TpRank};
 use crate::model::source::WeightSource;
-use crate::model::{gguf, gguf_source, hf_source, quant, LanguageModel};
+use crate::model::LanguageModel;
 
 use super::collective::{Collective, CollectiveError};
 use super::local::LocalCollective;
@@ -48,24 +47,6 @@ impl TensorParallel {
         })?;
         tracing::info!(tp, "tensor-parallel ranks loaded");
         Ok(Self { ranks })
-    }
-
-    /// Opens a `.gguf` file or a Hugging Face directory (as `model::load` does) and loads `tp`
-    /// ranks from it.
-    pub fn open(path: &Path, tp: usize) -> Result<Self, LoadError> {
-        if path.is_dir() {
-            let cfg_path = path.join("config.json");
-            let text = std::fs::read_to_string(&cfg_path).map_err(|e| LoadError::Io { file: cfg_path.clone(), source: e })?;
-            let raw: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| LoadError::Corrupt { file: cfg_path.clone(), detail: format!("invalid JSON: {e}") })?;
-            let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
-            let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
-            Self::load(cfg, src.as_ref(), tp)
-        } else {
-            let file = gguf::GgufFile::open(path)?;
-            let cfg = ModelConfig::from_gguf(&file)?;
-            Self::load(cfg, &gguf_source::GgufSource::new(file), tp)
-        }
     }
 
     pub fn tp_size(&self) -> usize {
