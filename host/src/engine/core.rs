@@ -14,6 +14,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::api::{EngineEvent, EngineRequest, EngineStats, RequestId, SubmitError, TokenLogprob};
 use super::block_pool::{BlockPool, KvDtype, PoolShape};
 use super::paged_kv::PagedKv;
+use super::recurrent_slots::RecurrentSlots;
 use super::sequence::Sequence;
 use crate::generate::FinishReason;
 use crate::model::kv::BatchRow;
@@ -111,10 +112,19 @@ pub struct EngineCore {
 }
 
 impl EngineCore {
-    pub fn new(model: Arc<LoadedModel>, cfg: EngineConfig) -> Self {
+    pub fn new(model: Arc<LoadedModel>, mut cfg: EngineConfig) -> Self {
         let mc = model.config();
-        let shape = PoolShape::new(&model.model.cache_layout(), cfg.block_size);
-        let num_blocks = (cfg.kv_cache_bytes / shape.block_bytes(cfg.kv_dtype)).max(1);
+        let layout = model.model.cache_layout();
+        let shape = PoolShape::new(&layout, cfg.block_size);
+        let slots = recurrent_slots(&model, &cfg, layout.recurrent_bytes_per_seq);
+        if slots.enabled() && cfg.enable_prefix_caching {
+            // Cached KV blocks cannot restore a recurrent state for their prefix, so reusing
+            // them would skip tokens the state never saw.
+            tracing::info!("prefix caching disabled: the model keeps recurrent state");
+            cfg.enable_prefix_caching = false;
+        }
+        let kv_bytes = cfg.kv_cache_bytes.saturating_sub(slots.total_bytes());
+        let num_blocks = (kv_bytes / shape.block_bytes(cfg.kv_dtype)).max(1);
         let max_model_len = mc.max_position_embeddings.min(num_blocks * cfg.block_size);
         tracing::info!(
             blocks = num_blocks,
@@ -124,7 +134,7 @@ impl EngineCore {
             max_model_len,
             "KV cache pool allocated"
         );
-        let pool = BlockPool::new(shape, num_blocks, cfg.kv_dtype);
+        let pool = BlockPool::new(shape, num_blocks, cfg.kv_dtype).with_recurrent(slots);
         Self { model, cfg, pool, max_model_len, requests: HashMap::new(), waiting: Vec::new(), running: Vec::new(), arrivals: 0, stats: EngineStats::default(), token_bytes: None }
     }
 
@@ -177,6 +187,7 @@ impl EngineCore {
             prompt_len,
             num_computed: 0,
             blocks: Vec::new(),
+            slot: None,
             hashes: Vec::new(),
             cached_tokens: 0,
             admitted_once: false,
@@ -334,6 +345,7 @@ impl EngineCore {
         let mut logit_rows = Vec::new();
         let mut sampled_seqs = Vec::new();
         let mut tables = Vec::with_capacity(plan.len());
+        let mut slots = Vec::with_capacity(plan.len());
         for (b, &(i, chunk)) in plan.iter().enumerate() {
             let s = &self.running[i];
             for p in s.num_computed..s.num_computed + chunk {
@@ -345,10 +357,11 @@ impl EngineCore {
                 sampled_seqs.push(i);
             }
             tables.push(s.blocks.clone());
+            slots.push(s.slot);
         }
         self.stats.steps_total += 1;
         let logits = {
-            let mut kv = PagedKv { pool: &mut self.pool, tables };
+            let mut kv = PagedKv { pool: &mut self.pool, tables, slots };
             self.model.model.forward(&tokens, &rows, &mut kv, &logit_rows)
         };
         for &(i, chunk) in plan {
@@ -412,6 +425,20 @@ impl EngineCore {
             child.num_computed = req.prompt_ids.len();
             child.blocks = self.running[parent].blocks[..req.prompt_ids.len().div_ceil(self.cfg.block_size)].to_vec();
             child.hashes = self.running[parent].hashes.iter().take(req.prompt_ids.len() / self.cfg.block_size).copied().collect();
+            if let Some(from) = self.running[parent].slot {
+                match self.pool.recurrent.fork(from) {
+                    Some(slot) => child.slot = Some(slot),
+                    None => {
+                        // No state slot free: this choice recomputes its prompt once admitted
+                        // (and samples its first token then, from its own RNG stream).
+                        child.num_computed = 0;
+                        child.blocks.clear();
+                        child.hashes.clear();
+                        self.waiting.push(child);
+                        continue;
+                    }
+                }
+            }
             for &b in &child.blocks {
                 self.pool.retain(b);
             }
@@ -520,6 +547,18 @@ impl EngineCore {
 
     pub fn pool(&self) -> &BlockPool {
         &self.pool
+    }
+}
+
+/// The recurrent-state slots for `model` (none when it keeps no recurrent state), logged.
+fn recurrent_slots(model: &LoadedModel, cfg: &EngineConfig, bytes_per_seq: usize) -> RecurrentSlots {
+    let count = RecurrentSlots::count_for(bytes_per_seq, cfg.max_num_seqs, cfg.kv_cache_bytes);
+    match model.model.new_recurrent_state() {
+        Some(fresh) if count > 0 => {
+            tracing::info!(slots = count, bytes_per_seq, total_bytes = count * bytes_per_seq, "recurrent state slots allocated");
+            RecurrentSlots::new(fresh, count, bytes_per_seq)
+        }
+        _ => RecurrentSlots::none(),
     }
 }
 

@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod gguf_source;
 pub mod hf_source;
 pub mod kda;
+pub mod kimi_linear;
 pub mod kv;
 pub mod linear;
 pub mod llama;
@@ -41,6 +42,19 @@ pub trait LanguageModel: Send + Sync {
     /// `logit_rows`. Callers pass token ids below `vocab_size` and, for every row, have already
     /// run (earlier, or earlier in this batch) all positions before it of the same sequence.
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32>;
+
+    /// A fresh (no tokens yet) recurrent state for one sequence, for models with linear-attention
+    /// layers (`cache_layout().recurrent_bytes_per_seq > 0`); their `forward` reads the batch's
+    /// states from `KvCache::recurrent`.
+    fn new_recurrent_state(&self) -> Option<kda::state::SequenceState> {
+        None
+    }
+
+    /// A contiguous cache for `num_seqs` sequences, with recurrent states when the model has them
+    /// (single-request generation and benchmarks).
+    fn contiguous_cache(&self, num_seqs: usize) -> kv::ContiguousKvCache {
+        kv::ContiguousKvCache::for_layout(&self.cache_layout(), num_seqs).with_recurrent(self.new_recurrent_state())
+    }
 }
 
 /// Builds the architecture `cfg` names from a checkpoint's weights.
@@ -48,6 +62,7 @@ pub fn build(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Box<dyn Languag
     match cfg.architecture {
         Architecture::Llama => Ok(Box::new(LlamaModel::load(cfg, src)?)),
         Architecture::DeepseekV3 => Ok(Box::new(deepseek::DeepseekV3Model::load(cfg, src)?)),
+        Architecture::KimiLinear => Ok(Box::new(kimi_linear::KimiLinearModel::load(cfg, src)?)),
     }
 }
 
