@@ -66,6 +66,21 @@ pub fn build(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Box<dyn Languag
     }
 }
 
+/// As [`build`], split over `tp` simulated tensor-parallel devices when `tp != 1`
+/// (`mesh::TensorParallel`; clear errors when the shapes do not divide or `tp` is 0).
+pub fn build_tp(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
+    if tp == 1 {
+        return build(cfg, src);
+    }
+    if !matches!(cfg.architecture, Architecture::Llama) {
+        return Err(LoadError::Config {
+            file: src.file_of("model.embed_tokens.weight"),
+            detail: format!("tensor parallelism is implemented for Llama-architecture models only, not {:?}", cfg.architecture),
+        });
+    }
+    Ok(Box::new(crate::mesh::TensorParallel::load(cfg, src, tp)?))
+}
+
 /// A model ready to run: weights, tokenizer and chat template.
 pub struct LoadedModel {
     /// Name served as the OpenAI `model` id (file stem or directory name).
@@ -83,6 +98,11 @@ impl LoadedModel {
 
 /// Loads a `.gguf` file or a Hugging Face directory (`config.json` + safetensors + tokenizer).
 pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
+    load_tp(path, 1)
+}
+
+/// [`load`] with the model split over `tp` tensor-parallel ranks ([`build_tp`]).
+pub fn load_tp(path: &Path, tp: usize) -> Result<LoadedModel, LoadError> {
     let started = Instant::now();
     let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let (model, tokenizer) = if path.is_dir() {
@@ -93,13 +113,13 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
         let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
         let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
         let tokenizer = Tokenizer::from_hf_dir(path, &raw)?;
-        (build(cfg, src.as_ref())?, tokenizer)
+        (build_tp(cfg, src.as_ref(), tp)?, tokenizer)
     } else {
         let file = gguf::GgufFile::open(path)?;
         let cfg = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let src = gguf_source::GgufSource::new(file);
-        (build(cfg, &src)?, tokenizer)
+        (build_tp(cfg, &src, tp)?, tokenizer)
     };
     let cfg = model.config();
     tracing::info!(
@@ -107,6 +127,7 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
         layers = cfg.num_layers(),
         hidden = cfg.hidden_size,
         vocab = cfg.vocab_size,
+        tp,
         secs = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );
