@@ -342,7 +342,7 @@ impl EngineCore {
         if self.running.len() < self.cfg.max_num_seqs {
             prompts.extend(self.next_to_admit(&HashSet::new()).map(|i| &self.waiting[i]));
         }
-        let favoured: Vec<&Sequence> = prompts.into_iter().filter(|s| shares.under_share(&s.tenant)).collect();
+        let favoured: Vec<&Sequence> = prompts.into_iter().filter(|s| shares.light(&s.tenant)).collect();
         let deferred = shares.deferred(favoured.iter().map(|s| s.tenant.as_str()), &self.deferred_last);
         (deferred, favoured.iter().map(|s| s.priority).max().unwrap_or(i32::MIN))
     }
