@@ -4,6 +4,7 @@
 pub mod api;
 pub mod block_pool;
 pub mod core;
+mod fair_share;
 mod paged_kv;
 pub mod recurrent_slots;
 mod sequence;

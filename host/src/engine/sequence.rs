@@ -40,6 +40,10 @@ pub struct Sequence {
     /// The tenant's weight for fair sharing of batch slots.
     pub weight: f64,
     pub salt: String,
+    /// When the request reached the engine, and when this sequence was first admitted (for the
+    /// queue-wait / time-to-first-token debug log).
+    pub submitted: std::time::Instant,
+    pub admitted_at: Option<std::time::Instant>,
 }
 
 impl Sequence {
