@@ -189,6 +189,9 @@ def test_full_queue_is_429(strict):
             # Keep the iterator alive: a collected httpx line iterator closes the connection.
             a_lines = a.iter_lines()
             next(line for line in a_lines if '"content":"' in line and '"content":""' not in line)
+            # The queue count is published at the end of the engine step that admitted `a` (it
+            # errs on the safe side); on a loaded machine its first token can arrive before that.
+            wait_for(lambda: strict.metrics()["wasmserve_num_requests_waiting"] == 0)
             with b_client.stream("POST", "/v1/chat/completions", json=long) as b:
                 assert b.status_code == 200
                 wait_for(lambda: strict.metrics()["wasmserve_num_requests_waiting"] == 1)
