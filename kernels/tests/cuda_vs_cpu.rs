@@ -280,3 +280,53 @@ fn cublas_bf16_gemm_matches_cpu() {
     g.gemm_bf16(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, kk, m).unwrap();
     assert_close("cublas bf16 gemm", &g.download(&dout).unwrap(), &want, 1e-5);
 }
+
+#[test]
+fn device_kv_pool_writes_and_attends_like_the_cpu_reference() {
+    use kernels::cuda::kv_pool::{DeviceKvPool, KvStorage};
+    let Some(g) = gpu("device_kv_pool_writes_and_attends_like_the_cpu_reference") else { return };
+    let (heads, kvh, hd, bs, blocks, max_blocks) = (4, 2, 32, 8, 6, 3);
+    let w = kvh * hd;
+    let lens = [5i32, 20];
+    let tables = [4i32, 0, 0, 1, 5, 2];
+    let q = uniform(lens.len() * heads * hd, 1, -1.0, 1.0);
+    let geo = PagedGeometry { heads, kv_heads: kvh, head_dim: hd, block_size: bs, max_blocks };
+    for storage in [KvStorage::F32, KvStorage::Bf16, KvStorage::Fp8] {
+        let mut pool = DeviceKvPool::new(g, 2, blocks, bs, kvh, hd, storage).unwrap();
+        let rows = blocks * bs;
+        let (mut kf, mut vf) = (vec![0f32; rows * w], vec![0f32; rows * w]);
+        for (s, &len) in lens.iter().enumerate() {
+            for p in 0..len as usize {
+                let (b, slot) = (tables[s * max_blocks + p / bs] as usize, p % bs);
+                let k = uniform(w, (s * 100 + p) as u64, -2.0, 2.0);
+                let v = uniform(w, (s * 100 + p) as u64 + 7, -2.0, 2.0);
+                pool.write(g, 1, b, slot, &k, &v).unwrap();
+                let row = b * bs + slot;
+                kf[row * w..(row + 1) * w].copy_from_slice(&k);
+                vf[row * w..(row + 1) * w].copy_from_slice(&v);
+            }
+        }
+        assert!(pool.write(g, 1, blocks, 0, &kf[..w], &vf[..w]).is_err(), "block out of range is an error");
+        let mut want = vec![0.0; q.len()];
+        match storage {
+            KvStorage::F32 => cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &kf, v: &vf }, &tables, &lens, &geo, 0.2, &mut want),
+            KvStorage::Bf16 => {
+                let nb = |x: &[f32]| -> Vec<u16> { x.iter().map(|&f| half::bf16::from_f32(f).to_bits()).collect() };
+                cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &nb(&kf), v: &nb(&vf) }, &tables, &lens, &geo, 0.2, &mut want)
+            }
+            KvStorage::Fp8 => {
+                let quant = |x: &[f32]| {
+                    let mut c = vec![0u8; x.len()];
+                    let s: Vec<f32> = x.chunks(hd).enumerate().map(|(i, ch)| cpu::fp8::quantize_e4m3(ch, &mut c[i * hd..(i + 1) * hd])).collect();
+                    (c, s)
+                };
+                let ((kc, ks), (vc, vs)) = (quant(&kf), quant(&vf));
+                cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &tables, &lens, &geo, 0.2, &mut want)
+            }
+        }
+        let (dq, dt, dl) = (g.upload(&q).unwrap(), g.upload(&tables).unwrap(), g.upload(&lens).unwrap());
+        let mut dout = g.zeros::<f32>(q.len()).unwrap();
+        pool.attention(g, 1, heads, max_blocks, &dq, &dt, &dl, 0.2, &mut dout).unwrap();
+        assert_close(&format!("device KV pool {storage:?}"), &g.download(&dout).unwrap(), &want, 1e-5);
+    }
+}

@@ -9,6 +9,8 @@ pub mod sources;
 #[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]
+pub mod kv_pool;
+#[cfg(feature = "cuda")]
 pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
