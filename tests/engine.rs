@@ -333,3 +333,58 @@ fn slot_reserve_keeps_a_slot_for_other_tenants() {
     assert!(matches!(quiet.try_recv(), Ok(EngineEvent::Token { .. })), "the quiet tenant was admitted at once");
     while c.step() {}
 }
+
+#[test]
+fn flooding_tenant_sits_out_the_quiet_tenants_prefill_step_only() {
+    // The quiet tenant's prompt is computed in a step of its own (its time to first token does
+    // not pay for the flood's batch), and the flood runs again in the very next step.
+    let prompts = prompts();
+    let mut c = core(EngineConfig { max_num_seqs: 8, tenant_slot_reserve: 1, ..Default::default() });
+    let mut flood = Vec::new();
+    for i in 0..32 {
+        let (tx, rx) = unbounded_channel();
+        let mut r = greedy(&prompts[i % 16], 6 + i % 5);
+        r.tenant = "flood".into();
+        c.add_request(i as u64, r, tx).unwrap();
+        flood.push(rx);
+    }
+    let mut finished = vec![false; flood.len()];
+    // Tokens the flood emitted since the last call (noting which requests finished).
+    let mut flood_tokens = |flood: &mut Vec<UnboundedReceiver<EngineEvent>>| {
+        let mut n = 0;
+        for (i, rx) in flood.iter_mut().enumerate() {
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    EngineEvent::Token { .. } => n += 1,
+                    EngineEvent::Finished { reason, .. } => finished[i] = reason == FinishReason::Length,
+                    EngineEvent::Error(e) => panic!("engine error: {e}"),
+                }
+            }
+        }
+        n
+    };
+    for _ in 0..4 {
+        assert!(c.step());
+    }
+    assert_eq!(c.stats().running, 7, "the flood holds all but the reserved slot");
+    flood_tokens(&mut flood);
+    for round in 0..3 {
+        let (tx, mut quiet) = unbounded_channel();
+        let mut r = greedy(&prompts[8 + round], 2);
+        r.tenant = "quiet".into();
+        c.add_request(100 + round as u64, r, tx).unwrap();
+        assert!(c.step());
+        assert!(matches!(quiet.try_recv(), Ok(EngineEvent::Token { .. })), "the quiet prompt ran in the first step after it arrived");
+        assert_eq!(flood_tokens(&mut flood), 0, "the flood's rows ran in the quiet tenant's prefill step");
+        assert!(c.step());
+        assert!(flood_tokens(&mut flood) > 0, "the flood was held back two steps running");
+        while quiet.try_recv().is_ok() {}
+    }
+    let mut steps = 0;
+    while c.step() {
+        steps += 1;
+        assert!(steps < 10_000);
+    }
+    flood_tokens(&mut flood);
+    assert!(finished.iter().all(|&f| f), "some flood requests did not finish: {finished:?}");
+}

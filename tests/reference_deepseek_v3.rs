@@ -21,7 +21,8 @@ use wasmserve::engine::block_pool::{KvDtype, PoolShape};
 use wasmserve::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
 use wasmserve::model::error::LoadError;
 use wasmserve::model::hf_source::SafetensorsSource;
-use wasmserve::model::kv::{BatchRow, CacheLayout, ContiguousKvCache};
+use kernels::cpu::fp8::{quantize_e4m3, E4M3_TO_F32};
+use wasmserve::model::kv::{BatchRow, CacheLayout, ContiguousKvCache, KvCache, KvRow};
 use wasmserve::model::mla::{MlaConfig, MlaLayer};
 use wasmserve::model::source::WeightSource;
 use wasmserve::model::LoadedModel;
@@ -342,4 +343,97 @@ fn load_errors_are_named() {
         }
         let _ = std::fs::remove_dir_all(&p);
     }
+}
+
+/// A contiguous cache that stores every row as E4M3 codes with one scale per row and reads back
+/// the decoded values: what the paged FP8 pool should hold for `groups = 1` rows, built here
+/// from the kernel's quantizer alone.
+struct FakeFp8(ContiguousKvCache);
+
+fn fp8_round(x: &[f32]) -> Vec<f32> {
+    let mut codes = vec![0u8; x.len()];
+    let scale = if x.is_empty() { 1.0 } else { quantize_e4m3(x, &mut codes) };
+    codes.iter().map(|&c| E4M3_TO_F32[c as usize] * scale).collect()
+}
+
+impl KvCache for FakeFp8 {
+    fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]) {
+        self.0.write(layer, seq, pos, &fp8_round(k), &fp8_round(v));
+    }
+    fn key(&self, layer: usize, seq: usize, pos: usize) -> KvRow<'_> {
+        self.0.key(layer, seq, pos)
+    }
+    fn value(&self, layer: usize, seq: usize, pos: usize) -> KvRow<'_> {
+        self.0.value(layer, seq, pos)
+    }
+}
+
+#[test]
+fn fp8_latent_cache_equals_per_row_e4m3_rounding() {
+    // Later steps may pick a different token (greedy margins are as small as 0.01 here), so the
+    // first generated token's logprobs — computed over the whole FP8-cached prompt — are compared
+    // with `forward` over a cache of E4M3-rounded rows; the drift from f32 transformers is reported.
+    let cs = cases();
+    let m = model();
+    let vocab = m.config().vocab_size;
+    let mut core = engine(EngineConfig { kv_dtype: KvDtype::Fp8E4m3, enable_prefix_caching: false, ..Default::default() });
+    let prompts: Vec<&[u32]> = cs.iter().map(|c| c.ids.as_slice()).collect();
+    let out = run_engine(&mut core, &prompts);
+    let (mut worst, mut drift) = (0.0f32, 0.0f32);
+    for (r, c) in out.iter().zip(&cs) {
+        assert_eq!(r.tokens.len(), 32);
+        let n = c.ids.len();
+        let mut kv = FakeFp8(ContiguousKvCache::for_layout(&m.model.cache_layout(), 1));
+        let rows: Vec<BatchRow> = (0..n).map(|pos| BatchRow { seq: 0, pos }).collect();
+        let want = log_softmax(&m.model.forward(&c.ids, &rows, &mut kv, &[n - 1])[..vocab]);
+        let exact = log_softmax(&c.steps[0]);
+        for &(t, l) in &r.logprobs[0].1 {
+            worst = worst.max((l - want[t as usize]).abs());
+            drift = drift.max((l - exact[t as usize]).abs());
+        }
+    }
+    eprintln!("fp8 latent cache: first-step top-5 logprobs vs E4M3-rounded forward {worst:.1e}, vs f32 transformers {drift:.3}");
+    assert!(worst <= 1e-4, "the FP8 pool differs from per-row E4M3 rounding: {worst}");
+}
+
+#[test]
+fn int8_quantized_experts_load_packed_and_stay_close() {
+    // `wasmserve quantize` with a policy that packs only the routed experts (compressed-tensors
+    // INT8, groups of 16); the model loads them through WeightSource::linear as packed Linears.
+    let out = std::env::temp_dir().join(format!("wasmserve-dsv3-int8-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let policy = out.with_extension("policy.json");
+    std::fs::write(&policy, r#"{"format": "int", "bits": 8, "group_size": 16,
+        "rules": [{"match": "re:.*mlp\\.experts\\."}, {"match": "re:.*", "skip": true}]}"#).unwrap();
+    wasmserve::quantize::run(wasmserve::quantize::QuantizeArgs {
+        input: dir().join("model"),
+        output: out.clone(),
+        format: None,
+        bits: None,
+        group_size: None,
+        policy: Some(policy.clone()),
+        quiet: true,
+    })
+    .expect("quantizing the experts");
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["quantization_config"]["quant_method"], "compressed-tensors");
+    let q = wasmserve::model::load(&out).expect("loading the INT8-expert checkpoint");
+    let vocab = q.config().vocab_size;
+    // Routing is discontinuous: a rounding-sized change can flip a token's top-2 experts, which
+    // moves that position's logits by O(1). So: most positions close, the median very close.
+    let mut per = Vec::new();
+    for case in cases() {
+        let n = case.ids.len();
+        let mut kv = ContiguousKvCache::for_layout(&q.model.cache_layout(), 1);
+        let rows: Vec<BatchRow> = (0..n).map(|pos| BatchRow { seq: 0, pos }).collect();
+        let logits = q.model.forward(&case.ids, &rows, &mut kv, &(0..n).collect::<Vec<_>>());
+        per.extend(case.prefill.iter().enumerate().map(|(p, want)| max_diff(&logits[p * vocab..(p + 1) * vocab], want)));
+    }
+    per.sort_by(f32::total_cmp);
+    let (median, p90) = (per[per.len() / 2], per[per.len() * 9 / 10]);
+    eprintln!("INT8 experts: per-position max logit diff vs transformers (f32 experts): median {median:.3}, p90 {p90:.3}, max {:.3}", per[per.len() - 1]);
+    assert!(median > 1e-3, "the experts do not look quantized (median diff {median})");
+    assert!(median < 0.1 && p90 < 0.2, "INT8 experts drift too far: median {median}, p90 {p90}");
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(&policy);
 }

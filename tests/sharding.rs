@@ -1,6 +1,10 @@
 //! Sharding on simulated devices (threads): the collectives against plain sequential
 //! arithmetic, and tensor-parallel Llama against the single-device model and transformers.
 //!
+//! The engine test serves a tensor-parallel model through `EngineCore` (batched, chunked
+//! prefill, paged cache shaped by the TP cache layout) and compares its greedy tokens with the
+//! same engine on one device.
+//!
 //! Tolerances: a TP all-reduce adds per-rank partial sums in rank order, which rounds
 //! differently from one device summing the whole dot product, so logits agree to ~1e-6
 //! relative rather than bit for bit; 1e-4 relative to the row's largest logit is the bar.
@@ -8,7 +12,7 @@
 mod common;
 
 use serde_json::Value;
-use wasmserve::mesh::{Collective, CollectiveError, LocalCollective, TensorParallel};
+use wasmserve::mesh::{Collective, CollectiveError, LocalCollective};
 use wasmserve::model::kv::{BatchRow, ContiguousKvCache, KvCache};
 
 /// Runs `f(rank, comm)` on one thread per rank and returns the results in rank order.
@@ -146,10 +150,12 @@ fn check_tp(path: &std::path::Path, tp: usize, prompt: &[u32], steps: usize) -> 
     let cfg = single.config().clone();
     let mut kv1 = ContiguousKvCache::new(cfg.num_layers(), cfg.kv_width(), 1);
     let (want, want_tokens) = run_greedy(&|t, r, kv, l| single.model.forward(t, r, kv, l), &mut kv1, prompt, cfg.vocab_size, steps);
-    let sharded = TensorParallel::open(path, tp).unwrap();
-    assert_eq!(sharded.tp_size(), tp);
-    let mut kv = ContiguousKvCache::new(sharded.cache_layers(), sharded.cache_width(), 1);
-    let (got, got_tokens) = run_greedy(&|t, r, kv, l| sharded.forward(t, r, kv, l), &mut kv, prompt, cfg.vocab_size, steps);
+    let sharded = wasmserve::model::load_tp(path, tp).unwrap();
+    // Rank r's KV heads of layer l sit in cache layer l * tp + r.
+    let layout = sharded.model.cache_layout();
+    assert_eq!(layout.num_layers(), tp * cfg.num_layers());
+    let mut kv = ContiguousKvCache::for_layout(&layout, 1);
+    let (got, got_tokens) = run_greedy(&|t, r, kv, l| sharded.model.forward(t, r, kv, l), &mut kv, prompt, cfg.vocab_size, steps);
     let worst = assert_close(&got, &want, &format!("{} tp={tp}", path.display()));
     eprintln!("{} tp={tp}: worst relative logit difference vs one device {worst:.2e}", path.display());
     assert_eq!(got_tokens, want_tokens, "tp={tp} greedy tokens");
@@ -209,10 +215,72 @@ fn smollm2_tp3_matches_one_device_and_transformers() {
 fn non_divisible_shapes_are_clear_errors() {
     let (dir, _) = tiny_llama();
     // 4 attention heads do not split over 3 ranks.
-    let err = TensorParallel::open(&dir, 3).err().expect("tp=3 must be refused").to_string();
+    let err = wasmserve::model::load_tp(&dir, 3).err().expect("tp=3 must be refused").to_string();
     assert!(err.contains("tensor parallel size 3 does not divide the 4 attention heads"), "{err}");
-    let err = TensorParallel::open(&common::default_model_path(), 2).err().expect("SmolLM2 tp=2 must be refused").to_string();
+    let err = wasmserve::model::load_tp(&common::default_model_path(), 2).err().expect("SmolLM2 tp=2 must be refused").to_string();
     assert!(err.contains("does not divide the 9 attention heads"), "{err}");
-    let err = TensorParallel::open(&dir, 0).err().expect("tp=0 must be refused").to_string();
+    let err = wasmserve::model::load_tp(&dir, 0).err().expect("tp=0 must be refused").to_string();
     assert!(err.contains("at least 1"), "{err}");
+}
+
+// ---- the engine on a tensor-parallel model ------------------------------------------------
+
+/// Greedy tokens per request from an engine serving `path` split over `tp` ranks.
+fn engine_tokens(path: &std::path::Path, tp: usize, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
+    use tokio::sync::mpsc::unbounded_channel;
+    use wasmserve::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
+    use wasmserve::sampling::SamplingParams;
+    let model = std::sync::Arc::new(wasmserve::model::load_tp(path, tp).unwrap());
+    // A small token budget forces chunked prefill and mixed prefill/decode batches.
+    let mut core = EngineCore::new(model, EngineConfig { max_num_batched_tokens: 8, ..Default::default() });
+    let mut rxs = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let (tx, rx) = unbounded_channel();
+        let req = EngineRequest { prompt_ids: p.clone(), sampling: SamplingParams::greedy(), max_tokens, ignore_eos: true, ..Default::default() };
+        core.add_request(i as u64 + 1, req, tx).unwrap();
+        rxs.push(rx);
+    }
+    let mut steps = 0;
+    while core.step() {
+        steps += 1;
+        assert!(steps < 10_000, "engine did not finish");
+    }
+    rxs.iter_mut()
+        .map(|rx| {
+            let mut toks = Vec::new();
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    EngineEvent::Token { token, .. } => toks.push(token),
+                    EngineEvent::Error(e) => panic!("engine error: {e}"),
+                    _ => {}
+                }
+            }
+            toks
+        })
+        .collect()
+}
+
+#[test]
+fn engine_on_tp2_gives_the_greedy_tokens_of_one_device() {
+    let (dir, reference) = tiny_llama();
+    let prompts: Vec<Vec<u32>> = reference["cases"].as_array().unwrap().iter().map(|c| ids(&c["ids"])).collect();
+    assert!(prompts.len() >= 2, "several concurrent requests");
+    let want = engine_tokens(&dir, 1, &prompts, 10);
+    for tp in [2, 4] {
+        assert_eq!(engine_tokens(&dir, tp, &prompts, 10), want, "tiny llama engine tp={tp} vs tp=1");
+    }
+    // A real checkpoint (9 heads, 3 KV heads: TP=3) with natural-language prompts.
+    let path = common::default_model_path();
+    let m = wasmserve::model::load(&path).unwrap();
+    let prompts: Vec<Vec<u32>> =
+        ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"].iter().map(|t| m.tokenizer.encode(t, true).unwrap()).collect();
+    let want = engine_tokens(&path, 1, &prompts, 8);
+    assert_eq!(engine_tokens(&path, 3, &prompts, 8), want, "SmolLM2 engine tp=3 vs tp=1");
+    // Shapes that do not divide are refused with the reason, not a panic.
+    let err = wasmserve::model::load_tp(&path, 2).err().expect("SmolLM2 tp=2 must be refused").to_string();
+    assert!(err.contains("does not divide the 9 attention heads"), "{err}");
+    // Architectures without a tensor-parallel forward yet are refused by name.
+    let dsv3 = common::repo_root().join("tests/reference/deepseek_v3/model");
+    let err = wasmserve::model::load_tp(&dsv3, 2).err().expect("DeepSeek-V3 tp=2 must be refused").to_string();
+    assert!(err.contains("Llama-architecture models only, not DeepseekV3"), "{err}");
 }

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use crate::model::kv::{BatchRow, ContiguousKvCache};
+use crate::model::kv::BatchRow;
 use crate::model::LoadedModel;
 
 #[derive(clap::Args)]
@@ -26,7 +26,7 @@ pub struct DecodeBenchArgs {
 /// Decodes `steps` greedy tokens after `prompt`; returns the decode time in seconds (prefill
 /// excluded) and the tokens, so the caller can check every model ran a real continuation.
 pub fn timed_decode(m: &LoadedModel, prompt: &[u32], steps: usize) -> (f64, Vec<u32>) {
-    let mut kv = ContiguousKvCache::for_layout(&m.model.cache_layout(), 1);
+    let mut kv = m.model.contiguous_cache(1);
     let rows: Vec<BatchRow> = (0..prompt.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
     let mut logits = m.model.forward(prompt, &rows, &mut kv, &[prompt.len() - 1]);
     let mut out = Vec::with_capacity(steps);

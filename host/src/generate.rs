@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::model::kv::{BatchRow, ContiguousKvCache};
+use crate::model::kv::BatchRow;
 use crate::model::LoadedModel;
 use crate::sampling::stop::{StopChecker, StopOutcome};
 use crate::sampling::{Sampler, SamplingParams};
@@ -69,7 +69,7 @@ pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(
     req.sampling.validate()?;
     let max_tokens = req.max_tokens.min(ctx - req.prompt_ids.len());
 
-    let mut kv = ContiguousKvCache::for_layout(&m.model.cache_layout(), 1);
+    let mut kv = m.model.contiguous_cache(1);
     let mut sampler = Sampler::new(req.sampling.clone(), &req.prompt_ids);
     let mut decoder = IncrementalDecoder::with_context(&req.prompt_ids, true);
     let mut stops = StopChecker::new(req.stop.clone());

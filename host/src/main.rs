@@ -73,6 +73,9 @@ struct ModelArgs {
     /// A .gguf file or a Hugging Face model directory.
     #[arg(long, env = "WASMSERVE_MODEL", default_value = wasmserve::DEFAULT_MODEL_PATH)]
     model: PathBuf,
+    /// Tensor-parallel ranks (simulated devices) to split the model over.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: usize,
 }
 
 #[derive(Args)]
@@ -144,7 +147,7 @@ fn main() -> Result<()> {
 }
 
 fn run_generate(a: GenerateArgs) -> Result<()> {
-    let m = wasmserve::model::load(&a.model.model)?;
+    let m = wasmserve::model::load_tp(&a.model.model, a.model.tensor_parallel_size)?;
     let prompt = if let Some(p) = &a.prompt {
         p.clone()
     } else {
@@ -202,7 +205,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn run_bench_engine(a: BenchEngineArgs) -> Result<()> {
-    let model = std::sync::Arc::new(wasmserve::model::load(&a.model.model)?);
+    let model = std::sync::Arc::new(wasmserve::model::load_tp(&a.model.model, a.model.tensor_parallel_size)?);
     let max_streams = a.concurrency.iter().copied().max().unwrap_or(1);
     let cfg = wasmserve::engine::EngineConfig {
         max_num_seqs: max_streams.max(64),

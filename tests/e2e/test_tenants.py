@@ -331,28 +331,51 @@ async def quiet_samples(url, key, samples, base):
         return [await ttft(c, base + i) for i in range(samples)]
 
 
-def fairness(url, quiet_key, flood_key, samples=20, flood_concurrency=64):
-    alone = asyncio.run(quiet_samples(url, quiet_key, samples, 0))
-    out = open(LOG_DIR / "tenants-flood.out", "w+")
+def engine_idle(url, timeout=10):
+    """Waits until the engine has nothing running or waiting (the killed flood's requests gone)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = httpx.get(url + "/metrics").text
+        busy = [ln for ln in m.splitlines() if ln.startswith(("wasmserve_num_requests_running ", "wasmserve_num_requests_waiting "))]
+        if busy and all(float(ln.split()[-1]) == 0 for ln in busy):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the engine did not go idle after the flood stopped")
+
+
+def start_flood(url, flood_key, flood_concurrency, out):
     flood = subprocess.Popen([sys.executable, "-c", FLOOD, url, flood_key, str(flood_concurrency)], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 30
-        while True:  # wait for the flood to be under way
-            out.seek(0)
-            if out.read().strip():
-                break
-            assert flood.poll() is None and time.time() < deadline, "the flood did not start"
-            time.sleep(0.1)
-        loaded = asyncio.run(quiet_samples(url, quiet_key, samples, 100))
-        # Control: the same requests sent as the flooding tenant queue behind its backlog.
-        same_tenant = asyncio.run(quiet_samples(url, flood_key, 1, 200))
-        assert flood.poll() is None, "the flood stopped early"
-    finally:
-        flood.kill()
-        flood.wait()
-    out.seek(0)
-    lines = out.read().split()
-    return alone, loaded, same_tenant, int(lines[-1]) if lines else 0
+    deadline = time.time() + 30
+    while True:  # wait for the flood to be under way (its first 16 requests done)
+        out.seek(0)
+        if out.read().strip():
+            return flood
+        assert flood.poll() is None and time.time() < deadline, "the flood did not start"
+        time.sleep(0.1)
+
+
+def fairness(url, quiet_key, flood_key, rounds=4, samples=5, flood_concurrency=64):
+    """Alternates rounds of the quiet tenant alone and under a flood, so the baseline and the
+    loaded figures see the same machine (other processes' load drifts over tens of seconds)."""
+    alone, loaded, same_tenant, flood_done = [], [], [], 0
+    for r in range(rounds):
+        engine_idle(url)
+        alone += asyncio.run(quiet_samples(url, quiet_key, samples, 100 * r))
+        out = open(LOG_DIR / f"tenants-flood-{r}.out", "w+")
+        flood = start_flood(url, flood_key, flood_concurrency, out)
+        try:
+            loaded += asyncio.run(quiet_samples(url, quiet_key, samples, 100 * r + 50))
+            if r == rounds - 1:
+                # Control: the same requests sent as the flooding tenant queue behind its backlog.
+                same_tenant = asyncio.run(quiet_samples(url, flood_key, 1, 1000))
+            assert flood.poll() is None, "the flood stopped early"
+        finally:
+            flood.kill()
+            flood.wait()
+        out.seek(0)
+        lines = out.read().split()
+        flood_done += int(lines[-1]) if lines else 0
+    return alone, loaded, same_tenant, flood_done
 
 
 def test_flooding_tenant_does_not_starve_another(tsrv):
@@ -376,17 +399,19 @@ def test_flooding_tenant_does_not_starve_another(tsrv):
         "flood_concurrency": 64,
         "flood_requests_completed": flood_done,
         "max_num_seqs": 8,
+        "rounds": 4,
         "alone": [round(x, 4) for x in alone],
         "with_flood": [round(x, 4) for x in loaded],
     }
     (LOG_DIR / "tenants_fairness.json").write_text(json.dumps(report, indent=2))
     print("fairness:", json.dumps(report))
     assert flood_done > 0
-    # The issue's target is 2x. On a quiet machine the measured ratio is 1.6-2.2x; on the shared
-    # 2-core dev box (other builds running) it ranges up to ~4x, all of it CPU contention, so the
-    # default bound is looser; WASMSERVE_FAIRNESS_MAX_RATIO=2 enforces the target. Without
-    # tenant separation (the control) the quiet requests wait behind the whole backlog (~50x).
-    bound = float(os.environ.get("WASMSERVE_FAIRNESS_MAX_RATIO", "5"))
+    # The issue's target: at most 2x. The scheduler lets a tenant below its fair share of slots
+    # compute its prompt in a step of its own (engine/fair_share.rs), so what remains is the wait
+    # for the flood's step in flight when the request arrives (~1.5x measured on the shared 2-core
+    # box). WASMSERVE_FAIRNESS_MAX_RATIO overrides the bound. Without tenant separation (the
+    # control) the quiet requests wait behind the whole backlog (~50x).
+    bound = float(os.environ.get("WASMSERVE_FAIRNESS_MAX_RATIO", "2"))
     assert p50_loaded <= bound * p50_alone, report
     assert statistics.median(same_tenant) > 3 * p50_loaded, report
 

@@ -12,6 +12,7 @@ use std::hash::{Hash, Hasher};
 use kernels::cpu::fp8::quantize_e4m3;
 
 use crate::model::kv::{CacheLayout, KvRow, LayerKvShape};
+use super::recurrent_slots::RecurrentSlots;
 
 pub type BlockId = u32;
 
@@ -137,6 +138,8 @@ pub struct BlockPool {
     hash_of: Vec<Option<BlockHash>>,
     pub cache_queries: u64,
     pub cache_hits: u64,
+    /// Fixed-size recurrent states lent to running sequences (empty for models without any).
+    pub recurrent: RecurrentSlots,
 }
 
 impl BlockPool {
@@ -154,7 +157,14 @@ impl BlockPool {
             hash_of: vec![None; num_blocks],
             cache_queries: 0,
             cache_hits: 0,
+            recurrent: RecurrentSlots::none(),
         }
+    }
+
+    /// Adds the recurrent-state slots sequences take beside their blocks.
+    pub fn with_recurrent(mut self, slots: RecurrentSlots) -> Self {
+        self.recurrent = slots;
+        self
     }
 
     pub fn shape(&self) -> &PoolShape {

@@ -6,14 +6,16 @@
 //! tokens kept) and recomputed later — usually cheaply, as its full blocks stay in the prefix
 //! cache. Synchronous and single-threaded, so it can be tested directly; `Engine` drives it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineEvent, EngineRequest, EngineStats, RequestId, SubmitError, TokenLogprob};
 use super::block_pool::{BlockPool, KvDtype, PoolShape};
+use super::fair_share::SlotShares;
 use super::paged_kv::PagedKv;
+use super::recurrent_slots::RecurrentSlots;
 use super::sequence::Sequence;
 use crate::generate::FinishReason;
 use crate::model::kv::BatchRow;
@@ -108,13 +110,24 @@ pub struct EngineCore {
     stats: EngineStats,
     /// Bytes of every token, built on the first constrained request.
     token_bytes: Option<Vec<Option<Vec<u8>>>>,
+    /// Tenants whose rows sat out the previous step (see `fair_share`): they run in this one.
+    deferred_last: HashSet<String>,
 }
 
 impl EngineCore {
-    pub fn new(model: Arc<LoadedModel>, cfg: EngineConfig) -> Self {
+    pub fn new(model: Arc<LoadedModel>, mut cfg: EngineConfig) -> Self {
         let mc = model.config();
-        let shape = PoolShape::new(&model.model.cache_layout(), cfg.block_size);
-        let num_blocks = (cfg.kv_cache_bytes / shape.block_bytes(cfg.kv_dtype)).max(1);
+        let layout = model.model.cache_layout();
+        let shape = PoolShape::new(&layout, cfg.block_size);
+        let slots = recurrent_slots(&model, &cfg, layout.recurrent_bytes_per_seq);
+        if slots.enabled() && cfg.enable_prefix_caching {
+            // Cached KV blocks cannot restore a recurrent state for their prefix, so reusing
+            // them would skip tokens the state never saw.
+            tracing::info!("prefix caching disabled: the model keeps recurrent state");
+            cfg.enable_prefix_caching = false;
+        }
+        let kv_bytes = cfg.kv_cache_bytes.saturating_sub(slots.total_bytes());
+        let num_blocks = (kv_bytes / shape.block_bytes(cfg.kv_dtype)).max(1);
         let max_model_len = mc.max_position_embeddings.min(num_blocks * cfg.block_size);
         tracing::info!(
             blocks = num_blocks,
@@ -124,8 +137,8 @@ impl EngineCore {
             max_model_len,
             "KV cache pool allocated"
         );
-        let pool = BlockPool::new(shape, num_blocks, cfg.kv_dtype);
-        Self { model, cfg, pool, max_model_len, requests: HashMap::new(), waiting: Vec::new(), running: Vec::new(), arrivals: 0, stats: EngineStats::default(), token_bytes: None }
+        let pool = BlockPool::new(shape, num_blocks, cfg.kv_dtype).with_recurrent(slots);
+        Self { model, cfg, pool, max_model_len, requests: HashMap::new(), waiting: Vec::new(), running: Vec::new(), arrivals: 0, stats: EngineStats::default(), token_bytes: None, deferred_last: HashSet::new() }
     }
 
     pub fn max_model_len(&self) -> usize {
@@ -177,6 +190,7 @@ impl EngineCore {
             prompt_len,
             num_computed: 0,
             blocks: Vec::new(),
+            slot: None,
             hashes: Vec::new(),
             cached_tokens: 0,
             admitted_once: false,
@@ -186,6 +200,8 @@ impl EngineCore {
             tenant: req.tenant.clone(),
             weight: req.tenant_weight,
             salt: req.cache_salt.clone(),
+            submitted: std::time::Instant::now(),
+            admitted_at: None,
         }
     }
 
@@ -225,14 +241,24 @@ impl EngineCore {
         if !self.has_work() {
             return false;
         }
+        let started = std::time::Instant::now();
         let mut budget = self.cfg.max_num_batched_tokens;
         // (running index, tokens scheduled)
         let mut plan: Vec<(usize, usize)> = Vec::new();
+        let (deferred, favoured_priority) = self.tenants_to_defer();
+        let is_deferred = |s: &Sequence| s.priority <= favoured_priority && deferred.contains(&s.tenant);
+        let mut num_deferred = 0;
 
-        // 1. Running sequences: decodes first, then prefill chunks; oldest first.
+        // 1. Running sequences: decodes first, then prefill chunks; oldest first. Rows of tenants
+        //    deferred this step are skipped (they keep their blocks and slots).
         self.running.sort_by_key(|s| (s.is_prefilling(), std::cmp::Reverse(s.priority), s.arrival));
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
+            if is_deferred(&self.running[i]) {
+                num_deferred += 1;
+                i += 1;
+                continue;
+            }
             let chunk = self.running[i].remaining().min(budget);
             let upto = self.running[i].num_computed + chunk;
             if self.running[i].reserve(upto, &mut self.pool) {
@@ -245,9 +271,11 @@ impl EngineCore {
             let planned: Vec<usize> = plan.iter().map(|p| p.0).collect();
             let victim = (0..self.running.len())
                 .filter(|&j| j != i && !planned.contains(&j))
+                .filter(|&j| j > i || !is_deferred(&self.running[j]))
                 .min_by_key(|&j| (self.running[j].priority, std::cmp::Reverse(self.running[j].arrival)));
             match victim {
                 Some(j) if self.running[j].arrival > self.running[i].arrival || self.running[j].priority < self.running[i].priority => {
+                    // (A deferred row before `i` is never the victim, so `num_deferred` stays right.)
                     let mut s = self.running.remove(j);
                     s.release_blocks(&mut self.pool);
                     self.stats.preemptions_total += 1;
@@ -268,9 +296,9 @@ impl EngineCore {
         // 2. Admit waiting sequences while resources allow, but only when every running sequence
         //    got its turn (no admission past a preemption). Order: priority, then the tenant
         //    furthest below its weighted fair share of batch slots, then arrival.
-        if plan.len() == self.running.len() {
+        if plan.len() + num_deferred == self.running.len() {
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs && !self.waiting.is_empty() {
-                let Some(next) = self.next_to_admit() else { break };
+                let Some(next) = self.next_to_admit(&deferred) else { break };
                 let mut s = self.waiting.remove(next);
                 if self.cfg.enable_prefix_caching {
                     let hit = s.attach_cached_prefix(&mut self.pool);
@@ -285,10 +313,16 @@ impl EngineCore {
                     break;
                 }
                 s.admitted_once = true;
+                s.admitted_at.get_or_insert_with(std::time::Instant::now);
                 budget -= chunk;
                 self.running.push(s);
                 plan.push((self.running.len() - 1, chunk));
             }
+        }
+        self.deferred_last = deferred;
+        if plan.is_empty() && num_deferred > 0 {
+            // The favoured prompt did not fit after all: the deferred rows run next step.
+            return true;
         }
         if plan.is_empty() {
             // Nothing fits: a lone sequence larger than the pool. Cannot happen given
@@ -299,16 +333,37 @@ impl EngineCore {
             }
             return true;
         }
+        let tokens: usize = plan.iter().map(|p| p.1).sum();
         self.run_batch(&plan);
+        tracing::debug!(rows = plan.len(), tokens, deferred = num_deferred, ms = started.elapsed().as_secs_f64() * 1e3, "engine step");
         true
+    }
+
+    /// Tenants whose rows sit out this step, and the highest priority among the prompts they
+    /// make way for (rows of higher priority than that are never deferred). The prompts
+    /// considered are running prefills and the sequence admission would pick next, if a slot
+    /// is free for it.
+    fn tenants_to_defer(&self) -> (HashSet<String>, i32) {
+        let shares = SlotShares::new(
+            self.running.iter().map(|s| (s.tenant.as_str(), s.weight)),
+            self.waiting.iter().map(|s| (s.tenant.as_str(), s.weight)),
+            self.cfg.max_num_seqs,
+        );
+        let mut prompts: Vec<&Sequence> = self.running.iter().filter(|s| s.is_prefilling()).collect();
+        if self.running.len() < self.cfg.max_num_seqs {
+            prompts.extend(self.next_to_admit(&HashSet::new()).map(|i| &self.waiting[i]));
+        }
+        let favoured: Vec<&Sequence> = prompts.into_iter().filter(|s| shares.light(&s.tenant)).collect();
+        let deferred = shares.deferred(favoured.iter().map(|s| s.tenant.as_str()), &self.deferred_last);
+        (deferred, favoured.iter().map(|s| s.priority).max().unwrap_or(i32::MIN))
     }
 
     /// Index in `waiting` of the sequence to admit next: highest priority; among those, the
     /// tenant with the fewest running sequences per unit of weight (weighted fair share, so a
     /// tenant flooding the queue cannot starve the others); then first come, first served.
     /// A tenant already holding `max_num_seqs - tenant_slot_reserve` slots is not admitted more
-    /// (`None` when nobody waiting may be admitted).
-    fn next_to_admit(&self) -> Option<usize> {
+    /// (`None` when nobody waiting may be admitted). Tenants in `deferred` are not admitted.
+    fn next_to_admit(&self, deferred: &HashSet<String>) -> Option<usize> {
         let mut share: HashMap<&str, usize> = HashMap::new();
         for s in &self.running {
             *share.entry(s.tenant.as_str()).or_default() += 1;
@@ -317,7 +372,7 @@ impl EngineCore {
         let held = |s: &Sequence| share.get(s.tenant.as_str()).copied().unwrap_or(0);
         let key = |s: &Sequence| (std::cmp::Reverse(s.priority), held(s) as f64 / s.weight.max(1e-6), s.arrival);
         (0..self.waiting.len())
-            .filter(|&i| held(&self.waiting[i]) < cap)
+            .filter(|&i| held(&self.waiting[i]) < cap && !deferred.contains(&self.waiting[i].tenant))
             .min_by(|&a, &b| key(&self.waiting[a]).partial_cmp(&key(&self.waiting[b])).unwrap_or(std::cmp::Ordering::Equal))
     }
 
@@ -334,6 +389,7 @@ impl EngineCore {
         let mut logit_rows = Vec::new();
         let mut sampled_seqs = Vec::new();
         let mut tables = Vec::with_capacity(plan.len());
+        let mut slots = Vec::with_capacity(plan.len());
         for (b, &(i, chunk)) in plan.iter().enumerate() {
             let s = &self.running[i];
             for p in s.num_computed..s.num_computed + chunk {
@@ -345,10 +401,11 @@ impl EngineCore {
                 sampled_seqs.push(i);
             }
             tables.push(s.blocks.clone());
+            slots.push(s.slot);
         }
         self.stats.steps_total += 1;
         let logits = {
-            let mut kv = PagedKv { pool: &mut self.pool, tables };
+            let mut kv = PagedKv { pool: &mut self.pool, tables, slots };
             self.model.model.forward(&tokens, &rows, &mut kv, &logit_rows)
         };
         for &(i, chunk) in plan {
@@ -412,6 +469,20 @@ impl EngineCore {
             child.num_computed = req.prompt_ids.len();
             child.blocks = self.running[parent].blocks[..req.prompt_ids.len().div_ceil(self.cfg.block_size)].to_vec();
             child.hashes = self.running[parent].hashes.iter().take(req.prompt_ids.len() / self.cfg.block_size).copied().collect();
+            if let Some(from) = self.running[parent].slot {
+                match self.pool.recurrent.fork(from) {
+                    Some(slot) => child.slot = Some(slot),
+                    None => {
+                        // No state slot free: this choice recomputes its prompt once admitted
+                        // (and samples its first token then, from its own RNG stream).
+                        child.num_computed = 0;
+                        child.blocks.clear();
+                        child.hashes.clear();
+                        self.waiting.push(child);
+                        continue;
+                    }
+                }
+            }
             for &b in &child.blocks {
                 self.pool.retain(b);
             }
@@ -453,6 +524,10 @@ impl EngineCore {
         }
         s.sampler.observe(next);
         s.tokens.push(next);
+        if s.generated() == 1 && s.index == 0 {
+            let queued = s.admitted_at.map_or(0.0, |a| a.duration_since(s.submitted).as_secs_f64() * 1e3);
+            tracing::debug!(tenant = %s.tenant, queued_ms = queued, ttft_ms = s.submitted.elapsed().as_secs_f64() * 1e3, "first token");
+        }
         self.stats.generation_tokens_total += 1;
         let logprob = match (raw_top, raw_logits_for_chosen) {
             (Some((top, lse)), Some(raw)) => Some(TokenLogprob { token: next, logprob: raw[next as usize] - lse, top }),
@@ -520,6 +595,18 @@ impl EngineCore {
 
     pub fn pool(&self) -> &BlockPool {
         &self.pool
+    }
+}
+
+/// The recurrent-state slots for `model` (none when it keeps no recurrent state), logged.
+fn recurrent_slots(model: &LoadedModel, cfg: &EngineConfig, bytes_per_seq: usize) -> RecurrentSlots {
+    let count = RecurrentSlots::count_for(bytes_per_seq, cfg.max_num_seqs, cfg.kv_cache_bytes);
+    match model.model.new_recurrent_state() {
+        Some(fresh) if count > 0 => {
+            tracing::info!(slots = count, bytes_per_seq, total_bytes = count * bytes_per_seq, "recurrent state slots allocated");
+            RecurrentSlots::new(fresh, count, bytes_per_seq)
+        }
+        _ => RecurrentSlots::none(),
     }
 }
 

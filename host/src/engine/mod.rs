@@ -4,7 +4,9 @@
 pub mod api;
 pub mod block_pool;
 pub mod core;
+mod fair_share;
 mod paged_kv;
+pub mod recurrent_slots;
 mod sequence;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -1,12 +1,16 @@
 //! A batch's view of the paged pool: sequence `s` of the batch maps positions to blocks through
-//! its block table.
+//! its block table, and finds its recurrent state (if the model keeps one) in its slot.
 
 use super::block_pool::{BlockId, BlockPool};
+use super::recurrent_slots::SlotId;
+use crate::model::kda::state::{KdaState, RecurrentStates};
 use crate::model::kv::{KvCache, KvRow};
 
 pub struct PagedKv<'a> {
     pub pool: &'a mut BlockPool,
     pub tables: Vec<Vec<BlockId>>,
+    /// Per batch sequence, its recurrent-state slot (`None` for models without one).
+    pub slots: Vec<Option<SlotId>>,
 }
 
 impl PagedKv<'_> {
@@ -30,5 +34,21 @@ impl KvCache for PagedKv<'_> {
     fn value(&self, layer: usize, seq: usize, pos: usize) -> KvRow<'_> {
         let (b, slot) = self.locate(seq, pos);
         self.pool.value(layer, b, slot)
+    }
+
+    fn recurrent(&mut self) -> Option<&mut dyn RecurrentStates> {
+        if self.pool.recurrent.enabled() {
+            Some(self)
+        } else {
+            None
+        }
+    }
+}
+
+impl RecurrentStates for PagedKv<'_> {
+    fn layer(&mut self, ordinal: usize) -> Vec<&mut KdaState> {
+        // Every running sequence of a recurrent model holds a slot (`Sequence::reserve`).
+        let ids: Vec<SlotId> = self.slots.iter().map(|s| s.expect("a running sequence without a recurrent slot")).collect();
+        self.pool.recurrent.layer(&ids, ordinal)
     }
 }

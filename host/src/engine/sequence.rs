@@ -2,6 +2,7 @@
 
 use super::api::RequestId;
 use super::block_pool::{hash_block, BlockHash, BlockId, BlockPool};
+use super::recurrent_slots::SlotId;
 use crate::sampling::constraint::Constraint;
 use crate::sampling::stop::StopChecker;
 use crate::sampling::Sampler;
@@ -16,6 +17,9 @@ pub struct Sequence {
     /// Tokens whose keys/values are in the cache.
     pub num_computed: usize,
     pub blocks: Vec<BlockId>,
+    /// Recurrent-state slot (models with linear-attention layers), holding exactly the first
+    /// `num_computed` tokens; taken with the first blocks, dropped with them.
+    pub slot: Option<SlotId>,
     /// Prefix-cache hashes of the full blocks at the front of `blocks`.
     pub hashes: Vec<BlockHash>,
     pub sampler: Sampler,
@@ -36,6 +40,10 @@ pub struct Sequence {
     /// The tenant's weight for fair sharing of batch slots.
     pub weight: f64,
     pub salt: String,
+    /// When the request reached the engine, and when this sequence was first admitted (for the
+    /// queue-wait / time-to-first-token debug log).
+    pub submitted: std::time::Instant,
+    pub admitted_at: Option<std::time::Instant>,
 }
 
 impl Sequence {
@@ -52,10 +60,14 @@ impl Sequence {
         self.remaining() > 1
     }
 
-    /// Drops all blocks (for preemption or when done).
+    /// Drops all blocks and the recurrent state (for preemption or when done): the sequence
+    /// recomputes from its first token if it runs again.
     pub fn release_blocks(&mut self, pool: &mut BlockPool) {
         for b in self.blocks.drain(..) {
             pool.release(b);
+        }
+        if let Some(slot) = self.slot.take() {
+            pool.recurrent.release(slot);
         }
         self.hashes.clear();
         self.num_computed = 0;
@@ -104,10 +116,17 @@ impl Sequence {
     }
 
     /// Allocates blocks so positions below `upto` are writable; copies a shared partial block
-    /// first (copy-on-write). Returns false (allocating nothing new) if the pool runs dry.
+    /// first (copy-on-write), and takes a recurrent-state slot if the model needs one and the
+    /// sequence has none. Returns false (allocating nothing new) if the pool runs dry.
     pub fn reserve(&mut self, upto: usize, pool: &mut BlockPool) -> bool {
-        if self.blocks_needed(upto, pool) > pool.available() {
+        let needs_slot = pool.recurrent.enabled() && self.slot.is_none();
+        if self.blocks_needed(upto, pool) > pool.available() || (needs_slot && pool.recurrent.available() == 0) {
             return false;
+        }
+        if needs_slot {
+            // A fresh state holds no tokens, so nothing may count as computed (no cached prefix).
+            debug_assert_eq!(self.num_computed, 0, "a recurrent sequence resumed without its state");
+            self.slot = pool.recurrent.allocate();
         }
         let bs = pool.shape().block_size;
         if self.num_computed % bs != 0 {

@@ -5,11 +5,13 @@
 //! Design notes: docs/sharding.md.
 
 pub mod collective;
+pub mod ep;
 pub mod layout;
 pub mod local;
 pub mod split;
 pub mod tp;
 
+pub use ep::{DispatchStats, ExpertParallelMoe};
 pub use collective::{Collective, CollectiveError, Element, ReduceElement};
 pub use layout::{DeviceMesh, MeshCoord, MeshError};
 pub use local::LocalCollective;

@@ -78,7 +78,14 @@ pub fn slice_tensor(t: Tensor, split: &Split) -> Result<Tensor, String> {
 /// The part `split` of a loaded Linear layer. Dense layers slice any way; packed quantized
 /// layers are refused with the reason (see docs/sharding.md).
 pub fn slice_linear(l: Linear, split: &Split) -> Result<Linear, String> {
-    if *split == Split::Full {
+    // A one-way mesh asks for the whole range (`Rows(0..out)`): that is no slicing at all, and
+    // packed layers must keep loading there.
+    let whole = match split {
+        Split::Full => true,
+        Split::Rows(r) => r.start == 0 && r.end == l.out_features(),
+        Split::Cols(c) => c.start == 0 && c.end == l.in_features(),
+    };
+    if whole {
         return Ok(l);
     }
     match l {

@@ -3,15 +3,14 @@
 //! pass; ranks meet only in the collectives (an all-reduce after each row-parallel projection
 //! and the embedding, an all-gather of the vocabulary-split logits).
 
-use std::path::Path;
 use std::sync::RwLock;
 
 use crate::model::config::ModelConfig;
 use crate::model::error::LoadError;
-use crate::model::kv::{BatchRow, KvCache};
+use crate::model::kv::{BatchRow, CacheLayout, KvCache};
 use crate::model::llama::{LlamaModel, SharedKv, TpRank};
 use crate::model::source::WeightSource;
-use crate::model::{gguf, gguf_source, hf_source, quant, LanguageModel};
+use crate::model::LanguageModel;
 
 use super::collective::{Collective, CollectiveError};
 use super::local::LocalCollective;
@@ -50,28 +49,6 @@ impl TensorParallel {
         Ok(Self { ranks })
     }
 
-    /// Opens a `.gguf` file or a Hugging Face directory (as `model::load` does) and loads `tp`
-    /// ranks from it.
-    pub fn open(path: &Path, tp: usize) -> Result<Self, LoadError> {
-        if path.is_dir() {
-            let cfg_path = path.join("config.json");
-            let text = std::fs::read_to_string(&cfg_path).map_err(|e| LoadError::Io { file: cfg_path.clone(), source: e })?;
-            let raw: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| LoadError::Corrupt { file: cfg_path.clone(), detail: format!("invalid JSON: {e}") })?;
-            let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
-            let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
-            Self::load(cfg, src.as_ref(), tp)
-        } else {
-            let file = gguf::GgufFile::open(path)?;
-            let cfg = ModelConfig::from_gguf(&file)?;
-            Self::load(cfg, &gguf_source::GgufSource::new(file), tp)
-        }
-    }
-
-    pub fn config(&self) -> &ModelConfig {
-        self.ranks[0].config()
-    }
-
     pub fn tp_size(&self) -> usize {
         self.ranks.len()
     }
@@ -87,9 +64,24 @@ impl TensorParallel {
         self.ranks[0].cache_width()
     }
 
-    /// The single-device forward contract ([`LlamaModel::forward`]) with the work split over
-    /// the ranks; `kv` must have the layout of [`Self::cache_layers`] × [`Self::cache_width`].
-    pub fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
+}
+
+/// The engine serves a `TensorParallel` like any model: one forward call runs every rank and
+/// returns rank 0's logits (all ranks hold the same after the all-gather).
+impl LanguageModel for TensorParallel {
+    fn config(&self) -> &ModelConfig {
+        self.ranks[0].config()
+    }
+
+    /// [`Self::cache_layers`] layers of [`Self::cache_width`]: rank r's KV heads of layer l live
+    /// in cache layer `l * tp + r`.
+    fn cache_layout(&self) -> CacheLayout {
+        self.ranks[0].cache_layout()
+    }
+
+    /// The single-device forward contract with the work split over the ranks; `kv` must have
+    /// [`Self::cache_layout`].
+    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         let comms = LocalCollective::group(self.tp_size());
         let shared: SharedKv<'_> = RwLock::new(kv);
         let run = |model: &LlamaModel, comm: &LocalCollective| -> Result<Vec<f32>, CollectiveError> {

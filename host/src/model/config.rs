@@ -16,15 +16,19 @@ pub enum Architecture {
     Llama,
     /// DeepSeek-V3: MLA attention, dense first layers then MoE (model/deepseek.rs).
     DeepseekV3,
+    /// Kimi-Linear: KDA linear attention and MLA full attention, dense MLP or MoE
+    /// (model/kimi_linear.rs).
+    KimiLinear,
 }
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "llama (also mistral, smollm), deepseek_v3";
+    pub const SUPPORTED: &'static str = "llama (also mistral, smollm), deepseek_v3, kimi_linear";
 
     fn from_name(name: &str) -> Option<Self> {
         match name {
             "llama" | "mistral" | "smollm" | "LlamaForCausalLM" | "MistralForCausalLM" => Some(Self::Llama),
             "deepseek_v3" | "DeepseekV3ForCausalLM" => Some(Self::DeepseekV3),
+            "kimi_linear" | "KimiLinearForCausalLM" => Some(Self::KimiLinear),
             _ => None,
         }
     }
@@ -84,7 +88,14 @@ impl ModelConfig {
     fn validate(self, file: &Path) -> Result<Self, LoadError> {
         let bad = |detail: String| Err(LoadError::Config { file: file.to_path_buf(), detail });
         if self.hidden_size == 0 || self.num_heads == 0 || self.num_kv_heads == 0 || self.layers.is_empty() || self.vocab_size == 0 {
-            return bad(format!("zero-sized model dimension in {self:?}"));
+            return bad(format!(
+                "zero-sized model dimension (hidden {}, heads {}, kv heads {}, layers {}, vocab {})",
+                self.hidden_size,
+                self.num_heads,
+                self.num_kv_heads,
+                self.layers.len(),
+                self.vocab_size
+            ));
         }
         if self.num_heads % self.num_kv_heads != 0 {
             return bad(format!("{} attention heads is not a multiple of {} key/value heads", self.num_heads, self.num_kv_heads));

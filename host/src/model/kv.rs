@@ -6,6 +6,8 @@
 use kernels::cpu::dot::dot;
 use kernels::cpu::fp8::E4M3_TO_F32;
 
+use super::kda::state::{OwnedStates, RecurrentStates, SequenceState};
+
 /// Position of one token of a batch: which sequence of the batch it belongs to, and where.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchRow {
@@ -128,6 +130,12 @@ pub trait KvCache: Send + Sync {
     /// Keys of `seq` at `pos` for `layer` (written earlier, in this or a previous step).
     fn key(&self, layer: usize, seq: usize, pos: usize) -> KvRow<'_>;
     fn value(&self, layer: usize, seq: usize, pos: usize) -> KvRow<'_>;
+    /// The batch sequences' fixed-size recurrent states (linear-attention layers), owned beside
+    /// the cache by whoever owns the sequences; `None` for a cache that holds none (models
+    /// without recurrent layers never ask).
+    fn recurrent(&mut self) -> Option<&mut dyn RecurrentStates> {
+        None
+    }
 }
 
 /// One growable buffer per sequence and layer: the simplest cache, used by single-request
@@ -139,6 +147,8 @@ pub struct ContiguousKvCache {
     seqs: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
     /// Positions written per sequence (highest position + 1).
     lens: Vec<usize>,
+    /// One recurrent state per sequence, for models with linear-attention layers.
+    states: Option<OwnedStates>,
 }
 
 impl ContiguousKvCache {
@@ -154,7 +164,14 @@ impl ContiguousKvCache {
 
     fn with_widths(widths: Vec<(usize, usize)>, num_seqs: usize) -> Self {
         let layers = widths.len();
-        Self { widths, seqs: (0..num_seqs).map(|_| vec![(Vec::new(), Vec::new()); layers]).collect(), lens: vec![0; num_seqs] }
+        Self { widths, seqs: (0..num_seqs).map(|_| vec![(Vec::new(), Vec::new()); layers]).collect(), lens: vec![0; num_seqs], states: None }
+    }
+
+    /// Gives every sequence a copy of `fresh` (a model's empty recurrent state), when it has one.
+    pub fn with_recurrent(mut self, fresh: Option<SequenceState>) -> Self {
+        let n = self.lens.len();
+        self.states = fresh.map(|f| OwnedStates(vec![f; n]));
+        self
     }
 
     /// Positions stored for `seq`.
@@ -190,6 +207,10 @@ impl KvCache for ContiguousKvCache {
     fn value(&self, layer: usize, seq: usize, pos: usize) -> KvRow<'_> {
         let vw = self.widths[layer].1;
         KvRow::F32(&self.seqs[seq][layer].1[pos * vw..(pos + 1) * vw])
+    }
+
+    fn recurrent(&mut self) -> Option<&mut dyn RecurrentStates> {
+        self.states.as_mut().map(|s| s as &mut dyn RecurrentStates)
     }
 }
 

@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod gguf_source;
 pub mod hf_source;
 pub mod kda;
+pub mod kimi_linear;
 pub mod kv;
 pub mod linear;
 pub mod llama;
@@ -41,6 +42,19 @@ pub trait LanguageModel: Send + Sync {
     /// `logit_rows`. Callers pass token ids below `vocab_size` and, for every row, have already
     /// run (earlier, or earlier in this batch) all positions before it of the same sequence.
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32>;
+
+    /// A fresh (no tokens yet) recurrent state for one sequence, for models with linear-attention
+    /// layers (`cache_layout().recurrent_bytes_per_seq > 0`); their `forward` reads the batch's
+    /// states from `KvCache::recurrent`.
+    fn new_recurrent_state(&self) -> Option<kda::state::SequenceState> {
+        None
+    }
+
+    /// A contiguous cache for `num_seqs` sequences, with recurrent states when the model has them
+    /// (single-request generation and benchmarks).
+    fn contiguous_cache(&self, num_seqs: usize) -> kv::ContiguousKvCache {
+        kv::ContiguousKvCache::for_layout(&self.cache_layout(), num_seqs).with_recurrent(self.new_recurrent_state())
+    }
 }
 
 /// Builds the architecture `cfg` names from a checkpoint's weights.
@@ -48,7 +62,23 @@ pub fn build(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Box<dyn Languag
     match cfg.architecture {
         Architecture::Llama => Ok(Box::new(LlamaModel::load(cfg, src)?)),
         Architecture::DeepseekV3 => Ok(Box::new(deepseek::DeepseekV3Model::load(cfg, src)?)),
+        Architecture::KimiLinear => Ok(Box::new(kimi_linear::KimiLinearModel::load(cfg, src)?)),
     }
+}
+
+/// As [`build`], split over `tp` simulated tensor-parallel devices when `tp != 1`
+/// (`mesh::TensorParallel`; clear errors when the shapes do not divide or `tp` is 0).
+pub fn build_tp(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
+    if tp == 1 {
+        return build(cfg, src);
+    }
+    if !matches!(cfg.architecture, Architecture::Llama) {
+        return Err(LoadError::Config {
+            file: src.file_of("model.embed_tokens.weight"),
+            detail: format!("tensor parallelism is implemented for Llama-architecture models only, not {:?}", cfg.architecture),
+        });
+    }
+    Ok(Box::new(crate::mesh::TensorParallel::load(cfg, src, tp)?))
 }
 
 /// A model ready to run: weights, tokenizer and chat template.
@@ -68,6 +98,11 @@ impl LoadedModel {
 
 /// Loads a `.gguf` file or a Hugging Face directory (`config.json` + safetensors + tokenizer).
 pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
+    load_tp(path, 1)
+}
+
+/// [`load`] with the model split over `tp` tensor-parallel ranks ([`build_tp`]).
+pub fn load_tp(path: &Path, tp: usize) -> Result<LoadedModel, LoadError> {
     let started = Instant::now();
     let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let (model, tokenizer) = if path.is_dir() {
@@ -78,13 +113,13 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
         let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
         let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
         let tokenizer = Tokenizer::from_hf_dir(path, &raw)?;
-        (build(cfg, src.as_ref())?, tokenizer)
+        (build_tp(cfg, src.as_ref(), tp)?, tokenizer)
     } else {
         let file = gguf::GgufFile::open(path)?;
         let cfg = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let src = gguf_source::GgufSource::new(file);
-        (build(cfg, &src)?, tokenizer)
+        (build_tp(cfg, &src, tp)?, tokenizer)
     };
     let cfg = model.config();
     tracing::info!(
@@ -92,6 +127,7 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
         layers = cfg.num_layers(),
         hidden = cfg.hidden_size,
         vocab = cfg.vocab_size,
+        tp,
         secs = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );

@@ -1,4 +1,5 @@
-//! `wasmserve quantize`: data-free conversion of a BF16/F16/F32 Hugging Face checkpoint into
+//! `wasmserve quantize`: data-free conversion of a BF16/F16/F32 (or compressed-tensors MXFP4,
+//! see `source`) Hugging Face checkpoint into
 //! compressed-tensors INT (`pack-quantized`) or Cubic (docs/cubic-format.md), with a per-layer
 //! policy. Streams tensor by tensor (memory: the mapped input plus one tensor and its quantized
 //! form), never overwrites, and reports per storage configuration the scale-free NRMSE of the
@@ -7,6 +8,7 @@
 pub mod cubic_fit;
 pub mod int_rtn;
 pub mod policy;
+pub mod source;
 pub mod stats;
 pub mod writer;
 
@@ -20,8 +22,8 @@ use safetensors::Dtype;
 use serde_json::{json, Value};
 
 use crate::model::hf_source::SafetensorsSource;
-use crate::model::source::WeightSource;
 use policy::{Format, LayerPlan, Policy};
+use source::Stored;
 use stats::Report;
 use writer::{Planned, StreamWriter};
 
@@ -35,7 +37,7 @@ pub enum FormatArg {
 
 #[derive(Args)]
 pub struct QuantizeArgs {
-    /// Hugging Face model directory (config.json + BF16/F16/F32 safetensors + tokenizer files).
+    /// Hugging Face model directory (config.json + BF16/F16/F32 or mxfp4-pack-quantized safetensors + tokenizer files).
     #[arg(long)]
     pub input: PathBuf,
     /// Output directory; must not exist.
@@ -64,7 +66,10 @@ fn is_embedding(module: &str) -> bool {
 
 enum Job {
     Copy { name: String },
-    Quantize { module: String, rows: usize, cols: usize, plan: LayerPlan },
+    Quantize { module: String, rows: usize, cols: usize, plan: LayerPlan, stored: Stored },
+    /// An MXFP4 source weight the policy keeps unquantized: written as BF16 `<m>.weight`
+    /// (exact: an E2M1 value times a power of two has 3 significant bits).
+    Decode { module: String, rows: usize, cols: usize },
 }
 
 fn plan_tensors(src: &SafetensorsSource, policy: &Policy) -> Result<(Vec<Job>, Vec<Planned>, Vec<String>)> {
@@ -72,18 +77,23 @@ fn plan_tensors(src: &SafetensorsSource, policy: &Policy) -> Result<(Vec<Job>, V
     let mut planned = Vec::new();
     let mut notes = Vec::new();
     for name in src.names() {
+        if source::is_mxfp4_scale(src, name) {
+            continue;
+        }
         let t = src.raw(name)?;
         let float = matches!(t.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16);
-        let module = name.strip_suffix(".weight");
+        let (module, stored, rows, cols) = match source::mxfp4_module(src, name) {
+            Some(m) => (Some(m), Stored::Mxfp4, t.shape[0], t.shape[1] * 2),
+            None => (name.strip_suffix(".weight").filter(|_| float && t.shape.len() == 2), Stored::Float, t.shape.first().copied().unwrap_or(0), t.shape.get(1).copied().unwrap_or(0)),
+        };
         let plan = match module {
-            Some(m) if float && t.shape.len() == 2 && !is_embedding(m) => policy.plan_for(m),
+            Some(m) if !is_embedding(m) => policy.plan_for(m),
             _ => None,
         };
         // compressed-tensors needs the columns to divide into whole groups: use the largest
         // group size (a multiple of 16, not above the requested one) that does.
         let plan = match plan {
-            Some(p) if p.format == Format::Int && t.shape[1] % p.group_size != 0 => {
-                let cols = t.shape[1];
+            Some(p) if p.format == Format::Int && cols % p.group_size != 0 => {
                 match (16..=p.group_size).rev().step_by(16).find(|g| g % 16 == 0 && cols % g == 0) {
                     Some(g) => {
                         notes.push(format!("{cols} columns do not divide into groups of {}; using groups of {g}", p.group_size));
@@ -98,13 +108,18 @@ fn plan_tensors(src: &SafetensorsSource, policy: &Policy) -> Result<(Vec<Job>, V
             p => p,
         };
         match plan {
+            None if stored == Stored::Mxfp4 => {
+                let m = module.unwrap().to_string();
+                planned.push(Planned { name: format!("{m}.weight"), dtype: "BF16".into(), shape: vec![rows, cols] });
+                jobs.push(Job::Decode { module: m, rows, cols });
+            }
             None => {
                 let dtype = serde_json::to_value(t.dtype)?.as_str().context("dtype name")?.to_string();
                 planned.push(Planned { name: name.to_string(), dtype, shape: t.shape.to_vec() });
                 jobs.push(Job::Copy { name: name.to_string() });
             }
             Some(plan) => {
-                let (m, rows, cols) = (module.unwrap().to_string(), t.shape[0], t.shape[1]);
+                let m = module.unwrap().to_string();
                 let groups = cols.div_ceil(plan.group_size);
                 let b = plan.bits as usize;
                 match plan.format {
@@ -122,7 +137,7 @@ fn plan_tensors(src: &SafetensorsSource, policy: &Policy) -> Result<(Vec<Job>, V
                         }
                     }
                 }
-                jobs.push(Job::Quantize { module: m, rows, cols, plan });
+                jobs.push(Job::Quantize { module: m, rows, cols, plan, stored });
             }
         }
     }
@@ -138,7 +153,7 @@ fn quantization_config(jobs: &[Job]) -> Value {
         .iter()
         .filter_map(|j| match j {
             Job::Quantize { module, plan, .. } => Some((module, plan)),
-            Job::Copy { .. } => None,
+            Job::Copy { .. } | Job::Decode { .. } => None,
         })
         .collect();
     let format = quantized.first().map(|(_, p)| p.format).unwrap_or(Format::Cubic);
@@ -178,9 +193,7 @@ pub fn quantize(a: &QuantizeArgs) -> Result<Report> {
     let cfg_path = a.input.join("config.json");
     let cfg: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?)
         .with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
-    if cfg.get("quantization_config").is_some_and(|q| !q.is_null()) {
-        bail!("{} is already quantized (quantization_config present)", a.input.display());
-    }
+    source::check_source_config(&a.input, &cfg)?;
     let policy_text = match &a.policy {
         Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?),
         None => None,
@@ -217,13 +230,15 @@ fn write_output(a: &QuantizeArgs, src: &SafetensorsSource, jobs: &[Job], planned
         .iter()
         .map(|j| match j {
             Job::Copy { name } => src.raw(name).map(|t| t.shape.iter().product::<usize>() as u64).unwrap_or(0),
-            Job::Quantize { rows, cols, .. } => (rows * cols) as u64,
+            Job::Quantize { rows, cols, .. } | Job::Decode { rows, cols, .. } => (rows * cols) as u64,
         })
         .sum();
+    // Checkpoint-wide effective bits per weight: every stored tensor's bits (codes, scales,
+    // zero points, levels, norms, embeddings) over the source's parameter count.
+    let mut report = Report { checkpoint_params: total, checkpoint_bits: planned.iter().map(Planned::bits).sum(), ..Report::default() };
     let bar = if a.quiet { ProgressBar::hidden() } else { ProgressBar::new(total) };
     bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% {human_pos}/{human_len} weights, eta {eta} {msg}").unwrap());
     let mut w = StreamWriter::create(&a.output.join("model.safetensors"), planned)?;
-    let mut report = Report::default();
     for job in jobs {
         match job {
             Job::Copy { name } => {
@@ -235,9 +250,16 @@ fn write_output(a: &QuantizeArgs, src: &SafetensorsSource, jobs: &[Job], planned
                 }
                 bar.inc(n);
             }
-            Job::Quantize { module, rows, cols, plan } => {
+            Job::Decode { module, rows, cols } => {
+                let x = source::load_f32(src, module, *rows, *cols, Stored::Mxfp4)?;
+                let bits: Vec<u16> = x.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
+                w.write(&format!("{module}.weight"), &u16s(&bits))?;
+                report.dense_weights += (rows * cols) as u64;
+                bar.inc((rows * cols) as u64);
+            }
+            Job::Quantize { module, rows, cols, plan, stored } => {
                 bar.set_message(module.clone());
-                let weight = src.load(&format!("{module}.weight"), &[*rows, *cols])?;
+                let weight = source::load_f32(src, module, *rows, *cols, *stored)?;
                 let x = weight.as_slice();
                 let stats = match plan.format {
                     Format::Cubic => {

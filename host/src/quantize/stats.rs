@@ -42,11 +42,15 @@ impl Stats {
     }
 }
 
-/// Stats keyed by a description of the storage (e.g. "cubic b3 g512").
+/// Stats keyed by a description of the storage (e.g. "cubic b3 g512"), plus checkpoint totals.
 #[derive(Default)]
 pub struct Report {
     pub by_kind: BTreeMap<String, Stats>,
     pub dense_weights: u64,
+    /// Parameters of the source checkpoint (every tensor's element count, quantized or not).
+    pub checkpoint_params: u64,
+    /// Bits of every tensor written (codes, scales, zero points, Cubic shapes, dense tensors).
+    pub checkpoint_bits: u64,
 }
 
 impl Report {
@@ -54,17 +58,48 @@ impl Report {
         self.by_kind.entry(kind.to_string()).or_default().add(s);
     }
 
+    /// Effective bits per weight of the whole output checkpoint.
+    pub fn checkpoint_bits_per_weight(&self) -> f64 {
+        self.checkpoint_bits as f64 / self.checkpoint_params.max(1) as f64
+    }
+
+    /// `format  loss  clipped %` per storage configuration (loss = scale-free NRMSE), then the
+    /// checkpoint-wide effective bits per weight.
     pub fn table(&self) -> String {
-        let mut out = String::from("format            weights      NRMSE    clipped %  bits/weight\n");
+        let mut out = format!("{:<16} {:>9}  {:>9}  {:>11}  {:>11}\n", "format", "loss", "clipped %", "weights", "bits/weight");
+        let row = |k: &str, s: &Stats| format!("{k:<16} {:>9.5}  {:>9.4}  {:>11}  {:>11.4}\n", s.nrmse(), s.clipped_pct(), s.weights, s.bits_per_weight());
         let mut total = Stats::default();
         for (k, s) in &self.by_kind {
-            out += &format!("{k:<16} {:>9}  {:>9.5}  {:>9.4}  {:>11.4}\n", s.weights, s.nrmse(), s.clipped_pct(), s.bits_per_weight());
+            out += &row(k, s);
             total.add(s);
         }
         if self.by_kind.len() > 1 {
-            out += &format!("{:<16} {:>9}  {:>9.5}  {:>9.4}  {:>11.4}\n", "all quantized", total.weights, total.nrmse(), total.clipped_pct(), total.bits_per_weight());
+            out += &row("all quantized", &total);
         }
-        out += &format!("(kept dense: {} weights; NRMSE = sqrt(Σ(w−ŵ)²/Σw²); clipped = outside the group's level range)\n", self.dense_weights);
+        out += &format!(
+            "checkpoint: {:.4} effective bits per weight ({} bits over {} parameters, {} weights kept dense)\n",
+            self.checkpoint_bits_per_weight(),
+            self.checkpoint_bits,
+            self.checkpoint_params,
+            self.dense_weights
+        );
+        out += "(loss = NRMSE = sqrt(Σ(w−ŵ)²/Σw²); clipped = outside the group's level range; bits/weight counts codes and group parameters)\n";
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_has_header_rows_and_checkpoint_line() {
+        let mut r = Report { checkpoint_params: 1000, checkpoint_bits: 6000, dense_weights: 200, ..Report::default() };
+        r.add("int4 g128", &Stats { err2: 1.0, w2: 100.0, clipped: 8, weights: 800, bits: 800 * 4 + 16 * 7 });
+        let t = r.table();
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("format") && lines[0].contains("loss") && lines[0].contains("clipped %"), "{t}");
+        assert!(lines[1].starts_with("int4 g128") && lines[1].contains("0.10000") && lines[1].contains("1.0000"), "{t}");
+        assert!(lines[2].starts_with("checkpoint: 6.0000 effective bits per weight"), "{t}");
     }
 }

@@ -29,6 +29,9 @@ impl Planned {
     pub fn bytes(&self) -> usize {
         self.shape.iter().product::<usize>() * dtype_bytes(&self.dtype)
     }
+    pub fn bits(&self) -> u64 {
+        self.bytes() as u64 * 8
+    }
 }
 
 pub struct StreamWriter {

@@ -74,6 +74,10 @@ pub struct ServeArgs {
     /// The model id clients use (default: the model file stem or directory name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Tensor-parallel ranks (simulated devices, one thread each) the model is split over; heads
+    /// and KV heads must divide (KV heads may instead be a divisor of it, then replicated).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 256)]
@@ -156,7 +160,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         Some(path) => Some(crate::tenancy::Tenancy::open(path, args.admin_key.as_deref(), args.key_secret.as_deref())?),
         None => None,
     };
-    let model = Arc::new(crate::model::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
+    let model = Arc::new(crate::model::load_tp(&args.model, args.tensor_parallel_size).with_context(|| format!("loading {}", args.model.display()))?);
     let template: Option<Arc<dyn ChatTemplate>> = match model.tokenizer.chat_template.as_deref() {
         None => {
             tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");

@@ -13,7 +13,12 @@ use crate::model::error::LoadError;
 use crate::model::source::WeightSource;
 
 pub struct Experts {
+    /// The experts this instance holds: `held.start + i` is `list[i]` (all of them, except on an
+    /// expert-parallel rank, which holds one contiguous range).
     list: Vec<GatedMlp>,
+    held: std::ops::Range<usize>,
+    /// Routed experts of the layer, held or not (what routing indexes).
+    total: usize,
     /// Width the experts read and write (hidden size, or the latent size for latent MoE).
     dim: usize,
 }
@@ -21,30 +26,50 @@ pub struct Experts {
 impl Experts {
     /// Loads `{prefix}.experts.{e}.*` for every routed expert.
     pub fn load(cfg: &MoeConfig, src: &dyn WeightSource, prefix: &str) -> Result<Self, LoadError> {
+        Self::load_range(cfg, src, prefix, 0..cfg.num_experts)
+    }
+
+    /// Loads only experts `held` (an expert-parallel rank's share); the others are never read.
+    pub fn load_range(cfg: &MoeConfig, src: &dyn WeightSource, prefix: &str, held: std::ops::Range<usize>) -> Result<Self, LoadError> {
         let dim = cfg.expert_hidden_size();
-        let list = (0..cfg.num_experts)
+        if held.start > held.end || held.end > cfg.num_experts {
+            return Err(LoadError::Config {
+                file: src.file_of(&format!("{prefix}.gate.weight")),
+                detail: format!("experts {held:?} out of the layer's {} routed experts", cfg.num_experts),
+            });
+        }
+        let list = held
+            .clone()
             .map(|e| GatedMlp::load(src, &format!("{prefix}.experts.{e}"), cfg.naming.leaves(), dim, cfg.moe_intermediate_size, cfg.activation))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { list, dim })
+        Ok(Self { list, held, total: cfg.num_experts, dim })
     }
 
     /// Experts built in memory (benchmarks, tests); all must share one width.
     pub fn new(list: Vec<GatedMlp>) -> Self {
         let dim = list.first().map_or(0, GatedMlp::hidden_size);
         assert!(list.iter().all(|m| m.hidden_size() == dim), "experts of different widths");
-        Self { list, dim }
+        let total = list.len();
+        Self { list, held: 0..total, total, dim }
     }
 
+    /// Routed experts of the layer (including any this instance does not hold).
     pub fn len(&self) -> usize {
-        self.list.len()
+        self.total
     }
 
     pub fn is_empty(&self) -> bool {
-        self.list.is_empty()
+        self.total == 0
     }
 
+    /// The experts this instance holds (`0..len()` unless loaded with [`Self::load_range`]).
+    pub fn held(&self) -> std::ops::Range<usize> {
+        self.held.clone()
+    }
+
+    /// Expert `e`, which must be held.
     pub fn get(&self, e: usize) -> &GatedMlp {
-        &self.list[e]
+        &self.list[e - self.held.start]
     }
 
     pub fn dim(&self) -> usize {
@@ -53,13 +78,13 @@ impl Experts {
 
     /// `Σ_k w_k · expert_k(x)` per token over the experts `owns` accepts (others contribute
     /// nothing, so devices owning disjoint expert sets produce partial sums that add up to the
-    /// full result). `x`: `n × dim`; returns `n × dim`.
+    /// full result). Experts not held count as not owned. `x`: `n × dim`; returns `n × dim`.
     pub fn forward(&self, x: &[f32], n: usize, routing: &Routing, owns: &(dyn Fn(usize) -> bool + Sync)) -> Vec<f32> {
         let d = self.dim;
         assert_eq!(x.len(), n * d, "experts: input is not {n} rows of {d}");
         assert_eq!(routing.tokens(), n, "experts: routing is for {} tokens, input has {n}", routing.tokens());
-        let groups = routing.by_expert(self.list.len());
-        let active: Vec<usize> = (0..self.list.len()).filter(|&e| groups.offsets[e + 1] > groups.offsets[e] && owns(e)).collect();
+        let groups = routing.by_expert(self.total);
+        let active: Vec<usize> = self.held.clone().filter(|&e| groups.offsets[e + 1] > groups.offsets[e] && owns(e)).collect();
         let outputs: Vec<Vec<f32>> = active
             .par_iter()
             .map(|&e| {
@@ -68,7 +93,7 @@ impl Experts {
                 for &t in tokens {
                     rows.extend_from_slice(&x[t as usize * d..(t as usize + 1) * d]);
                 }
-                self.list[e].forward(&rows, tokens.len())
+                self.get(e).forward(&rows, tokens.len())
             })
             .collect();
         let mut out = vec![0.0f32; n * d];
@@ -86,7 +111,7 @@ impl Experts {
     /// Bytes of one expert's weights (all experts of a layer have the same storage format only if
     /// the checkpoint says so; this is expert `e`'s).
     pub fn expert_bytes(&self, e: usize) -> usize {
-        self.list[e].weight_bytes()
+        self.get(e).weight_bytes()
     }
 }
 

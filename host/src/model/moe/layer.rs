@@ -25,8 +25,15 @@ impl MoeLayer {
     /// `routed_expert_{down_proj,norm,up_proj}`. Expert projections come from
     /// `WeightSource::linear`, so each may be stored in any quantized format (and width).
     pub fn load(cfg: &MoeConfig, src: &dyn WeightSource, prefix: &str) -> Result<Self, LoadError> {
+        Self::load_experts(cfg, src, prefix, 0..cfg.num_experts)
+    }
+
+    /// As [`Self::load`] but holding only routed experts `held` (an expert-parallel rank): the
+    /// router, latent projections and shared experts are loaded whole (every rank routes and
+    /// finishes its own tokens).
+    pub fn load_experts(cfg: &MoeConfig, src: &dyn WeightSource, prefix: &str, held: std::ops::Range<usize>) -> Result<Self, LoadError> {
         let router = Router::load(cfg, src, prefix)?;
-        let experts = Experts::load(cfg, src, prefix)?;
+        let experts = Experts::load_range(cfg, src, prefix, held)?;
         let latent = Latent::load(cfg, src, prefix)?;
         let shared = match cfg.num_shared_experts {
             0 => None,

@@ -1,0 +1,162 @@
+//! Expert parallelism on simulated devices (threads) against the MoE fixtures of
+//! tests/reference/make_moe_layers.py: every rank holds a contiguous range of the experts, token
+//! rows travel to their experts' ranks and back through `all_to_all_v`, and the block's output
+//! must equal both the one-device block (EP=1) and the independent reference (transformers
+//! `DeepseekV3MoE` / `DeepseekV2Moe` / `KimiLinearMoE`, and the K3 latent-MoE torch code).
+//!
+//! Tolerances: ranks' partial sums are added in rank order, one device adds experts in expert
+//! order, so results agree to rounding (~1e-7 relative), not bit for bit; the bar is 1e-5.
+
+mod common;
+
+use std::path::PathBuf;
+
+use wasmserve::mesh::ep::experts_of;
+use wasmserve::mesh::{DeviceMesh, DispatchStats, ExpertParallelMoe, LocalCollective};
+use wasmserve::model::hf_source::SafetensorsSource;
+use wasmserve::model::moe::{MoeConfig, MoeLayer};
+use wasmserve::model::source::WeightSource;
+
+const CASES: [&str; 4] = ["deepseek_v3", "deepseek_v2", "kimi_linear", "kimi_latent"];
+
+fn case_dir(name: &str) -> PathBuf {
+    common::repo_root().join("tests/reference/moe").join(name)
+}
+
+struct Case {
+    cfg: MoeConfig,
+    src: SafetensorsSource,
+    n: usize,
+    input: Vec<f32>,
+    output: Vec<f32>,
+}
+
+fn case(name: &str) -> Case {
+    let dir = case_dir(name);
+    let file = dir.join("config.json");
+    let raw = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let cfg = MoeConfig::from_hf_config(&file, &raw).unwrap().expect("an MoE config");
+    let io = SafetensorsSource::open(&dir.join("io")).unwrap();
+    let n = io.shape_of("input").unwrap()[0];
+    let get = |t: &str| io.load(t, &[n, cfg.hidden_size]).unwrap().as_slice().to_vec();
+    let (input, output) = (get("input"), get("output"));
+    Case { src: SafetensorsSource::open(&dir).unwrap(), cfg, n, input, output }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+fn load_ranks(c: &Case, ep: usize) -> Vec<ExpertParallelMoe> {
+    (0..ep).map(|r| ExpertParallelMoe::load(&c.cfg, &c.src, &c.cfg.prefix(1), r, ep).unwrap()).collect()
+}
+
+/// Runs `f(rank's layer, rank's EP communicator)` on one thread per rank of a 1 × ep mesh.
+fn on_ranks<R: Send>(ranks: &[ExpertParallelMoe], f: impl Fn(usize, &ExpertParallelMoe, &LocalCollective) -> R + Sync) -> Vec<R> {
+    let comms = LocalCollective::for_mesh(&DeviceMesh::new(1, ranks.len()).unwrap());
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ranks.iter().zip(&comms).enumerate().map(|(r, (m, c))| {
+            let f = &f;
+            s.spawn(move || f(r, m, &c.ep))
+        }).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn ep_2_3_4_equal_one_device_and_the_reference() {
+    for name in CASES {
+        let c = case(name);
+        let single = MoeLayer::load(&c.cfg, &c.src, &c.cfg.prefix(1)).unwrap().forward(&c.input, c.n);
+        let vs_ref = rel_err(&single, &c.output);
+        assert!(vs_ref < 1e-5, "{name}: one device vs reference {vs_ref}");
+        for ep in [1, 2, 3, 4] {
+            let ranks = load_ranks(&c, ep);
+            // Contiguous ranges covering all experts; with 16 experts over 3 ranks: 6, 5, 5.
+            let held: Vec<_> = ranks.iter().map(ExpertParallelMoe::held).collect();
+            assert_eq!(held.first().unwrap().start, 0);
+            assert_eq!(held.last().unwrap().end, c.cfg.num_experts);
+            assert!(held.windows(2).all(|w| w[0].end == w[1].start), "{name} ep={ep}: {held:?}");
+            if ep == 3 {
+                assert_eq!(held.iter().map(|r| r.len()).collect::<Vec<_>>(), [6, 5, 5], "uneven expert counts");
+            }
+            let outs = on_ranks(&ranks, |_, m, comm| m.forward_replicated(&c.input, c.n, comm).unwrap());
+            for (r, out) in outs.iter().enumerate() {
+                let e1 = rel_err(out, &single);
+                let er = rel_err(out, &c.output);
+                assert!(e1 < 1e-5 && er < 1e-5, "{name} ep={ep} rank {r}: vs EP=1 {e1}, vs reference {er}");
+            }
+            eprintln!("{name} ep={ep}: vs EP=1 {:.2e}, vs reference {:.2e}", rel_err(&outs[0], &single), rel_err(&outs[0], &c.output));
+        }
+    }
+}
+
+#[test]
+fn each_token_row_is_sent_once_per_owning_rank() {
+    // deepseek_v3: 4 groups of 4 experts, each token keeps 2 groups; over 4 ranks the groups are
+    // exactly the ranks' ranges, so every token goes to exactly 2 ranks, not top_k = 4 times.
+    let c = case("deepseek_v3");
+    let ep = 4;
+    let ranks = load_ranks(&c, ep);
+    let h = c.cfg.hidden_size;
+    let routing = MoeLayer::load(&c.cfg, &c.src, &c.cfg.prefix(1)).unwrap().route(&c.input, c.n);
+    let stats: Vec<DispatchStats> = on_ranks(&ranks, |r, m, comm| {
+        let mine = wasmserve::mesh::even_range(c.n, ep, r);
+        m.forward_tokens(&c.input[mine.start * h..mine.end * h], mine.len(), comm).unwrap().1
+    });
+    let mut want_sent = vec![0usize; ep];
+    let mut want_recv = vec![0usize; ep];
+    for (r, want) in want_sent.iter_mut().enumerate() {
+        for t in wasmserve::mesh::even_range(c.n, ep, r) {
+            let mut owners: Vec<usize> = routing.token(t).0.iter().map(|&e| (0..ep).find(|&o| experts_of(c.cfg.num_experts, ep, o).contains(&(e as usize))).unwrap()).collect();
+            owners.sort_unstable();
+            owners.dedup();
+            assert_eq!(owners.len(), 2, "token {t}: one rank per kept group");
+            *want += owners.len();
+            owners.iter().for_each(|&o| want_recv[o] += 1);
+        }
+    }
+    assert_eq!(stats.iter().map(|s| s.sent_rows).collect::<Vec<_>>(), want_sent);
+    assert_eq!(stats.iter().map(|s| s.received_rows).collect::<Vec<_>>(), want_recv);
+}
+
+#[test]
+fn ranks_without_tokens_or_without_traffic_still_take_part() {
+    for name in ["deepseek_v3", "kimi_latent"] {
+        let c = case(name);
+        let h = c.cfg.hidden_size;
+        let ep = 4;
+        let ranks = load_ranks(&c, ep);
+        // Only rank 0 holds a token (token 0); the other ranks bring none, and since a token
+        // picks at most top_k = 4 experts in at most 2 groups, some rank receives nothing.
+        let res = on_ranks(&ranks, |r, m, comm| {
+            let n = usize::from(r == 0);
+            m.forward_tokens(&c.input[..n * h], n, comm).unwrap()
+        });
+        assert_eq!(rel_err(&res[0].0, &c.output[..h]) < 1e-5, true, "{name}: token 0 vs reference");
+        assert!(res[1..].iter().all(|(out, s)| out.is_empty() && s.sent_rows == 0), "{name}: tokenless ranks return nothing");
+        let idle = res.iter().filter(|(_, s)| s.received_rows == 0).count();
+        assert!(idle >= 1, "{name}: some rank must receive no rows ({:?})", res.iter().map(|r| &r.1).collect::<Vec<_>>());
+        // Fewer tokens than ranks through the replicated path too (ranks 2, 3 get empty slices).
+        let two = on_ranks(&ranks, |_, m, comm| m.forward_replicated(&c.input[..2 * h], 2, comm).unwrap());
+        for out in two {
+            assert!(rel_err(&out, &c.output[..2 * h]) < 1e-5, "{name}: 2 tokens over 4 ranks");
+        }
+    }
+}
+
+#[test]
+fn bad_layouts_are_clear_errors() {
+    let c = case("deepseek_v3");
+    let err = ExpertParallelMoe::load(&c.cfg, &c.src, &c.cfg.prefix(1), 0, 17).err().expect("17 ranks for 16 experts").to_string();
+    assert!(err.contains("expert parallel size 17 exceeds the 16 routed experts"), "{err}");
+    let err = ExpertParallelMoe::load(&c.cfg, &c.src, &c.cfg.prefix(1), 2, 2).err().expect("rank 2 of 2").to_string();
+    assert!(err.contains("expert-parallel rank 2 of 2"), "{err}");
+    // A communicator that does not match the layer's placement is refused before any traffic.
+    let rank = ExpertParallelMoe::load(&c.cfg, &c.src, &c.cfg.prefix(1), 0, 2).unwrap();
+    let comm = LocalCollective::group(1).pop().unwrap();
+    let err = rank.forward_tokens(&c.input, c.n, &comm).err().expect("1-rank communicator for a 2-rank layer").to_string();
+    assert!(err.contains("communicator is rank 0 of 1"), "{err}");
+}
