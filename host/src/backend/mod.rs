@@ -9,6 +9,8 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod device;
 
 pub use kernels::cpu::attention::{KvBlocks, PagedGeometry};

@@ -6,6 +6,10 @@
 //! so the crate builds and its CPU paths run on machines without a driver or toolkit.
 pub mod sources;
 
+/// The bindings, for the host crate's CUDA backend (one version, pinned here).
+#[cfg(feature = "cuda")]
+pub use cudarc;
+
 #[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]

@@ -65,7 +65,7 @@ pub fn compile(src: &Source, arch: &'static str) -> Result<String, CudaError> {
 }
 
 /// Runs `f`, turning a panic inside cudarc (missing symbol, missing library) into an error.
-pub(crate) fn guarded<T>(what: &'static str, f: impl FnOnce() -> T) -> Result<T, CudaError> {
+pub fn guarded<T>(what: &'static str, f: impl FnOnce() -> T) -> Result<T, CudaError> {
     catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
         let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
         CudaError::Panicked { what, msg }
