@@ -26,12 +26,24 @@ start=$(date +%s)
 
 log "GPU"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "(nvidia-smi not found)"
-# NVRTC: the toolkit's if present, else the PyPI wheel (no toolkit install needed).
-if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so' && [ -z "${CUDA_HOME:-}" ]; then
+# NVRTC: the toolkit's, a pip-installed one (torch ships nvidia-cuda-nvrtc-cu12), else the PyPI
+# wheel via scripts/setup-nvrtc (needs the package index). Its PTX must not be newer than the
+# driver supports: prefer the toolkit that matches the driver.
+nvrtc_dir=""
+for d in "${CUDA_HOME:-/nonexistent}/lib64" /usr/local/cuda/lib64 $(python3 -c 'import site,glob;print(" ".join(glob.glob(site.getsitepackages()[0]+"/nvidia/cuda_nvrtc/lib")))' 2>/dev/null || true); do
+  if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then nvrtc_dir="$d"; break; fi
+done
+if [ -n "$nvrtc_dir" ]; then
+  [ -e "$nvrtc_dir/libnvrtc.so" ] || echo "note: $nvrtc_dir has no unversioned libnvrtc.so; cudarc also tries libnvrtc.so.12" >&2
+  export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+elif ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
   eval "$(scripts/setup-nvrtc --env)"
-elif [ -n "${CUDA_HOME:-}" ]; then
-  export LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+echo "NVRTC from: ${nvrtc_dir:-ldconfig or .venv-nvrtc}" >&2
+# cuBLAS (and NCCL) from pip wheels too when the toolkit lacks them (after the system paths).
+for d in $(python3 -c 'import site,glob;print(" ".join(glob.glob(site.getsitepackages()[0]+"/nvidia/*/lib")))' 2>/dev/null || true); do
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+done
 export WASMSERVE_REQUIRE_NVRTC=1 WASMSERVE_REQUIRE_GPU=1
 
 log "build (release, feature cuda)"
