@@ -121,6 +121,7 @@ impl Gpu {
         Ok(DevGrouped { packed, group_size, p0: self.upload(p0)?, p1: self.upload(p1)? })
     }
 
+    /// gridDim.y is capped at 65535 tiles of 8 tokens (524k tokens): far above any batch.
     fn gemv_cfg(rows: usize, n: usize) -> LaunchConfig {
         LaunchConfig { grid_dim: (rows.div_ceil(GEMV_WARPS) as u32, n.div_ceil(TOK) as u32, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 }
     }
@@ -298,6 +299,8 @@ impl Gpu {
     pub fn moe_expert_gemv_bf16(&self, weights: &CudaSlice<u16>, x: &CudaSlice<f32>, experts: &CudaSlice<i32>, order: &CudaSlice<i32>, out: &mut CudaSlice<f32>, rows: usize, cols: usize, k: usize) -> Result<(), CudaError> {
         let a = experts.len();
         check(k > 0 && a % k == 0 && order.len() == a && x.len() >= a / k * cols && out.len() >= a * rows, || "moe_expert_gemv: buffer sizes".into())?;
+        // One grid row per assignment: CUDA caps gridDim.y at 65535 (callers chunk larger batches).
+        check(a <= 65535, || format!("moe_expert_gemv: {a} assignments in one launch (at most 65535)"))?;
         let (r, c, k_) = (rows as i32, cols as i32, k as i32);
         let mut b = self.stream.launch_builder(self.f("moe_expert_gemv_bf16"));
         b.arg(weights).arg(x).arg(experts).arg(order).arg(out).arg(&r).arg(&c).arg(&k_);
