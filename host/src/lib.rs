@@ -1,5 +1,6 @@
 //! wasmserve: an LLM inference server with a native engine and Wasm component plugins.
 
+pub mod backend;
 pub mod bench;
 pub mod chat;
 pub mod decode_bench;

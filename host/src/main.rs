@@ -15,6 +15,10 @@ use wasmserve::sampling::SamplingParams;
 #[derive(Parser)]
 #[command(name = "wasmserve", version, about = "LLM inference server with Wasm component plugins")]
 struct Cli {
+    /// Compute device: `cpu`, `cuda:0[,1..]` or `auto` (CUDA device 0 if usable, else the CPU,
+    /// saying why). An unusable explicit CUDA device is an error (docs/cuda.md).
+    #[arg(long, global = true, env = "WASMSERVE_DEVICE", default_value = "cpu", value_parser = wasmserve::backend::DeviceSpec::parse)]
+    device: wasmserve::backend::DeviceSpec,
     #[command(subcommand)]
     command: Command,
 }
@@ -122,6 +126,13 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    let selected = wasmserve::backend::select(&cli.device).map_err(anyhow::Error::msg)?;
+    tracing::info!(device = %cli.device, backends = %selected.describe(), "compute device");
+    if cli.device != wasmserve::backend::DeviceSpec::Cpu && selected.fallback_reason.is_none() {
+        // The device is open and its kernels compiled; the engine's forward pass does not call
+        // the Backend trait yet (docs/cuda.md), so say so rather than imply GPU decoding.
+        tracing::warn!("the engine's model forward still runs on the CPU; the CUDA backend serves kernel-level operations only");
+    }
     match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => wasmserve::server::run(args),

@@ -1,0 +1,65 @@
+// Shared by every kernel source: the loader (kernels/src/cuda/compile.rs) prepends this file, so
+// the sources need no include path and no CUDA toolkit headers (NVRTC alone compiles them).
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#define WARP 32
+
+// bf16 is the upper half of an f32: widening is a shift, narrowing rounds to nearest even.
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40); // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+// FP8 E4M3 ("FN": no infinities, 0x7F/0xFF NaN), as kernels/src/cpu/fp8.rs decodes it.
+__device__ __forceinline__ float e4m3_to_f32(u8 c) {
+    u32 e = (c >> 3) & 0xF, m = c & 7;
+    float mag;
+    if (e == 0xF && m == 7) return __int_as_float(0x7fc00000);
+    if (e == 0) mag = (float)m * (1.0f / 512.0f);          // subnormal: 2^-6 * m/8
+    else mag = __uint_as_float(((e + 120u) << 23) | (m << 20)); // (1 + m/8) * 2^(e-7)
+    return (c & 0x80) ? -mag : mag;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum; every thread gets the total. `scratch` holds one float per warp.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, nw = (blockDim.x + WARP - 1) / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[w] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (int i = 0; i < nw; i++) t += scratch[i];
+    return t;
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, nw = (blockDim.x + WARP - 1) / WARP;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[w] = v;
+    __syncthreads();
+    float t = __int_as_float(0xff800000);
+    for (int i = 0; i < nw; i++) t = fmaxf(t, scratch[i]);
+    return t;
+}
+
+// Code `j` of a dense LSB-first `bits`-bit row (kernels/src/cpu/bitpack.rs); rows carry one
+// readable byte after them (the loader pads the buffer).
+__device__ __forceinline__ u32 code_at(const u8* row, int bits, long j) {
+    long p = j * bits;
+    u32 pair = (u32)row[p >> 3] | ((u32)row[(p >> 3) + 1] << 8);
+    return (pair >> (p & 7)) & ((1u << bits) - 1u);
+}

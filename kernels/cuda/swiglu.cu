@@ -1,0 +1,10 @@
+// SwiGLU (CPU reference kernels/src/cpu/activation.rs): out = silu(gate) * up. `gate_up` is the
+// fused [tokens, 2*d] output of one gate+up projection (gate first), the layout that lets one
+// GEMM produce both halves, so no separate gate/up buffers are needed.
+extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, float* __restrict__ out, int tokens, int d) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)tokens * d) return;
+    long t = idx / d, i = idx % d;
+    float g = gate_up[t * 2 * d + i], u = gate_up[t * 2 * d + d + i];
+    out[idx] = g / (1.0f + expf(-g)) * u;
+}

@@ -1,0 +1,102 @@
+//! The paged KV cache in device memory: per layer, K and V as `[block][slot][kv_heads·head_dim]`
+//! (the host block pool's layout, so the engine's block tables index it unchanged), FP8 with one
+//! scale per (slot, kv head). Allocated once, at start-up, for the whole pool.
+
+use cudarc::driver::CudaSlice;
+
+use super::launch::{Gpu, PagedGeometry};
+use super::CudaError;
+use crate::cpu::fp8::quantize_e4m3;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvStorage {
+    F32,
+    Bf16,
+    Fp8,
+}
+
+enum Layer {
+    F32 { k: CudaSlice<f32>, v: CudaSlice<f32> },
+    Bf16 { k: CudaSlice<u16>, v: CudaSlice<u16> },
+    Fp8 { k: CudaSlice<u8>, v: CudaSlice<u8>, ks: CudaSlice<f32>, vs: CudaSlice<f32> },
+}
+
+pub struct DeviceKvPool {
+    layers: Vec<Layer>,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub storage: KvStorage,
+}
+
+fn bad(msg: String) -> CudaError {
+    CudaError::BadArgs(msg)
+}
+
+impl DeviceKvPool {
+    pub fn new(gpu: &Gpu, layers: usize, num_blocks: usize, block_size: usize, kv_heads: usize, head_dim: usize, storage: KvStorage) -> Result<Self, CudaError> {
+        let n = num_blocks * block_size * kv_heads * head_dim;
+        let rows = num_blocks * block_size * kv_heads;
+        let layers = (0..layers)
+            .map(|_| {
+                Ok(match storage {
+                    KvStorage::F32 => Layer::F32 { k: gpu.zeros(n)?, v: gpu.zeros(n)? },
+                    KvStorage::Bf16 => Layer::Bf16 { k: gpu.zeros(n)?, v: gpu.zeros(n)? },
+                    KvStorage::Fp8 => Layer::Fp8 { k: gpu.zeros(n)?, v: gpu.zeros(n)?, ks: gpu.zeros(rows)?, vs: gpu.zeros(rows)? },
+                })
+            })
+            .collect::<Result<_, CudaError>>()?;
+        tracing::info!(num_blocks, block_size, ?storage, "device KV pool allocated");
+        Ok(Self { layers, num_blocks, block_size, kv_heads, head_dim, storage })
+    }
+
+    pub fn width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Stores one position's keys and values (`kv_heads·head_dim` each) in `(block, slot)`,
+    /// narrowed on the host to the pool's storage type.
+    pub fn write(&mut self, gpu: &Gpu, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) -> Result<(), CudaError> {
+        let w = self.width();
+        if layer >= self.layers.len() || block >= self.num_blocks || slot >= self.block_size || k.len() != w || v.len() != w {
+            return Err(bad(format!("kv write: layer {layer} block {block} slot {slot} with {}/{} values (width {w})", k.len(), v.len())));
+        }
+        let row = block * self.block_size + slot;
+        let (hd, kvh) = (self.head_dim, self.kv_heads);
+        let s = &gpu.stream;
+        let copy = |what: &'static str, r: Result<(), cudarc::driver::DriverError>| r.map_err(|e| CudaError::Driver { what, msg: format!("{e:?}") });
+        match &mut self.layers[layer] {
+            Layer::F32 { k: dk, v: dv } => {
+                copy("kv write", s.memcpy_htod(k, &mut dk.slice_mut(row * w..(row + 1) * w)))?;
+                copy("kv write", s.memcpy_htod(v, &mut dv.slice_mut(row * w..(row + 1) * w)))?;
+            }
+            Layer::Bf16 { k: dk, v: dv } => {
+                let nb = |x: &[f32]| -> Vec<u16> { x.iter().map(|&f| half::bf16::from_f32(f).to_bits()).collect() };
+                copy("kv write", s.memcpy_htod(&nb(k), &mut dk.slice_mut(row * w..(row + 1) * w)))?;
+                copy("kv write", s.memcpy_htod(&nb(v), &mut dv.slice_mut(row * w..(row + 1) * w)))?;
+            }
+            Layer::Fp8 { k: dk, v: dv, ks, vs } => {
+                for (src, dst, sc) in [(k, dk, ks), (v, dv, vs)] {
+                    let mut codes = vec![0u8; w];
+                    let scales: Vec<f32> = (0..kvh).map(|h| quantize_e4m3(&src[h * hd..(h + 1) * hd], &mut codes[h * hd..(h + 1) * hd])).collect();
+                    copy("kv write", s.memcpy_htod(&codes, &mut dst.slice_mut(row * w..(row + 1) * w)))?;
+                    copy("kv write", s.memcpy_htod(&scales, &mut sc.slice_mut(row * kvh..(row + 1) * kvh)))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Decode attention over `layer`; `tables`/`lens` as in [`Gpu::paged_attention`], whose
+    /// ids must be below `num_blocks` (the host block pool hands out only those).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(&self, gpu: &Gpu, layer: usize, heads: usize, max_blocks: usize, q: &CudaSlice<f32>, tables: &CudaSlice<i32>, lens: &CudaSlice<i32>, scale: f32, out: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        let geo = PagedGeometry { heads, kv_heads: self.kv_heads, head_dim: self.head_dim, block_size: self.block_size, max_blocks };
+        match self.layers.get(layer).ok_or_else(|| bad(format!("kv attention: no layer {layer}")))? {
+            Layer::F32 { k, v } => gpu.paged_attention(&geo, q, k, v, tables, lens, scale, out),
+            Layer::Bf16 { k, v } => gpu.paged_attention(&geo, q, k, v, tables, lens, scale, out),
+            Layer::Fp8 { k, v, ks, vs } => gpu.paged_attention_fp8(&geo, q, k, v, ks, vs, tables, lens, scale, out),
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! The CUDA C sources in `kernels/cuda/`, embedded in the binary so a deployed server compiles
+//! them with NVRTC at start-up without needing the source tree.
+
+/// Prepended to every source (shared helpers; see the file's own comment).
+pub const PRELUDE: &str = include_str!("../../cuda/prelude.cuh");
+
+/// One `.cu` file and the `extern "C"` kernels it defines.
+#[derive(Clone, Copy, Debug)]
+pub struct Source {
+    pub name: &'static str,
+    pub code: &'static str,
+    pub kernels: &'static [&'static str],
+}
+
+impl Source {
+    /// The text handed to NVRTC: the prelude, then the file.
+    pub fn full_text(&self) -> String {
+        format!("{PRELUDE}\n#line 1 \"{}\"\n{}", self.name, self.code)
+    }
+}
+
+macro_rules! src {
+    ($file:literal, [$($k:literal),* $(,)?]) => {
+        Source { name: $file, code: include_str!(concat!("../../cuda/", $file)), kernels: &[$($k),*] }
+    };
+}
+
+pub const SOURCES: &[Source] = &[
+    src!("int_gemv.cu", ["int_gemv", "int4_gemv"]),
+    src!("cubic_gemv.cu", ["cubic_gemv"]),
+    src!("mxfp4_gemv.cu", ["mxfp4_gemv"]),
+    src!("norm.cu", ["rms_norm", "add_rms_norm"]),
+    src!("rope.cu", ["rope_neox"]),
+    src!("swiglu.cu", ["silu_mul"]),
+    src!("paged_attention.cu", ["paged_attention_f32", "paged_attention_bf16", "paged_attention_fp8"]),
+    src!("sampling.cu", ["sample_top_k_top_p"]),
+    src!("moe.cu", ["moe_count", "moe_offsets", "moe_scatter", "moe_expert_gemv_bf16"]),
+];
+
+pub fn source(name: &str) -> Option<&'static Source> {
+    SOURCES.iter().find(|s| s.name == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `.cu` file in kernels/cuda is listed (a new file must not silently go uncompiled),
+    /// and every listed kernel is defined `extern "C"` in its file.
+    #[test]
+    fn every_source_file_is_listed_and_declares_its_kernels() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
+        let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(".cu"))
+            .collect();
+        on_disk.sort();
+        let mut listed: Vec<String> = SOURCES.iter().map(|s| s.name.to_string()).collect();
+        listed.sort();
+        assert_eq!(on_disk, listed);
+        for s in SOURCES {
+            for k in s.kernels {
+                assert!(s.code.contains(&format!("__global__ void {k}(")), "{} does not define {k}", s.name);
+            }
+        }
+    }
+}

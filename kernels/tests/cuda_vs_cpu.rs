@@ -1,0 +1,332 @@
+//! Every CUDA kernel against its CPU reference in `kernels::cpu`, on random inputs.
+//!
+//! Needs a GPU: without one each test prints `SKIPPED ...: <reason>` and passes, unless
+//! `WASMSERVE_REQUIRE_GPU=1` (bench/gpu-check.sh sets it), where a missing GPU fails.
+#![cfg(feature = "cuda")]
+
+use std::sync::OnceLock;
+
+use kernels::cpu;
+use kernels::cpu::attention::{KvBlocks, PagedGeometry};
+use kernels::cpu::bitpack::PackedRows;
+use kernels::cuda::launch::Gpu;
+use kernels::cuda::nvrtc::PtxCache;
+
+fn gpu(test: &str) -> Option<&'static Gpu> {
+    static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
+    match GPU.get_or_init(|| Gpu::new(0, &PtxCache::new(PtxCache::default_dir())).map_err(|e| e.to_string())) {
+        Ok(g) => Some(g),
+        Err(e) if std::env::var_os("WASMSERVE_REQUIRE_GPU").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: no usable CUDA device: {e}");
+            None
+        }
+    }
+}
+
+fn lcg(seed: u64) -> impl FnMut() -> u32 {
+    let mut s = seed;
+    move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (s >> 33) as u32
+    }
+}
+fn uniform(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut r = lcg(seed);
+    (0..n).map(|_| lo + (hi - lo) * (r() % 100_000) as f32 / 100_000.0).collect()
+}
+fn codes(n: usize, bits: u32, seed: u64) -> Vec<u8> {
+    let mut r = lcg(seed);
+    (0..n).map(|_| (r() % (1 << bits)) as u8).collect()
+}
+/// Relative max error of `got` against `want`, scaled by the largest reference magnitude.
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
+    eprintln!("{what}: max error {worst:.2e} of max |ref| {scale:.3}");
+    assert!(worst <= tol, "{what}: max relative error {worst} > {tol}");
+}
+
+fn packed_rows(codes: &[u8], bits: u32, rows: usize, cols: usize) -> (PackedRows, Vec<u8>, usize) {
+    let p = PackedRows::from_codes(bits, rows, cols, codes);
+    // Pad rows to whole int32 words, as compressed-tensors stores them (exercises the fast path).
+    let dense = cpu::bitpack::row_bytes(cols, bits);
+    let stride = dense.div_ceil(4) * 4;
+    let mut bytes = vec![0u8; rows * stride];
+    for r in 0..rows {
+        bytes[r * stride..r * stride + dense].copy_from_slice(&cpu::bitpack::pack_row(&codes[r * cols..(r + 1) * cols], bits));
+    }
+    let _ = p;
+    (PackedRows::new(bits, rows, cols, stride, &bytes), bytes, stride)
+}
+
+#[test]
+fn int_gemv_matches_cpu_for_every_width_and_batch() {
+    let Some(g) = gpu("int_gemv_matches_cpu_for_every_width_and_batch") else { return };
+    for &(bits, rows, cols, gs) in &[(4u32, 129usize, 512usize, 128usize), (4, 64, 384, 32), (8, 33, 256, 64), (3, 17, 200, 200), (2, 9, 96, 32)] {
+        let c = codes(rows * cols, bits, bits as u64 * 31 + cols as u64);
+        let groups = rows * cols.div_ceil(gs);
+        let scale: Vec<f32> = uniform(groups, 5, 1e-3, 2e-2).into_iter().map(|s| half::bf16::from_f32(s).to_f32()).collect();
+        let zero: Vec<f32> = codes(groups, bits, 6).into_iter().map(|z| z as f32).collect();
+        let (rows_cpu, bytes, stride) = packed_rows(&c, bits, rows, cols);
+        let w = cpu::quant_int::IntMatrix::new(rows_cpu, gs, &scale, &zero);
+        let dw = g.upload_grouped(g.upload_packed(bits, rows, cols, stride, &bytes).unwrap(), gs, &scale, &zero).unwrap();
+        for n in [1usize, 3, 8, 17] {
+            let x = uniform(n * cols, n as u64, -1.0, 1.0);
+            let mut want = vec![0.0; n * rows];
+            w.matmul_t(&x, &mut want, n);
+            let dx = g.upload(&x).unwrap();
+            let mut dout = g.zeros::<f32>(n * rows).unwrap();
+            g.int_gemv(&dw, &dx, &mut dout, n).unwrap();
+            assert_close(&format!("int{bits} gemv {rows}x{cols} g{gs} n={n}"), &g.download(&dout).unwrap(), &want, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn cubic_gemv_matches_cpu() {
+    let Some(g) = gpu("cubic_gemv_matches_cpu") else { return };
+    for bits in [2u32, 3, 4, 8] {
+        let (rows, cols, gs) = (37, 544, 32);
+        let c = codes(rows * cols, bits, bits as u64);
+        let groups = rows * cols / gs;
+        let s: Vec<f32> = uniform(groups, 7, -0.02, 0.02);
+        let a: Vec<f32> = uniform(groups, 8, 0.0, 1.0);
+        let (rows_cpu, bytes, stride) = packed_rows(&c, bits, rows, cols);
+        let w = cpu::cubic::AnyCubic::new(rows_cpu, gs, &s, &a);
+        let dw = g.upload_grouped(g.upload_packed(bits, rows, cols, stride, &bytes).unwrap(), gs, &s, &a).unwrap();
+        for n in [1usize, 9] {
+            let x = uniform(n * cols, 11, -1.0, 1.0);
+            let mut want = vec![0.0; n * rows];
+            w.matmul_t(&x, &mut want, n);
+            let (dx, mut dout) = (g.upload(&x).unwrap(), g.zeros::<f32>(n * rows).unwrap());
+            g.cubic_gemv(&dw, &dx, &mut dout, n).unwrap();
+            assert_close(&format!("cubic{bits} gemv n={n}"), &g.download(&dout).unwrap(), &want, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn mxfp4_gemv_matches_cpu() {
+    let Some(g) = gpu("mxfp4_gemv_matches_cpu") else { return };
+    let (rows, cols) = (70, 640);
+    let packed = codes(rows * cols / 2, 8, 3);
+    let scales: Vec<u8> = codes(rows * cols / 32, 3, 4).into_iter().map(|e| 118 + e).collect();
+    let w = cpu::mxfp4::Mxfp4Matrix::new(rows, cols, &packed, &scales);
+    let dw = g.upload_mxfp4(rows, cols, &packed, &scales).unwrap();
+    for n in [1usize, 5, 12] {
+        let x = uniform(n * cols, 12, -1.0, 1.0);
+        let mut want = vec![0.0; n * rows];
+        w.matmul_t(&x, &mut want, n);
+        let (dx, mut dout) = (g.upload(&x).unwrap(), g.zeros::<f32>(n * rows).unwrap());
+        g.mxfp4_gemv(&dw, &dx, &mut dout, n).unwrap();
+        assert_close(&format!("mxfp4 gemv n={n}"), &g.download(&dout).unwrap(), &want, 1e-5);
+    }
+}
+
+#[test]
+fn norms_rope_and_swiglu_match_cpu() {
+    let Some(g) = gpu("norms_rope_and_swiglu_match_cpu") else { return };
+    let (rows, d) = (5, 576);
+    let x = uniform(rows * d, 1, -3.0, 3.0);
+    let w = uniform(d, 2, 0.5, 1.5);
+    let mut want = vec![0.0; rows * d];
+    cpu::norm::rms_norm(&x, &w, 1e-5, &mut want);
+    let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+    let mut dy = g.zeros::<f32>(rows * d).unwrap();
+    g.rms_norm(&dx, &dw, &mut dy, rows, 1e-5).unwrap();
+    assert_close("rms_norm", &g.download(&dy).unwrap(), &want, 1e-6);
+
+    let delta = uniform(rows * d, 3, -1.0, 1.0);
+    let mut xr = x.clone();
+    cpu::norm::add_rms_norm(&mut xr, &delta, &w, 1e-5, &mut want);
+    let (mut dx2, ddelta) = (g.upload(&x).unwrap(), g.upload(&delta).unwrap());
+    g.add_rms_norm(&mut dx2, &ddelta, &dw, &mut dy, rows, 1e-5).unwrap();
+    assert_close("add_rms_norm (out)", &g.download(&dy).unwrap(), &want, 1e-6);
+    assert_close("add_rms_norm (residual)", &g.download(&dx2).unwrap(), &xr, 0.0);
+
+    let (tokens, heads, hd) = (4, 3, 64);
+    let rope = cpu::rope::Rope::new(hd, 10000.0);
+    let positions = [0i32, 1, 17, 4095];
+    let q = uniform(tokens * heads * hd, 4, -1.0, 1.0);
+    let mut want = q.clone();
+    for (t, &p) in positions.iter().enumerate() {
+        rope.apply(&mut want[t * heads * hd..(t + 1) * heads * hd], hd, p as usize);
+    }
+    let inv: Vec<f32> = (0..hd / 2).map(|i| 1.0f32 / 10000f32.powf((2 * i) as f32 / hd as f32)).collect();
+    let (mut dq, dp, di) = (g.upload(&q).unwrap(), g.upload(&positions).unwrap(), g.upload(&inv).unwrap());
+    g.rope(&mut dq, &dp, &di, tokens, heads, hd).unwrap();
+    // sin/cos of large angles differ in the last ulps between libm and CUDA's sincosf.
+    assert_close("rope", &g.download(&dq).unwrap(), &want, 2e-6);
+
+    let (t, dd) = (3, 1536);
+    let gu = uniform(t * 2 * dd, 5, -6.0, 6.0);
+    let mut want = vec![0.0; t * dd];
+    for i in 0..t {
+        cpu::activation::silu_mul(&gu[i * 2 * dd..i * 2 * dd + dd], &gu[i * 2 * dd + dd..(i + 1) * 2 * dd], &mut want[i * dd..(i + 1) * dd]);
+    }
+    let (dgu, mut dout) = (g.upload(&gu).unwrap(), g.zeros::<f32>(t * dd).unwrap());
+    g.silu_mul(&dgu, &mut dout, t, dd).unwrap();
+    assert_close("silu_mul", &g.download(&dout).unwrap(), &want, 1e-6);
+}
+
+#[test]
+fn paged_attention_matches_cpu_for_f32_bf16_and_fp8() {
+    let Some(g) = gpu("paged_attention_matches_cpu_for_f32_bf16_and_fp8") else { return };
+    let geo = PagedGeometry { heads: 8, kv_heads: 2, head_dim: 64, block_size: 16, max_blocks: 8 };
+    let num_blocks = 20;
+    let width = geo.kv_heads * geo.head_dim;
+    let pool_rows = num_blocks * geo.block_size;
+    let lens = [1i32, 16, 17, 100, 0];
+    // Scattered, non-contiguous block tables (what a fragmented pool hands out).
+    let mut tables = vec![0i32; lens.len() * geo.max_blocks];
+    let mut next = 19i32;
+    for (s, &len) in lens.iter().enumerate() {
+        for b in 0..(len as usize).div_ceil(geo.block_size) {
+            tables[s * geo.max_blocks + b] = next;
+            next = (next + 7) % num_blocks as i32;
+        }
+    }
+    let q = uniform(lens.len() * geo.heads * geo.head_dim, 1, -1.0, 1.0);
+    let k = uniform(pool_rows * width, 2, -2.0, 2.0);
+    let v = uniform(pool_rows * width, 3, -2.0, 2.0);
+    let scale = 1.0 / (geo.head_dim as f32).sqrt();
+    let n_out = q.len();
+    let (dq, dt, dl) = (g.upload(&q).unwrap(), g.upload(&tables).unwrap(), g.upload(&lens).unwrap());
+    let mut dout = g.zeros::<f32>(n_out).unwrap();
+    let mut want = vec![0.0; n_out];
+
+    cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &k, v: &v }, &tables, &lens, &geo, scale, &mut want);
+    g.paged_attention(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
+    assert_close("paged attention f32", &g.download(&dout).unwrap(), &want, 1e-5);
+
+    let kb: Vec<u16> = k.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+    let vb: Vec<u16> = v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+    cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &kb, v: &vb }, &tables, &lens, &geo, scale, &mut want);
+    g.paged_attention(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
+    assert_close("paged attention bf16", &g.download(&dout).unwrap(), &want, 1e-5);
+
+    // FP8 with one scale per (row, kv head), as the pool stores it.
+    let quant = |x: &[f32]| {
+        let mut codes = vec![0u8; x.len()];
+        let mut scales = vec![0f32; pool_rows * geo.kv_heads];
+        for (i, chunk) in x.chunks(geo.head_dim).enumerate() {
+            scales[i] = cpu::fp8::quantize_e4m3(chunk, &mut codes[i * geo.head_dim..(i + 1) * geo.head_dim]);
+        }
+        (codes, scales)
+    };
+    let ((kc, ks), (vc, vs)) = (quant(&k), quant(&v));
+    cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &tables, &lens, &geo, scale, &mut want);
+    let (dkc, dvc, dks, dvs) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
+    g.paged_attention_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, scale, &mut dout).unwrap();
+    assert_close("paged attention fp8", &g.download(&dout).unwrap(), &want, 1e-5);
+}
+
+#[test]
+fn sampling_draws_the_same_tokens_as_cpu() {
+    let Some(g) = gpu("sampling_draws_the_same_tokens_as_cpu") else { return };
+    let (seqs, vocab) = (16, 49152);
+    // Distinct logits on a coarse grid plus a spread: no near-ties at the thresholds.
+    let logits = uniform(seqs * vocab, 9, -8.0, 8.0);
+    let u = uniform(seqs, 10, 0.0, 0.999);
+    let dl = g.upload(&logits).unwrap();
+    let du = g.upload(&u).unwrap();
+    let mut probs = g.zeros::<f32>(seqs * vocab).unwrap();
+    let mut out = g.zeros::<i32>(seqs).unwrap();
+    for &(temp, k, p) in &[(1.0f32, 50usize, 1.0f32), (0.7, 0, 0.9), (1.0, 40, 0.8), (1.3, 1, 1.0)] {
+        g.sample(&dl, &mut probs, &du, &mut out, vocab, temp, k, p).unwrap();
+        let got = g.download(&out).unwrap();
+        let want: Vec<i32> = (0..seqs).map(|s| cpu::sample::sample_top_k_top_p(&logits[s * vocab..(s + 1) * vocab], temp, k, p, u[s]) as i32).collect();
+        let agree = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+        eprintln!("sampling T={temp} k={k} p={p}: {agree}/{seqs} identical draws");
+        // Summation order differs (block tree vs serial), so a draw landing within rounding of a
+        // token boundary may differ; more than one in 16 would be a real bug.
+        assert!(agree >= seqs - 1, "T={temp} k={k} p={p}: gpu {got:?} cpu {want:?}");
+    }
+}
+
+#[test]
+fn moe_grouping_and_expert_gemv_match_cpu() {
+    let Some(g) = gpu("moe_grouping_and_expert_gemv_match_cpu") else { return };
+    let (tokens, k, num_experts, rows, cols) = (37, 4, 16, 48, 256);
+    let mut r = lcg(77);
+    let experts: Vec<i32> = (0..tokens * k).map(|_| (r() % num_experts as u32) as i32).collect();
+    let (off, order) = cpu::moe::group_by_expert(&experts, num_experts).unwrap();
+    let de = g.upload(&experts).unwrap();
+    let (doff, dorder) = g.moe_group(&de, num_experts).unwrap();
+    assert_eq!(g.download(&doff).unwrap(), off.iter().map(|&x| x as i32).collect::<Vec<_>>());
+    assert_eq!(g.download(&dorder).unwrap(), order.iter().map(|&x| x as i32).collect::<Vec<_>>());
+
+    let w: Vec<u16> = uniform(num_experts * rows * cols, 5, -0.1, 0.1).iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+    let x = uniform(tokens * cols, 6, -1.0, 1.0);
+    let mut want = vec![0.0; tokens * k * rows];
+    cpu::moe::expert_gemv_bf16(&w, &x, &experts, &mut want, rows, cols, k);
+    let mut dout = g.zeros::<f32>(tokens * k * rows).unwrap();
+    g.moe_expert_gemv_bf16(&g.upload(&w).unwrap(), &g.upload(&x).unwrap(), &de, &dorder, &mut dout, rows, cols, k).unwrap();
+    assert_close("moe expert gemv bf16", &g.download(&dout).unwrap(), &want, 1e-5);
+}
+
+#[test]
+fn cublas_bf16_gemm_matches_cpu() {
+    let Some(g) = gpu("cublas_bf16_gemm_matches_cpu") else { return };
+    let (n, kk, m) = (19, 576, 130);
+    let bf = |v: Vec<f32>| -> Vec<u16> { v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect() };
+    let (x, w) = (bf(uniform(n * kk, 1, -1.0, 1.0)), bf(uniform(m * kk, 2, -0.2, 0.2)));
+    let f = |b: &[u16]| -> Vec<f32> { b.iter().map(|&u| half::bf16::from_bits(u).to_f32()).collect() };
+    let (xf, wf) = (f(&x), f(&w));
+    let want: Vec<f32> = (0..n * m).map(|i| (0..kk).map(|j| xf[i / m * kk + j] * wf[i % m * kk + j]).sum()).collect();
+    let mut dout = g.zeros::<f32>(n * m).unwrap();
+    g.gemm_bf16(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, kk, m).unwrap();
+    assert_close("cublas bf16 gemm", &g.download(&dout).unwrap(), &want, 1e-5);
+}
+
+#[test]
+fn device_kv_pool_writes_and_attends_like_the_cpu_reference() {
+    use kernels::cuda::kv_pool::{DeviceKvPool, KvStorage};
+    let Some(g) = gpu("device_kv_pool_writes_and_attends_like_the_cpu_reference") else { return };
+    let (heads, kvh, hd, bs, blocks, max_blocks) = (4, 2, 32, 8, 6, 3);
+    let w = kvh * hd;
+    let lens = [5i32, 20];
+    let tables = [4i32, 0, 0, 1, 5, 2];
+    let q = uniform(lens.len() * heads * hd, 1, -1.0, 1.0);
+    let geo = PagedGeometry { heads, kv_heads: kvh, head_dim: hd, block_size: bs, max_blocks };
+    for storage in [KvStorage::F32, KvStorage::Bf16, KvStorage::Fp8] {
+        let mut pool = DeviceKvPool::new(g, 2, blocks, bs, kvh, hd, storage).unwrap();
+        let rows = blocks * bs;
+        let (mut kf, mut vf) = (vec![0f32; rows * w], vec![0f32; rows * w]);
+        for (s, &len) in lens.iter().enumerate() {
+            for p in 0..len as usize {
+                let (b, slot) = (tables[s * max_blocks + p / bs] as usize, p % bs);
+                let k = uniform(w, (s * 100 + p) as u64, -2.0, 2.0);
+                let v = uniform(w, (s * 100 + p) as u64 + 7, -2.0, 2.0);
+                pool.write(g, 1, b, slot, &k, &v).unwrap();
+                let row = b * bs + slot;
+                kf[row * w..(row + 1) * w].copy_from_slice(&k);
+                vf[row * w..(row + 1) * w].copy_from_slice(&v);
+            }
+        }
+        assert!(pool.write(g, 1, blocks, 0, &kf[..w], &vf[..w]).is_err(), "block out of range is an error");
+        let mut want = vec![0.0; q.len()];
+        match storage {
+            KvStorage::F32 => cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &kf, v: &vf }, &tables, &lens, &geo, 0.2, &mut want),
+            KvStorage::Bf16 => {
+                let nb = |x: &[f32]| -> Vec<u16> { x.iter().map(|&f| half::bf16::from_f32(f).to_bits()).collect() };
+                cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &nb(&kf), v: &nb(&vf) }, &tables, &lens, &geo, 0.2, &mut want)
+            }
+            KvStorage::Fp8 => {
+                let quant = |x: &[f32]| {
+                    let mut c = vec![0u8; x.len()];
+                    let s: Vec<f32> = x.chunks(hd).enumerate().map(|(i, ch)| cpu::fp8::quantize_e4m3(ch, &mut c[i * hd..(i + 1) * hd])).collect();
+                    (c, s)
+                };
+                let ((kc, ks), (vc, vs)) = (quant(&kf), quant(&vf));
+                cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &tables, &lens, &geo, 0.2, &mut want)
+            }
+        }
+        let (dq, dt, dl) = (g.upload(&q).unwrap(), g.upload(&tables).unwrap(), g.upload(&lens).unwrap());
+        let mut dout = g.zeros::<f32>(q.len()).unwrap();
+        pool.attention(g, 1, heads, max_blocks, &dq, &dt, &dl, 0.2, &mut dout).unwrap();
+        assert_close(&format!("device KV pool {storage:?}"), &g.download(&dout).unwrap(), &want, 1e-5);
+    }
+}
