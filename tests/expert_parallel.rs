@@ -233,11 +233,24 @@ mod deepseek {
 
 #[test]
 fn deepseek_v3_ep_2_and_4_match_one_device_and_transformers() {
+    check_deepseek_sharded("ep", &|ep| wasmserve::model::load_ep(&deepseek::dir(), ep).unwrap());
+}
+
+/// TP: the MLA heads split over the ranks (`o_proj` partial sums all-reduced) and the routed
+/// experts over the same ranks.
+#[test]
+fn deepseek_v3_tp_2_and_4_match_one_device_and_transformers() {
+    check_deepseek_sharded("tp", &|tp| wasmserve::model::load_tp(&deepseek::dir(), tp).unwrap());
+    let err = wasmserve::model::load_tp(&deepseek::dir(), 3).err().expect("3 ranks for 4 heads").to_string();
+    assert!(err.contains("the size must divide the heads"), "{err}");
+}
+
+fn check_deepseek_sharded(what: &str, load: &dyn Fn(usize) -> wasmserve::model::LoadedModel) {
     let cases = deepseek::cases();
-    let single = wasmserve::model::load_ep(&deepseek::dir(), 1).unwrap();
+    let single = wasmserve::model::load(&deepseek::dir()).unwrap();
     let want: Vec<_> = cases.iter().map(|c| deepseek::run(&single, c)).collect();
     for ep in [2, 4] {
-        let m = wasmserve::model::load_ep(&deepseek::dir(), ep).unwrap();
+        let m = load(ep);
         // Attention is replicated, so each rank keeps its own copy of every layer's latent cache.
         assert_eq!(m.model.cache_layout().num_layers(), ep * single.model.cache_layout().num_layers());
         let (mut vs_one, mut vs_ref) = (0f32, 0f32);
@@ -245,27 +258,31 @@ fn deepseek_v3_ep_2_and_4_match_one_device_and_transformers() {
             let (prefill, steps) = deepseek::run(&m, c);
             for (p, ((got, one), reference)) in prefill.iter().zip(p1).zip(&c.prefill).enumerate() {
                 let (e1, er) = (deepseek::rel(got, one), deepseek::abs(got, reference));
-                assert!(e1 <= 1e-5 && er <= 1e-4, "ep={ep} prefill position {p}: vs EP=1 {e1}, vs transformers {er}");
+                assert!(e1 <= 1e-5 && er <= 1e-4, "{what}={ep} prefill position {p}: vs one device {e1}, vs transformers {er}");
                 (vs_one, vs_ref) = (vs_one.max(e1), vs_ref.max(er));
             }
             assert_eq!(steps.len(), 32);
             for (k, ((got, one), reference)) in steps.iter().zip(s1).zip(&c.steps).enumerate() {
                 let (e1, er) = (deepseek::rel(got, one), deepseek::abs(got, reference));
-                assert!(e1 <= 1e-5 && er <= 1e-4, "ep={ep} decode step {k}: vs EP=1 {e1}, vs transformers {er}");
-                assert_eq!(deepseek::argmax(got), c.greedy[k], "ep={ep} greedy token at step {k}");
+                assert!(e1 <= 1e-5 && er <= 1e-4, "{what}={ep} decode step {k}: vs one device {e1}, vs transformers {er}");
+                assert_eq!(deepseek::argmax(got), c.greedy[k], "{what}={ep} greedy token at step {k}");
                 (vs_one, vs_ref) = (vs_one.max(e1), vs_ref.max(er));
             }
         }
-        eprintln!("deepseek_v3 ep={ep}: worst relative logit diff vs EP=1 {vs_one:.2e}, worst abs diff vs transformers {vs_ref:.2e}");
+        eprintln!("deepseek_v3 {what}={ep}: worst relative logit diff vs one device {vs_one:.2e}, worst abs diff vs transformers {vs_ref:.2e}");
     }
 }
 
 /// Greedy tokens per prompt from the paged engine serving the tiny DeepSeek-V3 over `ep` ranks.
 fn deepseek_engine_tokens(ep: usize, prompts: &[&[u32]]) -> Vec<Vec<u32>> {
+    deepseek_engine_tokens_of(wasmserve::model::load_ep(&deepseek::dir(), ep).unwrap(), prompts)
+}
+
+fn deepseek_engine_tokens_of(model: wasmserve::model::LoadedModel, prompts: &[&[u32]]) -> Vec<Vec<u32>> {
     use tokio::sync::mpsc::unbounded_channel;
     use wasmserve::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
     use wasmserve::sampling::SamplingParams;
-    let model = std::sync::Arc::new(wasmserve::model::load_ep(&deepseek::dir(), ep).unwrap());
+    let model = std::sync::Arc::new(model);
     // A small token budget: chunked prefill, prefill and decode rows of both requests mixed.
     let mut core = EngineCore::new(model, EngineConfig { max_num_batched_tokens: 7, enable_prefix_caching: false, ..Default::default() });
     let mut rxs = Vec::new();
@@ -303,6 +320,8 @@ fn engine_on_deepseek_v3_ep_2_and_4_gives_transformers_greedy_tokens() {
     for ep in [1, 2, 4] {
         assert_eq!(deepseek_engine_tokens(ep, &prompts), want, "engine ep={ep} vs transformers' greedy tokens");
     }
+    let tp2 = wasmserve::model::load_tp(&deepseek::dir(), 2).unwrap();
+    assert_eq!(deepseek_engine_tokens_of(tp2, &prompts), want, "engine tp=2 vs transformers' greedy tokens");
 }
 
 #[test]

@@ -31,6 +31,16 @@ impl ExpertParallelDeepseek {
     /// Loads `ep` ranks, each on its own thread reading only its experts from `src`. Refuses
     /// `ep == 0` and more ranks than a layer has routed experts.
     pub fn load(cfg: ModelConfig, src: &dyn WeightSource, ep: usize) -> Result<Self, LoadError> {
+        Self::load_ranks(cfg, src, ep, false)
+    }
+
+    /// `tp` ranks with the MLA heads split over them as well (TP attention, EP MoE on the same
+    /// group; `DeepseekV3Model::load_tp_rank`). Refuses sizes that do not divide the heads.
+    pub fn load_tensor_parallel(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Self, LoadError> {
+        Self::load_ranks(cfg, src, tp, true)
+    }
+
+    fn load_ranks(cfg: ModelConfig, src: &dyn WeightSource, ep: usize, split_heads: bool) -> Result<Self, LoadError> {
         if ep == 0 {
             return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallel size must be at least 1".into() });
         }
@@ -38,12 +48,15 @@ impl ExpertParallelDeepseek {
             let handles: Vec<_> = (0..ep)
                 .map(|rank| {
                     let cfg = cfg.clone();
-                    s.spawn(move || DeepseekV3Model::load_ep_rank(cfg, src, EpRank { rank, size: ep }))
+                    s.spawn(move || {
+                        let r = EpRank { rank, size: ep };
+                        if split_heads { DeepseekV3Model::load_tp_rank(cfg, src, r) } else { DeepseekV3Model::load_ep_rank(cfg, src, r) }
+                    })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect::<Result<Vec<_>, _>>()
         })?;
-        tracing::info!(ep, "expert-parallel DeepSeek ranks loaded");
+        tracing::info!(ranks = ep, split_heads, "expert-parallel DeepSeek ranks loaded");
         Ok(Self { ranks })
     }
 

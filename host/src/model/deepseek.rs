@@ -51,6 +51,8 @@ pub struct DeepseekV3Model {
     /// `None` when the output projection is tied to the embedding matrix.
     lm_head: Option<Linear>,
     ep: EpRank,
+    /// Attention heads split over the ranks (`load_tp_rank`): `o_proj` outputs are partial sums.
+    split_heads: bool,
 }
 
 impl DeepseekV3Model {
@@ -63,7 +65,18 @@ impl DeepseekV3Model {
     /// Loads expert-parallel rank `ep.rank` of `ep.size`: attention, dense layers, norms,
     /// embeddings, routers and shared experts whole, of each MoE layer's routed experts only the
     /// rank's contiguous range (`mesh::ep::experts_of`). `size == 1` is the plain model.
-    pub fn load_ep_rank(mut cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank) -> Result<Self, LoadError> {
+    pub fn load_ep_rank(cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank) -> Result<Self, LoadError> {
+        Self::load_ranked(cfg, src, ep, false)
+    }
+
+    /// As [`Self::load_ep_rank`] with the MLA heads split over the same ranks too
+    /// (`MlaLayer::load_heads`; `o_proj` row-parallel, summed by an all-reduce): tensor-parallel
+    /// attention in front of expert-parallel MoE layers. Dense MLPs stay replicated.
+    pub fn load_tp_rank(cfg: ModelConfig, src: &dyn WeightSource, ranks: EpRank) -> Result<Self, LoadError> {
+        Self::load_ranked(cfg, src, ranks, true)
+    }
+
+    fn load_ranked(mut cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank, split_heads: bool) -> Result<Self, LoadError> {
         let file = src.file_of("config.json").with_file_name("config.json");
         let raw = cfg.hf_config.clone().ok_or_else(|| LoadError::Config {
             file: file.clone(),
@@ -88,7 +101,11 @@ impl DeepseekV3Model {
             specs.push(LayerSpec { attention: AttentionKind::Mla, ffn: if matches!(ffn, Ffn::Moe(_) | Ffn::ExpertParallel(_)) { FfnKind::Moe } else { FfnKind::DenseSwiGlu } });
             layers.push(Layer {
                 attn_norm: src.load(&format!("{p}.input_layernorm.weight"), &[d])?,
-                attn: MlaLayer::load(&mla, src, &format!("{p}.self_attn"))?,
+                attn: if split_heads {
+                    MlaLayer::load_heads(&mla, src, &format!("{p}.self_attn"), ep.rank, ep.size)?
+                } else {
+                    MlaLayer::load(&mla, src, &format!("{p}.self_attn"))?
+                },
                 ffn_norm: src.load(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
                 ffn,
             });
@@ -97,10 +114,10 @@ impl DeepseekV3Model {
         cfg.layers = specs;
         let norm = src.load("model.norm.weight", &[d])?;
         let lm_head = if cfg.tie_word_embeddings && !src.contains("lm_head.weight") { None } else { Some(src.linear("lm_head", cfg.vocab_size, d)?) };
-        if ep.size > 1 && !layers.iter().any(|l| matches!(l.ffn, Ffn::ExpertParallel(_))) {
+        if ep.size > 1 && !split_heads && !layers.iter().any(|l| matches!(l.ffn, Ffn::ExpertParallel(_))) {
             return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallelism needs a model with MoE layers".into() });
         }
-        Ok(Self { cfg, embed, layers, norm, lm_head, ep })
+        Ok(Self { cfg, embed, layers, norm, lm_head, ep, split_heads })
     }
 
     pub fn ep_rank(&self) -> EpRank {
@@ -139,8 +156,14 @@ impl DeepseekV3Model {
             rows,
             logit_rows,
             |li, attn, normed| {
-                let mut cache = kv.write().unwrap_or_else(|e| e.into_inner());
-                attn.forward(normed, rows, &mut **cache, li * size + rank)
+                let mut out = {
+                    let mut cache = kv.write().unwrap_or_else(|e| e.into_inner());
+                    attn.forward(normed, rows, &mut **cache, li * size + rank)
+                };
+                if self.split_heads {
+                    comm.all_reduce_sum(&mut out)?;
+                }
+                Ok(out)
             },
             |moe, normed, n| moe.forward_replicated(normed, n, comm),
         )
@@ -153,7 +176,7 @@ impl DeepseekV3Model {
         tokens: &[u32],
         rows: &[BatchRow],
         logit_rows: &[usize],
-        mut attend: impl FnMut(usize, &MlaLayer, &[f32]) -> Vec<f32>,
+        mut attend: impl FnMut(usize, &MlaLayer, &[f32]) -> Result<Vec<f32>, E>,
         mut expert_parallel: impl FnMut(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>,
     ) -> Result<Vec<f32>, E> {
         let cfg = &self.cfg;
@@ -169,7 +192,7 @@ impl DeepseekV3Model {
         let mut normed = vec![0.0f32; n * d];
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&hidden, layer.attn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
-            let a = attend(li, &layer.attn, &normed);
+            let a = attend(li, &layer.attn, &normed)?;
             hidden.iter_mut().zip(&a).for_each(|(h, v)| *h += v);
             rms_norm(&hidden, layer.ffn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
             let f = match &layer.ffn {
@@ -213,7 +236,7 @@ impl LanguageModel for DeepseekV3Model {
             tokens,
             rows,
             logit_rows,
-            |li, attn, normed| attn.forward(normed, rows, &mut *kv, li),
+            |li, attn, normed| Ok(attn.forward(normed, rows, &mut *kv, li)),
             |_, _, _| panic!("an expert-parallel DeepSeek rank runs through forward_rank with its group, not alone"),
         );
         match out {

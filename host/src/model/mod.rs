@@ -72,13 +72,15 @@ pub fn build_tp(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<B
     if tp == 1 {
         return build(cfg, src);
     }
-    if !matches!(cfg.architecture, Architecture::Llama) {
-        return Err(LoadError::Config {
+    match cfg.architecture {
+        Architecture::Llama => Ok(Box::new(crate::mesh::TensorParallel::load(cfg, src, tp)?)),
+        // MLA heads split over the ranks, the routed experts over the same ranks.
+        Architecture::DeepseekV3 => Ok(Box::new(crate::mesh::ExpertParallelDeepseek::load_tensor_parallel(cfg, src, tp)?)),
+        other => Err(LoadError::Config {
             file: src.file_of("model.embed_tokens.weight"),
-            detail: format!("tensor parallelism is implemented for Llama-architecture models only, not {:?}", cfg.architecture),
-        });
+            detail: format!("tensor parallelism is implemented for Llama and DeepSeek-V3 models only, not {other:?}"),
+        }),
     }
-    Ok(Box::new(crate::mesh::TensorParallel::load(cfg, src, tp)?))
 }
 
 /// As [`build`], with the routed experts split over `ep` simulated expert-parallel devices when
