@@ -232,6 +232,8 @@ impl LanguageModel for DeepseekV3Model {
     /// One device. An expert-parallel rank (`ep_rank().size > 1`) cannot run alone: its MoE
     /// layers need the other ranks, so it is only driven through `forward_rank`.
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
+        // Checked up front: with split heads alone the result would be silently partial.
+        assert_eq!(self.ep.size, 1, "a sharded DeepSeek rank runs through forward_rank with its group, not alone");
         let out: Result<Vec<f32>, std::convert::Infallible> = self.run(
             tokens,
             rows,
