@@ -160,3 +160,177 @@ fn bad_layouts_are_clear_errors() {
     let err = rank.forward_tokens(&c.input, c.n, &comm).err().expect("1-rank communicator for a 2-rank layer").to_string();
     assert!(err.contains("communicator is rank 0 of 1"), "{err}");
 }
+
+// ---- the whole DeepSeek-V3 model, experts split over ranks ---------------------------------
+//
+// The tiny fixture of tests/reference/make_tiny_deepseek_v3.py (8 routed experts in 4 groups,
+// top-2 of 2 groups, a shared expert, one dense layer then 3 MoE layers): EP=2 and EP=4 must give
+// EP=1's prefill logits and 32 greedy decode steps (1e-5 relative to the row's largest logit; the
+// only difference is the order partial expert sums are added in) and transformers'
+// (reference.json, 1e-4 absolute as in tests/reference_deepseek_v3.rs).
+
+mod deepseek {
+    use super::common;
+    use serde_json::Value;
+    use std::path::PathBuf;
+    use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
+    use wasmserve::model::LoadedModel;
+
+    pub fn dir() -> PathBuf {
+        common::repo_root().join("tests/reference/deepseek_v3/model")
+    }
+
+    pub struct Case {
+        pub ids: Vec<u32>,
+        pub prefill: Vec<Vec<f32>>,
+        pub greedy: Vec<u32>,
+        pub steps: Vec<Vec<f32>>,
+    }
+
+    pub fn cases() -> Vec<Case> {
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(dir().join("reference.json")).unwrap()).unwrap();
+        let rows = |v: &Value| -> Vec<Vec<f32>> { v.as_array().unwrap().iter().map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()).collect() };
+        let ids = |v: &Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
+        r["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| Case { ids: ids(&c["ids"]), prefill: rows(&c["prefill_logits"]), greedy: ids(&c["greedy_ids"]), steps: rows(&c["step_logits"]) })
+            .collect()
+    }
+
+    /// Prefill logits of every prompt position, then the logits of each decode step fed the
+    /// reference's greedy token (step 0 is the last prefill position, as in reference.json).
+    pub fn run(m: &LoadedModel, case: &Case) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let vocab = m.config().vocab_size;
+        let n = case.ids.len();
+        let mut kv = ContiguousKvCache::for_layout(&m.model.cache_layout(), 1);
+        let rows: Vec<BatchRow> = (0..n).map(|pos| BatchRow { seq: 0, pos }).collect();
+        let logits = m.model.forward(&case.ids, &rows, &mut kv, &(0..n).collect::<Vec<_>>());
+        let prefill: Vec<Vec<f32>> = logits.chunks(vocab).map(<[f32]>::to_vec).collect();
+        let mut steps = vec![prefill[n - 1].clone()];
+        for k in 1..case.steps.len() {
+            steps.push(m.model.forward(&[case.greedy[k - 1]], &[BatchRow { seq: 0, pos: n + k - 1 }], &mut kv, &[0]));
+        }
+        (prefill, steps)
+    }
+
+    pub fn rel(got: &[f32], want: &[f32]) -> f32 {
+        assert_eq!(got.len(), want.len());
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+        got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+    }
+
+    pub fn abs(got: &[f32], want: &[f32]) -> f32 {
+        assert_eq!(got.len(), want.len());
+        got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+    }
+
+    pub fn argmax(x: &[f32]) -> u32 {
+        x.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32
+    }
+}
+
+#[test]
+fn deepseek_v3_ep_2_and_4_match_one_device_and_transformers() {
+    check_deepseek_sharded("ep", &|ep| wasmserve::model::load_ep(&deepseek::dir(), ep).unwrap());
+}
+
+/// TP: the MLA heads split over the ranks (`o_proj` partial sums all-reduced) and the routed
+/// experts over the same ranks.
+#[test]
+fn deepseek_v3_tp_2_and_4_match_one_device_and_transformers() {
+    check_deepseek_sharded("tp", &|tp| wasmserve::model::load_tp(&deepseek::dir(), tp).unwrap());
+    let err = wasmserve::model::load_tp(&deepseek::dir(), 3).err().expect("3 ranks for 4 heads").to_string();
+    assert!(err.contains("the size must divide the heads"), "{err}");
+}
+
+fn check_deepseek_sharded(what: &str, load: &dyn Fn(usize) -> wasmserve::model::LoadedModel) {
+    let cases = deepseek::cases();
+    let single = wasmserve::model::load(&deepseek::dir()).unwrap();
+    let want: Vec<_> = cases.iter().map(|c| deepseek::run(&single, c)).collect();
+    for ep in [2, 4] {
+        let m = load(ep);
+        // Attention is replicated, so each rank keeps its own copy of every layer's latent cache.
+        assert_eq!(m.model.cache_layout().num_layers(), ep * single.model.cache_layout().num_layers());
+        let (mut vs_one, mut vs_ref) = (0f32, 0f32);
+        for (c, (p1, s1)) in cases.iter().zip(&want) {
+            let (prefill, steps) = deepseek::run(&m, c);
+            for (p, ((got, one), reference)) in prefill.iter().zip(p1).zip(&c.prefill).enumerate() {
+                let (e1, er) = (deepseek::rel(got, one), deepseek::abs(got, reference));
+                assert!(e1 <= 1e-5 && er <= 1e-4, "{what}={ep} prefill position {p}: vs one device {e1}, vs transformers {er}");
+                (vs_one, vs_ref) = (vs_one.max(e1), vs_ref.max(er));
+            }
+            assert_eq!(steps.len(), 32);
+            for (k, ((got, one), reference)) in steps.iter().zip(s1).zip(&c.steps).enumerate() {
+                let (e1, er) = (deepseek::rel(got, one), deepseek::abs(got, reference));
+                assert!(e1 <= 1e-5 && er <= 1e-4, "{what}={ep} decode step {k}: vs one device {e1}, vs transformers {er}");
+                assert_eq!(deepseek::argmax(got), c.greedy[k], "{what}={ep} greedy token at step {k}");
+                (vs_one, vs_ref) = (vs_one.max(e1), vs_ref.max(er));
+            }
+        }
+        eprintln!("deepseek_v3 {what}={ep}: worst relative logit diff vs one device {vs_one:.2e}, worst abs diff vs transformers {vs_ref:.2e}");
+    }
+}
+
+/// Greedy tokens per prompt from the paged engine serving the tiny DeepSeek-V3 over `ep` ranks.
+fn deepseek_engine_tokens(ep: usize, prompts: &[&[u32]]) -> Vec<Vec<u32>> {
+    deepseek_engine_tokens_of(wasmserve::model::load_ep(&deepseek::dir(), ep).unwrap(), prompts)
+}
+
+fn deepseek_engine_tokens_of(model: wasmserve::model::LoadedModel, prompts: &[&[u32]]) -> Vec<Vec<u32>> {
+    use tokio::sync::mpsc::unbounded_channel;
+    use wasmserve::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
+    use wasmserve::sampling::SamplingParams;
+    let model = std::sync::Arc::new(model);
+    // A small token budget: chunked prefill, prefill and decode rows of both requests mixed.
+    let mut core = EngineCore::new(model, EngineConfig { max_num_batched_tokens: 7, enable_prefix_caching: false, ..Default::default() });
+    let mut rxs = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let (tx, rx) = unbounded_channel();
+        let req = EngineRequest { prompt_ids: p.to_vec(), sampling: SamplingParams::greedy(), max_tokens: 32, ignore_eos: true, ..Default::default() };
+        core.add_request(i as u64 + 1, req, tx).unwrap();
+        rxs.push(rx);
+    }
+    let mut steps = 0;
+    while core.step() {
+        steps += 1;
+        assert!(steps < 10_000, "engine did not finish");
+    }
+    rxs.iter_mut()
+        .map(|rx| {
+            let mut toks = Vec::new();
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    EngineEvent::Token { token, .. } => toks.push(token),
+                    EngineEvent::Error(e) => panic!("engine error: {e}"),
+                    _ => {}
+                }
+            }
+            toks
+        })
+        .collect()
+}
+
+#[test]
+fn engine_on_deepseek_v3_ep_2_and_4_gives_transformers_greedy_tokens() {
+    let cases = deepseek::cases();
+    let prompts: Vec<&[u32]> = cases.iter().map(|c| c.ids.as_slice()).collect();
+    let want: Vec<Vec<u32>> = cases.iter().map(|c| c.greedy.clone()).collect();
+    for ep in [1, 2, 4] {
+        assert_eq!(deepseek_engine_tokens(ep, &prompts), want, "engine ep={ep} vs transformers' greedy tokens");
+    }
+    let tp2 = wasmserve::model::load_tp(&deepseek::dir(), 2).unwrap();
+    assert_eq!(deepseek_engine_tokens_of(tp2, &prompts), want, "engine tp=2 vs transformers' greedy tokens");
+}
+
+#[test]
+fn deepseek_v3_bad_expert_parallel_sizes_are_clear_errors() {
+    let err = wasmserve::model::load_ep(&deepseek::dir(), 9).err().expect("9 ranks for 8 experts").to_string();
+    assert!(err.contains("expert parallel size 9 exceeds the 8 routed experts"), "{err}");
+    let err = wasmserve::model::load_ep(&deepseek::dir(), 0).err().expect("ep=0").to_string();
+    assert!(err.contains("expert parallel size must be at least 1"), "{err}");
+    let llama = common::repo_root().join("tests/reference/tiny_llama");
+    let err = wasmserve::model::load_ep(&llama, 2).err().expect("Llama has no experts").to_string();
+    assert!(err.contains("DeepSeek-V3-architecture models only, not Llama"), "{err}");
+}

@@ -76,6 +76,20 @@ struct ModelArgs {
     /// Tensor-parallel ranks (simulated devices) to split the model over.
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
+    /// Expert-parallel ranks (simulated devices) to split the routed experts over (DeepSeek-V3).
+    #[arg(long, default_value_t = 1)]
+    expert_parallel_size: usize,
+}
+
+impl ModelArgs {
+    /// Loads the model with the requested sharding (TP and EP together are not implemented yet).
+    fn load(&self) -> Result<wasmserve::model::LoadedModel> {
+        match (self.tensor_parallel_size, self.expert_parallel_size) {
+            (tp, 1) => Ok(wasmserve::model::load_tp(&self.model, tp)?),
+            (1, ep) => Ok(wasmserve::model::load_ep(&self.model, ep)?),
+            (tp, ep) => bail!("--tensor-parallel-size {tp} with --expert-parallel-size {ep}: combining both is not implemented yet"),
+        }
+    }
 }
 
 #[derive(Args)]
@@ -147,7 +161,7 @@ fn main() -> Result<()> {
 }
 
 fn run_generate(a: GenerateArgs) -> Result<()> {
-    let m = wasmserve::model::load_tp(&a.model.model, a.model.tensor_parallel_size)?;
+    let m = a.model.load()?;
     let prompt = if let Some(p) = &a.prompt {
         p.clone()
     } else {
@@ -205,7 +219,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn run_bench_engine(a: BenchEngineArgs) -> Result<()> {
-    let model = std::sync::Arc::new(wasmserve::model::load_tp(&a.model.model, a.model.tensor_parallel_size)?);
+    let model = std::sync::Arc::new(a.model.load()?);
     let max_streams = a.concurrency.iter().copied().max().unwrap_or(1);
     let cfg = wasmserve::engine::EngineConfig {
         max_num_seqs: max_streams.max(64),

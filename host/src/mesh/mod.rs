@@ -6,12 +6,15 @@
 
 pub mod collective;
 pub mod ep;
+pub mod ep_model;
+mod group;
 pub mod layout;
 pub mod local;
 pub mod split;
 pub mod tp;
 
 pub use ep::{DispatchStats, ExpertParallelMoe};
+pub use ep_model::ExpertParallelDeepseek;
 pub use collective::{Collective, CollectiveError, Element, ReduceElement};
 pub use layout::{DeviceMesh, MeshCoord, MeshError};
 pub use local::LocalCollective;

@@ -12,22 +12,10 @@ use crate::model::llama::{LlamaModel, SharedKv, TpRank};
 use crate::model::source::WeightSource;
 use crate::model::LanguageModel;
 
-use super::collective::{Collective, CollectiveError};
-use super::local::LocalCollective;
+use super::group::run_on_ranks;
 
 pub struct TensorParallel {
     ranks: Vec<LlamaModel>,
-}
-
-/// Aborts the group when its rank unwinds, so the other ranks stop waiting for it.
-struct AbortOnPanic<'a>(&'a LocalCollective);
-
-impl Drop for AbortOnPanic<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.abort("rank panicked");
-        }
-    }
 }
 
 impl TensorParallel {
@@ -82,36 +70,7 @@ impl LanguageModel for TensorParallel {
     /// The single-device forward contract with the work split over the ranks; `kv` must have
     /// [`Self::cache_layout`].
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
-        let comms = LocalCollective::group(self.tp_size());
         let shared: SharedKv<'_> = RwLock::new(kv);
-        let run = |model: &LlamaModel, comm: &LocalCollective| -> Result<Vec<f32>, CollectiveError> {
-            let _guard = AbortOnPanic(comm);
-            let out = model.forward_rank(tokens, rows, &shared, logit_rows, comm);
-            if let Err(e) = &out {
-                comm.abort(&e.to_string());
-            }
-            out
-        };
-        std::thread::scope(|s| {
-            let peers: Vec<_> = self.ranks[1..]
-                .iter()
-                .zip(&comms[1..])
-                .enumerate()
-                .map(|(i, (model, comm))| {
-                    std::thread::Builder::new()
-                        .name(format!("tp-rank-{}", i + 1))
-                        .spawn_scoped(s, move || run(model, comm))
-                        .expect("spawning a tensor-parallel rank thread")
-                })
-                .collect();
-            // Rank 0 runs on the caller's thread; the result is the same on every rank.
-            let mine = run(&self.ranks[0], &comms[0]);
-            for p in peers {
-                if let Err(panic) = p.join() {
-                    std::panic::resume_unwind(panic);
-                }
-            }
-            mine.unwrap_or_else(|e| panic!("tensor-parallel forward failed: {e}"))
-        })
+        run_on_ranks(&self.ranks, "tp", |model, comm| model.forward_rank(tokens, rows, &shared, logit_rows, comm))
     }
 }

@@ -1,6 +1,10 @@
 //! DeepSeek-V3 (and V2) decoder: embeddings, pre-norm layers of MLA attention (model/mla) and a
 //! dense SwiGLU MLP for the first `first_k_dense_replace` layers, MoE (model/moe) after, final
 //! RMSNorm, `lm_head`. transformers `DeepseekV3ForCausalLM`.
+//!
+//! One `DeepseekV3Model` can also be one expert-parallel rank (`load_ep_rank`, driven by
+//! `mesh::ExpertParallelDeepseek`): it holds every non-expert weight and only its range of the
+//! routed experts, and its MoE layers exchange token rows with the other ranks.
 
 use kernels::cpu::matmul::matmul_t;
 use kernels::cpu::norm::rms_norm;
@@ -15,10 +19,21 @@ use super::moe::{MoeConfig, MoeLayer};
 use super::source::WeightSource;
 use super::tensor::Tensor;
 use super::LanguageModel;
+use super::llama::SharedKv;
+use crate::mesh::{Collective, CollectiveError, ExpertParallelMoe};
 
 enum Ffn {
     Dense(GatedMlp),
     Moe(MoeLayer),
+    /// This rank's share of the routed experts (router and shared experts whole).
+    ExpertParallel(ExpertParallelMoe),
+}
+
+/// Which expert-parallel part of the model an instance holds (`size == 1`: all of it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpRank {
+    pub rank: usize,
+    pub size: usize,
 }
 
 struct Layer {
@@ -35,12 +50,33 @@ pub struct DeepseekV3Model {
     norm: Tensor,
     /// `None` when the output projection is tied to the embedding matrix.
     lm_head: Option<Linear>,
+    ep: EpRank,
+    /// Attention heads split over the ranks (`load_tp_rank`): `o_proj` outputs are partial sums.
+    split_heads: bool,
 }
 
 impl DeepseekV3Model {
     /// `cfg.hf_config` must hold the checkpoint's `config.json` (MLA and MoE fields are read from
     /// it). Projections load through `WeightSource::linear`, so quantized experts stay packed.
-    pub fn load(mut cfg: ModelConfig, src: &dyn WeightSource) -> Result<Self, LoadError> {
+    pub fn load(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Self, LoadError> {
+        Self::load_ep_rank(cfg, src, EpRank { rank: 0, size: 1 })
+    }
+
+    /// Loads expert-parallel rank `ep.rank` of `ep.size`: attention, dense layers, norms,
+    /// embeddings, routers and shared experts whole, of each MoE layer's routed experts only the
+    /// rank's contiguous range (`mesh::ep::experts_of`). `size == 1` is the plain model.
+    pub fn load_ep_rank(cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank) -> Result<Self, LoadError> {
+        Self::load_ranked(cfg, src, ep, false)
+    }
+
+    /// As [`Self::load_ep_rank`] with the MLA heads split over the same ranks too
+    /// (`MlaLayer::load_heads`; `o_proj` row-parallel, summed by an all-reduce): tensor-parallel
+    /// attention in front of expert-parallel MoE layers. Dense MLPs stay replicated.
+    pub fn load_tp_rank(cfg: ModelConfig, src: &dyn WeightSource, ranks: EpRank) -> Result<Self, LoadError> {
+        Self::load_ranked(cfg, src, ranks, true)
+    }
+
+    fn load_ranked(mut cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank, split_heads: bool) -> Result<Self, LoadError> {
         let file = src.file_of("config.json").with_file_name("config.json");
         let raw = cfg.hf_config.clone().ok_or_else(|| LoadError::Config {
             file: file.clone(),
@@ -58,13 +94,18 @@ impl DeepseekV3Model {
         for i in 0..cfg.num_layers() {
             let p = format!("model.layers.{i}");
             let ffn = match &moe {
-                Some(m) if m.is_moe_layer(i) => Ffn::Moe(MoeLayer::load(m, src, &m.prefix(i))?),
+                Some(m) if m.is_moe_layer(i) && ep.size == 1 => Ffn::Moe(MoeLayer::load(m, src, &m.prefix(i))?),
+                Some(m) if m.is_moe_layer(i) => Ffn::ExpertParallel(ExpertParallelMoe::load(m, src, &m.prefix(i), ep.rank, ep.size)?),
                 _ => Ffn::Dense(GatedMlp::load(src, &format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"], d, cfg.intermediate_size, Activation::Silu)?),
             };
-            specs.push(LayerSpec { attention: AttentionKind::Mla, ffn: if matches!(ffn, Ffn::Moe(_)) { FfnKind::Moe } else { FfnKind::DenseSwiGlu } });
+            specs.push(LayerSpec { attention: AttentionKind::Mla, ffn: if matches!(ffn, Ffn::Moe(_) | Ffn::ExpertParallel(_)) { FfnKind::Moe } else { FfnKind::DenseSwiGlu } });
             layers.push(Layer {
                 attn_norm: src.load(&format!("{p}.input_layernorm.weight"), &[d])?,
-                attn: MlaLayer::load(&mla, src, &format!("{p}.self_attn"))?,
+                attn: if split_heads {
+                    MlaLayer::load_heads(&mla, src, &format!("{p}.self_attn"), ep.rank, ep.size)?
+                } else {
+                    MlaLayer::load(&mla, src, &format!("{p}.self_attn"))?
+                },
                 ffn_norm: src.load(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
                 ffn,
             });
@@ -73,20 +114,71 @@ impl DeepseekV3Model {
         cfg.layers = specs;
         let norm = src.load("model.norm.weight", &[d])?;
         let lm_head = if cfg.tie_word_embeddings && !src.contains("lm_head.weight") { None } else { Some(src.linear("lm_head", cfg.vocab_size, d)?) };
-        Ok(Self { cfg, embed, layers, norm, lm_head })
-    }
-}
-
-impl LanguageModel for DeepseekV3Model {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
+        if ep.size > 1 && !split_heads && !layers.iter().any(|l| matches!(l.ffn, Ffn::ExpertParallel(_))) {
+            return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallelism needs a model with MoE layers".into() });
+        }
+        Ok(Self { cfg, embed, layers, norm, lm_head, ep, split_heads })
     }
 
-    fn cache_layout(&self) -> CacheLayout {
+    pub fn ep_rank(&self) -> EpRank {
+        self.ep
+    }
+
+    /// The single-rank cache layout: one compressed-latent layer per decoder layer.
+    fn rank_cache_layout(&self) -> CacheLayout {
         CacheLayout { layers: self.layers.iter().map(|l| Some(l.attn.cache_shape())).collect(), recurrent_bytes_per_seq: 0 }
     }
 
-    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
+    /// The cache of an expert-parallel group: attention is replicated, so every rank keeps its
+    /// own copy of each layer's latent rows, in cache layer `layer * size + rank` (as a real
+    /// device would in its own memory).
+    pub fn ep_cache_layout(&self) -> CacheLayout {
+        let one = self.rank_cache_layout();
+        let layers = one.layers.iter().flat_map(|l| std::iter::repeat_n(*l, self.ep.size)).collect();
+        CacheLayout { layers, recurrent_bytes_per_seq: 0 }
+    }
+
+    /// This rank's part of an expert-parallel forward pass: every rank of the EP group calls it
+    /// with the same batch and its own handle on the group's communicator. Attention, dense
+    /// layers and the head run replicated (same rows, same results on every rank); each MoE layer
+    /// runs `ExpertParallelMoe::forward_replicated`. All ranks return the same logits.
+    pub fn forward_rank<C: Collective>(
+        &self,
+        tokens: &[u32],
+        rows: &[BatchRow],
+        kv: &SharedKv<'_>,
+        logit_rows: &[usize],
+        comm: &C,
+    ) -> Result<Vec<f32>, CollectiveError> {
+        let EpRank { rank, size } = self.ep;
+        self.run(
+            tokens,
+            rows,
+            logit_rows,
+            |li, attn, normed| {
+                let mut out = {
+                    let mut cache = kv.write().unwrap_or_else(|e| e.into_inner());
+                    attn.forward(normed, rows, &mut **cache, li * size + rank)
+                };
+                if self.split_heads {
+                    comm.all_reduce_sum(&mut out)?;
+                }
+                Ok(out)
+            },
+            |moe, normed, n| moe.forward_replicated(normed, n, comm),
+        )
+    }
+
+    /// The decoder with the two parts that differ between one device and an EP rank supplied by
+    /// the caller: `attend(layer, attention, normed)` and `expert_parallel(moe, normed, n)`.
+    fn run<E>(
+        &self,
+        tokens: &[u32],
+        rows: &[BatchRow],
+        logit_rows: &[usize],
+        mut attend: impl FnMut(usize, &MlaLayer, &[f32]) -> Result<Vec<f32>, E>,
+        mut expert_parallel: impl FnMut(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>,
+    ) -> Result<Vec<f32>, E> {
         let cfg = &self.cfg;
         let (n, d) = (tokens.len(), cfg.hidden_size);
         assert_eq!(n, rows.len(), "forward: one BatchRow per token");
@@ -100,12 +192,13 @@ impl LanguageModel for DeepseekV3Model {
         let mut normed = vec![0.0f32; n * d];
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&hidden, layer.attn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
-            let a = layer.attn.forward(&normed, rows, kv, li);
+            let a = attend(li, &layer.attn, &normed)?;
             hidden.iter_mut().zip(&a).for_each(|(h, v)| *h += v);
             rms_norm(&hidden, layer.ffn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
             let f = match &layer.ffn {
                 Ffn::Dense(m) => m.forward(&normed, n),
                 Ffn::Moe(m) => m.forward(&normed, n),
+                Ffn::ExpertParallel(m) => expert_parallel(m, &normed, n)?,
             };
             hidden.iter_mut().zip(&f).for_each(|(h, v)| *h += v);
         }
@@ -117,12 +210,40 @@ impl LanguageModel for DeepseekV3Model {
         let mut final_normed = vec![0.0f32; picked.len()];
         rms_norm(&picked, self.norm.as_slice(), cfg.rms_norm_eps, &mut final_normed);
         match &self.lm_head {
-            Some(head) => head.forward(&final_normed, logit_rows.len()),
+            Some(head) => Ok(head.forward(&final_normed, logit_rows.len())),
             None => {
                 let mut logits = vec![0.0f32; logit_rows.len() * cfg.vocab_size];
                 matmul_t(&final_normed, embed, &mut logits, logit_rows.len(), d, cfg.vocab_size);
-                logits
+                Ok(logits)
             }
+        }
+    }
+}
+
+impl LanguageModel for DeepseekV3Model {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn cache_layout(&self) -> CacheLayout {
+        self.rank_cache_layout()
+    }
+
+    /// One device. An expert-parallel rank (`ep_rank().size > 1`) cannot run alone: its MoE
+    /// layers need the other ranks, so it is only driven through `forward_rank`.
+    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
+        // Checked up front: with split heads alone the result would be silently partial.
+        assert_eq!(self.ep.size, 1, "a sharded DeepSeek rank runs through forward_rank with its group, not alone");
+        let out: Result<Vec<f32>, std::convert::Infallible> = self.run(
+            tokens,
+            rows,
+            logit_rows,
+            |li, attn, normed| Ok(attn.forward(normed, rows, &mut *kv, li)),
+            |_, _, _| panic!("an expert-parallel DeepSeek rank runs through forward_rank with its group, not alone"),
+        );
+        match out {
+            Ok(v) => v,
+            Err(never) => match never {},
         }
     }
 }

@@ -72,13 +72,30 @@ pub fn build_tp(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<B
     if tp == 1 {
         return build(cfg, src);
     }
-    if !matches!(cfg.architecture, Architecture::Llama) {
+    match cfg.architecture {
+        Architecture::Llama => Ok(Box::new(crate::mesh::TensorParallel::load(cfg, src, tp)?)),
+        // MLA heads split over the ranks, the routed experts over the same ranks.
+        Architecture::DeepseekV3 => Ok(Box::new(crate::mesh::ExpertParallelDeepseek::load_tensor_parallel(cfg, src, tp)?)),
+        other => Err(LoadError::Config {
+            file: src.file_of("model.embed_tokens.weight"),
+            detail: format!("tensor parallelism is implemented for Llama and DeepSeek-V3 models only, not {other:?}"),
+        }),
+    }
+}
+
+/// As [`build`], with the routed experts split over `ep` simulated expert-parallel devices when
+/// `ep != 1` (`mesh::ExpertParallelDeepseek`; DeepSeek-V3/V2 only, clear errors otherwise).
+pub fn build_ep(cfg: ModelConfig, src: &dyn WeightSource, ep: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
+    if ep == 1 {
+        return build(cfg, src);
+    }
+    if !matches!(cfg.architecture, Architecture::DeepseekV3) {
         return Err(LoadError::Config {
             file: src.file_of("model.embed_tokens.weight"),
-            detail: format!("tensor parallelism is implemented for Llama-architecture models only, not {:?}", cfg.architecture),
+            detail: format!("expert parallelism is implemented for DeepSeek-V3-architecture models only, not {:?}", cfg.architecture),
         });
     }
-    Ok(Box::new(crate::mesh::TensorParallel::load(cfg, src, tp)?))
+    Ok(Box::new(crate::mesh::ExpertParallelDeepseek::load(cfg, src, ep)?))
 }
 
 /// A model ready to run: weights, tokenizer and chat template.
@@ -103,6 +120,18 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
 
 /// [`load`] with the model split over `tp` tensor-parallel ranks ([`build_tp`]).
 pub fn load_tp(path: &Path, tp: usize) -> Result<LoadedModel, LoadError> {
+    load_with(path, &|cfg, src| build_tp(cfg, src, tp), ("tp", tp))
+}
+
+/// [`load`] with the routed experts split over `ep` expert-parallel ranks ([`build_ep`]).
+pub fn load_ep(path: &Path, ep: usize) -> Result<LoadedModel, LoadError> {
+    load_with(path, &|cfg, src| build_ep(cfg, src, ep), ("ep", ep))
+}
+
+type Builder<'a> = &'a dyn Fn(ModelConfig, &dyn WeightSource) -> Result<Box<dyn LanguageModel>, LoadError>;
+
+/// Opens the checkpoint at `path` and builds the model with `build`; `sharding` is logged.
+fn load_with(path: &Path, build: Builder<'_>, sharding: (&str, usize)) -> Result<LoadedModel, LoadError> {
     let started = Instant::now();
     let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let (model, tokenizer) = if path.is_dir() {
@@ -113,13 +142,13 @@ pub fn load_tp(path: &Path, tp: usize) -> Result<LoadedModel, LoadError> {
         let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
         let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
         let tokenizer = Tokenizer::from_hf_dir(path, &raw)?;
-        (build_tp(cfg, src.as_ref(), tp)?, tokenizer)
+        (build(cfg, src.as_ref())?, tokenizer)
     } else {
         let file = gguf::GgufFile::open(path)?;
         let cfg = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let src = gguf_source::GgufSource::new(file);
-        (build_tp(cfg, &src, tp)?, tokenizer)
+        (build(cfg, &src)?, tokenizer)
     };
     let cfg = model.config();
     tracing::info!(
@@ -127,7 +156,8 @@ pub fn load_tp(path: &Path, tp: usize) -> Result<LoadedModel, LoadError> {
         layers = cfg.num_layers(),
         hidden = cfg.hidden_size,
         vocab = cfg.vocab_size,
-        tp,
+        sharding = sharding.0,
+        ranks = sharding.1,
         secs = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );

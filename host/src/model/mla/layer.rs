@@ -17,6 +17,7 @@ use rayon::prelude::*;
 use super::absorb::Absorbed;
 use super::config::MlaConfig;
 use super::rope::MlaRotary;
+use crate::mesh::split::Split;
 use crate::model::error::LoadError;
 use crate::model::kv::{BatchRow, KvCache, LayerKvShape};
 use crate::model::linear::Linear;
@@ -46,24 +47,47 @@ impl MlaLayer {
     /// `model.layers.3.self_attn`. `kv_b_proj` must be dense (it is split per head for the
     /// absorbed form); the other projections may be stored in any format `WeightSource` keeps.
     pub fn load(cfg: &MlaConfig, src: &dyn WeightSource, prefix: &str) -> Result<Self, LoadError> {
+        Self::load_heads(cfg, src, prefix, 0, 1)
+    }
+
+    /// A tensor-parallel rank's part: heads `rank * h/size ..` of `size` equal groups (`size`
+    /// must divide the heads). The per-head projections (`q_b_proj`/`q_proj`, `kv_b_proj`,
+    /// `g_proj`) keep their rows, `o_proj` its columns, so `forward` returns this rank's partial
+    /// `o_proj` output, to be summed over the ranks. The latent path (`q_a_proj`,
+    /// `kv_a_proj_with_mqa`, norms) is shared by all heads and loaded whole: every rank caches
+    /// the same latent rows.
+    pub fn load_heads(cfg: &MlaConfig, src: &dyn WeightSource, prefix: &str, rank: usize, size: usize) -> Result<Self, LoadError> {
+        if size == 0 || rank >= size || cfg.num_heads % size != 0 {
+            return Err(LoadError::Config {
+                file: src.file_of(&format!("{prefix}.kv_b_proj.weight")),
+                detail: format!("tensor-parallel rank {rank} of {size} over {} MLA heads (the size must divide the heads)", cfg.num_heads),
+            });
+        }
+        let full = cfg;
+        let local = MlaConfig { num_heads: cfg.num_heads / size, ..cfg.clone() };
+        let cfg = &local;
+        let heads = rank * cfg.num_heads..(rank + 1) * cfg.num_heads;
+        // Rows (or columns) of a per-head matrix of `per_head` features per head for this rank.
+        let part = |per_head: usize| heads.start * per_head..heads.end * per_head;
+        let rows = |per_head: usize| if size == 1 { Split::Full } else { Split::Rows(part(per_head)) };
         let d = cfg.hidden_size;
         let (h, lora, nope, rope, v) = (cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
         let q = match cfg.q_lora_rank {
-            None => QPath::Plain(src.linear(&format!("{prefix}.q_proj"), cfg.q_width(), d)?),
+            None => QPath::Plain(src.linear_split(&format!("{prefix}.q_proj"), full.q_width(), d, &rows(cfg.qk_head_dim()))?),
             Some(r) => QPath::LowRank {
                 a: src.linear(&format!("{prefix}.q_a_proj"), r, d)?,
                 norm: src.load(&format!("{prefix}.q_a_layernorm.weight"), &[r])?,
-                b: src.linear(&format!("{prefix}.q_b_proj"), cfg.q_width(), r)?,
+                b: src.linear_split(&format!("{prefix}.q_b_proj"), full.q_width(), r, &rows(cfg.qk_head_dim()))?,
             },
         };
-        let kv_b = src.load(&format!("{prefix}.kv_b_proj.weight"), &[h * (nope + v), lora])?;
+        let kv_b = src.load_split(&format!("{prefix}.kv_b_proj.weight"), &[full.num_heads * (nope + v), lora], &rows(nope + v))?;
         let layer = Self {
             q,
             kv_a: src.linear(&format!("{prefix}.kv_a_proj_with_mqa"), lora + rope, d)?,
             kv_a_norm: src.load(&format!("{prefix}.kv_a_layernorm.weight"), &[lora])?,
             absorbed: Absorbed::new(kv_b.as_slice(), h, nope, rope, v, lora),
-            gate: if cfg.output_gate { Some(src.linear(&format!("{prefix}.g_proj"), h * v, d)?) } else { None },
-            o: src.linear(&format!("{prefix}.o_proj"), d, h * v)?,
+            gate: if cfg.output_gate { Some(src.linear_split(&format!("{prefix}.g_proj"), full.num_heads * v, d, &rows(v))?) } else { None },
+            o: src.linear_split(&format!("{prefix}.o_proj"), d, full.num_heads * v, &if size == 1 { Split::Full } else { Split::Cols(part(v)) })?,
             rotary: cfg.rope.as_ref().map(|r| MlaRotary::new(r, rope)),
             scale: cfg.softmax_scale(),
             cfg: cfg.clone(),
