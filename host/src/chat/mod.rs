@@ -4,7 +4,8 @@
 //! minijinja renderer here is the built-in implementation of it.
 
 pub mod jinja;
-pub mod pyjson;
+/// One Python-exact JSON writer for the native renderer and the Wasm template plugin.
+pub use wasmserve_parsers::pyjson;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

@@ -2,9 +2,8 @@
 //! `arguments` (`ensure_ascii=False`) and what transformers' `tojson` template filter writes
 //! (with the template's `ensure_ascii` / `indent` / `separators` / `sort_keys`).
 //!
-//! The same code is in the host's host/src/chat/pyjson.rs (plugins cannot depend on the host
-//! crate); both are checked against tests/reference/templates/tojson_expected.json (made by
-//! Python).
+//! The host's native template renderer uses this module too (`wasmserve::chat::pyjson`); both
+//! paths are checked against tests/reference/templates/tojson_expected.json (made by Python).
 
 use serde_json::Value;
 
@@ -161,5 +160,17 @@ fn write(v: &Value, c: &Ctx, level: usize, out: &mut String) {
             newline(c, level, out);
             out.push('}');
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn matches_python_json_dumps() {
+        let v = json!({"name": "get_weather", "parameters": {"city": "Zürich <b>", "n": [1, 2.5, 3.0]}, "e": {}});
+        assert_eq!(super::dumps(&v, None), r#"{"name": "get_weather", "parameters": {"city": "Zürich <b>", "n": [1, 2.5, 3.0]}, "e": {}}"#);
+        assert_eq!(super::dumps(&json!({"a": [1]}), Some(2)), "{\n  \"a\": [\n    1\n  ]\n}");
     }
 }
