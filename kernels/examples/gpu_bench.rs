@@ -109,7 +109,7 @@ fn decode_tok_s(g: &Gpu, int4_weights: bool, n: usize) -> f64 {
             wqkv.run(g, &h, &mut hb, &mut qkv, n);
             // RoPE over the packed q|k|v rows (q and k heads rotate; v's share is a cost stand-in).
             g.rope(&mut qkv, &positions, &inv_freq, n, HEADS + 2 * KV_HEADS, HEAD_DIM).unwrap();
-            g.paged_attention(&geo, &qkv, &k, &v, &tables, &lens, 0.125, &mut attn).unwrap();
+            g.paged_attention_bf16(&geo, &qkv, &k, &v, &tables, &lens, 0.125, &mut attn).unwrap();
             wo.run(g, &attn, &mut hb, &mut o, n);
             g.add_rms_norm(&mut x, &o, &norm_w, &mut h, n, 1e-5).unwrap();
             wgu.run(g, &h, &mut hb, &mut gu, n);
@@ -155,7 +155,7 @@ fn int4_bandwidth(g: &Gpu) -> (f64, f64) {
 }
 
 fn main() {
-    let g = match Gpu::new(0, &PtxCache::new(PtxCache::default_dir())) {
+    let g = match Gpu::open(0, &PtxCache::new(PtxCache::default_dir())) {
         Ok(g) => g,
         Err(e) => {
             eprintln!("gpu_bench: no usable CUDA device: {e}");

@@ -4,3 +4,4 @@
 //! also the reference that the CUDA sources (compiled at run time with NVRTC) are tested against.
 pub mod cpu;
 pub mod cuda;
+pub mod gpu;

@@ -14,7 +14,7 @@ use kernels::cuda::nvrtc::PtxCache;
 
 fn gpu(test: &str) -> Option<&'static Gpu> {
     static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
-    match GPU.get_or_init(|| Gpu::new(0, &PtxCache::new(PtxCache::default_dir())).map_err(|e| e.to_string())) {
+    match GPU.get_or_init(|| Gpu::open(0, &PtxCache::new(PtxCache::default_dir())).map_err(|e| e.to_string())) {
         Ok(g) => Some(g),
         Err(e) if std::env::var_os("WASMSERVE_REQUIRE_GPU").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
         Err(e) => {
@@ -198,13 +198,13 @@ fn paged_attention_matches_cpu_for_f32_bf16_and_fp8() {
     let mut want = vec![0.0; n_out];
 
     cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &k, v: &v }, &tables, &lens, &geo, scale, &mut want);
-    g.paged_attention(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
+    g.paged_attention_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
     assert_close("paged attention f32", &g.download(&dout).unwrap(), &want, 1e-5);
 
     let kb: Vec<u16> = k.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
     let vb: Vec<u16> = v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
     cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &kb, v: &vb }, &tables, &lens, &geo, scale, &mut want);
-    g.paged_attention(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
+    g.paged_attention_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
     assert_close("paged attention bf16", &g.download(&dout).unwrap(), &want, 1e-5);
 
     // FP8 with one scale per (row, kv head), as the pool stores it.

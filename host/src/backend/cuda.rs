@@ -48,7 +48,7 @@ unsafe impl Send for CudaBackend {}
 
 impl CudaBackend {
     pub fn open(ordinal: usize) -> Result<Self, CudaError> {
-        let gpu = Gpu::new(ordinal, &PtxCache::new(PtxCache::default_dir()))?;
+        let gpu = Gpu::open(ordinal, &PtxCache::new(PtxCache::default_dir()))?;
         Ok(Self { gpu, weights: Mutex::new(Vec::new()) })
     }
 
@@ -124,8 +124,8 @@ impl Backend for CudaBackend {
         let (dq, dt, dl) = (g.upload(q)?, g.upload(tables)?, g.upload(lens)?);
         let mut dout = g.zeros::<f32>(out.len())?;
         match kv {
-            KvBlocks::F32 { k, v } => g.paged_attention(geo, &dq, &g.upload(k)?, &g.upload(v)?, &dt, &dl, scale, &mut dout)?,
-            KvBlocks::Bf16 { k, v } => g.paged_attention(geo, &dq, &g.upload(k)?, &g.upload(v)?, &dt, &dl, scale, &mut dout)?,
+            KvBlocks::F32 { k, v } => g.paged_attention_f32(geo, &dq, &g.upload(k)?, &g.upload(v)?, &dt, &dl, scale, &mut dout)?,
+            KvBlocks::Bf16 { k, v } => g.paged_attention_bf16(geo, &dq, &g.upload(k)?, &g.upload(v)?, &dt, &dl, scale, &mut dout)?,
             KvBlocks::Fp8 { k, v, k_scales, v_scales } => g.paged_attention_fp8(geo, &dq, &g.upload(k)?, &g.upload(v)?, &g.upload(k_scales)?, &g.upload(v_scales)?, &dt, &dl, scale, &mut dout)?,
         }
         out.copy_from_slice(&g.download(&dout)?);

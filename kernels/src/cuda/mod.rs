@@ -1,5 +1,5 @@
 //! CUDA kernels: the sources in `kernels/cuda/*.cu`, compiled with NVRTC at start-up (PTX cached
-//! on disk), and launch wrappers over cudarc. Every kernel has a CPU reference in `crate::cpu`;
+//! on disk), and the CUDA driver runtime (cudarc) under the launch wrappers of `crate::gpu`. Every kernel has a CPU reference in `crate::cpu`;
 //! tests compare the two on a GPU and skip, saying so, without one.
 //!
 //! Nothing here links against CUDA: libcuda, libnvrtc and libcublas are dlopen-ed on first use,
@@ -12,8 +12,12 @@ pub use cudarc;
 
 #[cfg(feature = "cuda")]
 pub mod device;
+/// The paged KV pool (`crate::gpu::kv_pool`) on a CUDA device.
 #[cfg(feature = "cuda")]
-pub mod kv_pool;
+pub mod kv_pool {
+    pub use crate::gpu::kv_pool::KvStorage;
+    pub type DeviceKvPool = crate::gpu::kv_pool::DeviceKvPool<super::launch::CudaRuntime>;
+}
 #[cfg(feature = "cuda")]
 pub mod launch;
 #[cfg(feature = "cuda")]

@@ -2,11 +2,9 @@
 //! (the host block pool's layout, so the engine's block tables index it unchanged), FP8 with one
 //! scale per (slot, kv head). Allocated once, at start-up, for the whole pool.
 
-use cudarc::driver::CudaSlice;
-
-use super::launch::{Gpu, PagedGeometry};
-use super::CudaError;
+use super::{Kernels, PagedGeometry, Runtime};
 use crate::cpu::fp8::quantize_e4m3;
+use crate::cuda::CudaError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvStorage {
@@ -15,14 +13,14 @@ pub enum KvStorage {
     Fp8,
 }
 
-enum Layer {
-    F32 { k: CudaSlice<f32>, v: CudaSlice<f32> },
-    Bf16 { k: CudaSlice<u16>, v: CudaSlice<u16> },
-    Fp8 { k: CudaSlice<u8>, v: CudaSlice<u8>, ks: CudaSlice<f32>, vs: CudaSlice<f32> },
+enum Layer<R: Runtime> {
+    F32 { k: R::Buf<f32>, v: R::Buf<f32> },
+    Bf16 { k: R::Buf<u16>, v: R::Buf<u16> },
+    Fp8 { k: R::Buf<u8>, v: R::Buf<u8>, ks: R::Buf<f32>, vs: R::Buf<f32> },
 }
 
-pub struct DeviceKvPool {
-    layers: Vec<Layer>,
+pub struct DeviceKvPool<R: Runtime> {
+    layers: Vec<Layer<R>>,
     pub num_blocks: usize,
     pub block_size: usize,
     pub kv_heads: usize,
@@ -34,8 +32,8 @@ fn bad(msg: String) -> CudaError {
     CudaError::BadArgs(msg)
 }
 
-impl DeviceKvPool {
-    pub fn new(gpu: &Gpu, layers: usize, num_blocks: usize, block_size: usize, kv_heads: usize, head_dim: usize, storage: KvStorage) -> Result<Self, CudaError> {
+impl<R: Runtime> DeviceKvPool<R> {
+    pub fn new(gpu: &Kernels<R>, layers: usize, num_blocks: usize, block_size: usize, kv_heads: usize, head_dim: usize, storage: KvStorage) -> Result<Self, CudaError> {
         let n = num_blocks * block_size * kv_heads * head_dim;
         let rows = num_blocks * block_size * kv_heads;
         let layers = (0..layers)
@@ -57,45 +55,43 @@ impl DeviceKvPool {
 
     /// Stores one position's keys and values (`kv_heads·head_dim` each) in `(block, slot)`,
     /// narrowed on the host to the pool's storage type.
-    pub fn write(&mut self, gpu: &Gpu, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) -> Result<(), CudaError> {
+    pub fn write(&mut self, gpu: &Kernels<R>, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) -> Result<(), CudaError> {
         let w = self.width();
         if layer >= self.layers.len() || block >= self.num_blocks || slot >= self.block_size || k.len() != w || v.len() != w {
             return Err(bad(format!("kv write: layer {layer} block {block} slot {slot} with {}/{} values (width {w})", k.len(), v.len())));
         }
         let row = block * self.block_size + slot;
         let (hd, kvh) = (self.head_dim, self.kv_heads);
-        let s = &gpu.stream;
-        let copy = |what: &'static str, r: Result<(), cudarc::driver::DriverError>| r.map_err(|e| CudaError::Driver { what, msg: format!("{e:?}") });
         match &mut self.layers[layer] {
             Layer::F32 { k: dk, v: dv } => {
-                copy("kv write", s.memcpy_htod(k, &mut dk.slice_mut(row * w..(row + 1) * w)))?;
-                copy("kv write", s.memcpy_htod(v, &mut dv.slice_mut(row * w..(row + 1) * w)))?;
+                gpu.rt.write(dk, row * w, k)?;
+                gpu.rt.write(dv, row * w, v)?;
             }
             Layer::Bf16 { k: dk, v: dv } => {
                 let nb = |x: &[f32]| -> Vec<u16> { x.iter().map(|&f| half::bf16::from_f32(f).to_bits()).collect() };
-                copy("kv write", s.memcpy_htod(&nb(k), &mut dk.slice_mut(row * w..(row + 1) * w)))?;
-                copy("kv write", s.memcpy_htod(&nb(v), &mut dv.slice_mut(row * w..(row + 1) * w)))?;
+                gpu.rt.write(dk, row * w, &nb(k))?;
+                gpu.rt.write(dv, row * w, &nb(v))?;
             }
             Layer::Fp8 { k: dk, v: dv, ks, vs } => {
                 for (src, dst, sc) in [(k, dk, ks), (v, dv, vs)] {
                     let mut codes = vec![0u8; w];
                     let scales: Vec<f32> = (0..kvh).map(|h| quantize_e4m3(&src[h * hd..(h + 1) * hd], &mut codes[h * hd..(h + 1) * hd])).collect();
-                    copy("kv write", s.memcpy_htod(&codes, &mut dst.slice_mut(row * w..(row + 1) * w)))?;
-                    copy("kv write", s.memcpy_htod(&scales, &mut sc.slice_mut(row * kvh..(row + 1) * kvh)))?;
+                    gpu.rt.write(dst, row * w, &codes)?;
+                    gpu.rt.write(sc, row * kvh, &scales)?;
                 }
             }
         }
         Ok(())
     }
 
-    /// Decode attention over `layer`; `tables`/`lens` as in [`Gpu::paged_attention`], whose
+    /// Decode attention over `layer`; `tables`/`lens` as in [`Kernels::paged_attention_f32`], whose
     /// ids must be below `num_blocks` (the host block pool hands out only those).
     #[allow(clippy::too_many_arguments)]
-    pub fn attention(&self, gpu: &Gpu, layer: usize, heads: usize, max_blocks: usize, q: &CudaSlice<f32>, tables: &CudaSlice<i32>, lens: &CudaSlice<i32>, scale: f32, out: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+    pub fn attention(&self, gpu: &Kernels<R>, layer: usize, heads: usize, max_blocks: usize, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
         let geo = PagedGeometry { heads, kv_heads: self.kv_heads, head_dim: self.head_dim, block_size: self.block_size, max_blocks };
         match self.layers.get(layer).ok_or_else(|| bad(format!("kv attention: no layer {layer}")))? {
-            Layer::F32 { k, v } => gpu.paged_attention(&geo, q, k, v, tables, lens, scale, out),
-            Layer::Bf16 { k, v } => gpu.paged_attention(&geo, q, k, v, tables, lens, scale, out),
+            Layer::F32 { k, v } => gpu.paged_attention_f32(&geo, q, k, v, tables, lens, scale, out),
+            Layer::Bf16 { k, v } => gpu.paged_attention_bf16(&geo, q, k, v, tables, lens, scale, out),
             Layer::Fp8 { k, v, ks, vs } => gpu.paged_attention_fp8(&geo, q, k, v, ks, vs, tables, lens, scale, out),
         }
     }

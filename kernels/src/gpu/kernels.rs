@@ -1,0 +1,255 @@
+//! Every kernel's launch wrapper, written once over any [`Runtime`]: sizes are checked first (a
+//! wrong size is an error, never an out-of-bounds access on the device), then the grid and the
+//! argument list the `.cu` signature expects are built. Callers keep weights and the KV pool in
+//! runtime buffers allocated once, at load time.
+
+use std::ops::Deref;
+
+use super::runtime::{DevBuf, Dims, Elem, KArg, Runtime};
+use crate::cuda::CudaError;
+
+pub use crate::cpu::attention::PagedGeometry;
+
+/// Tokens per launch row-tile in the GEMV kernels (`TOK` in the .cu files).
+pub const TOK: usize = 8;
+/// Warps per block in the GEMV kernels (`WARPS` in cubic_gemv.cu).
+pub const GEMV_WARPS: usize = 4;
+
+pub(crate) fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), CudaError> {
+    if cond { Ok(()) } else { Err(CudaError::BadArgs(msg())) }
+}
+
+/// A packed low-bit matrix on the device (`rows` rows of `stride` bytes plus padding bytes,
+/// which the kernels may read when a code straddles the last byte).
+pub struct DevPacked<R: Runtime> {
+    pub data: R::Buf<u8>,
+    pub bits: u32,
+    pub rows: usize,
+    pub cols: usize,
+    pub stride: usize,
+}
+
+/// Group-quantised weights: INT (`p0` = scale, `p1` = zero) or Cubic (`p0` = s, `p1` = a), one
+/// value per (row, group), row-major.
+pub struct DevGrouped<R: Runtime> {
+    pub packed: DevPacked<R>,
+    pub group_size: usize,
+    pub p0: R::Buf<f32>,
+    pub p1: R::Buf<f32>,
+}
+
+pub struct DevMxfp4<R: Runtime> {
+    pub packed: R::Buf<u8>,
+    pub scales: R::Buf<u8>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// A runtime with the kernel launch wrappers on top. Derefs to the runtime (its device info,
+/// stream, ...).
+pub struct Kernels<R: Runtime> {
+    pub rt: R,
+}
+
+impl<R: Runtime> Deref for Kernels<R> {
+    type Target = R;
+    fn deref(&self) -> &R {
+        &self.rt
+    }
+}
+
+type A<'a, R> = KArg<'a, R>;
+
+impl<R: Runtime> Kernels<R> {
+    pub fn new(rt: R) -> Self {
+        Self { rt }
+    }
+
+    pub fn upload<T: Elem>(&self, host: &[T]) -> Result<R::Buf<T>, CudaError> {
+        self.rt.upload(host)
+    }
+    pub fn download<T: Elem>(&self, dev: &R::Buf<T>) -> Result<Vec<T>, CudaError> {
+        self.rt.download(dev)
+    }
+    pub fn zeros<T: Elem>(&self, n: usize) -> Result<R::Buf<T>, CudaError> {
+        self.rt.zeros(n.max(1))
+    }
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.rt.synchronize()
+    }
+
+    /// Launch through the runtime; the wrappers below have checked sizes.
+    fn go(&self, kernel: &'static str, dims: Dims, args: &[A<'_, R>]) -> Result<(), CudaError> {
+        // SAFETY: every caller builds `args` in the order and types of the kernel's signature
+        // and has checked the buffers against the sizes the kernel touches at `dims`.
+        unsafe { self.rt.launch(kernel, dims, args) }
+    }
+
+    /// Uploads a packed matrix given as `rows × stride` bytes (adds the padding bytes).
+    pub fn upload_packed(&self, bits: u32, rows: usize, cols: usize, stride: usize, bytes: &[u8]) -> Result<DevPacked<R>, CudaError> {
+        check((1..=8).contains(&bits), || format!("{bits}-bit codes"))?;
+        check(stride >= (cols * bits as usize).div_ceil(8) && bytes.len() == rows * stride, || format!("{} bytes for {rows} rows of stride {stride}", bytes.len()))?;
+        let mut padded = Vec::with_capacity(bytes.len() + 4);
+        padded.extend_from_slice(bytes);
+        padded.resize(bytes.len() + 4, 0);
+        Ok(DevPacked { data: self.upload(&padded)?, bits, rows, cols, stride })
+    }
+
+    pub fn upload_grouped(&self, packed: DevPacked<R>, group_size: usize, p0: &[f32], p1: &[f32]) -> Result<DevGrouped<R>, CudaError> {
+        let n = packed.rows * packed.cols.div_ceil(group_size.max(1));
+        check(group_size > 0 && p0.len() == n && p1.len() == n, || format!("{} / {} group parameters for {n} groups", p0.len(), p1.len()))?;
+        Ok(DevGrouped { packed, group_size, p0: self.upload(p0)?, p1: self.upload(p1)? })
+    }
+
+    pub fn upload_mxfp4(&self, rows: usize, cols: usize, packed: &[u8], scales: &[u8]) -> Result<DevMxfp4<R>, CudaError> {
+        check(cols % 32 == 0 && packed.len() == rows * cols / 2 && scales.len() == rows * cols / 32, || format!("MXFP4 {rows}x{cols}: {} code bytes, {} scales", packed.len(), scales.len()))?;
+        Ok(DevMxfp4 { packed: self.upload(packed)?, scales: self.upload(scales)?, rows, cols })
+    }
+
+    /// gridDim.y is capped at 65535 tiles of 8 tokens (524k tokens): far above any batch.
+    pub fn gemv_dims(rows: usize, n: usize) -> Dims {
+        Dims::new((rows.div_ceil(GEMV_WARPS) as u32, n.div_ceil(TOK) as u32, 1), (GEMV_WARPS * 32) as u32)
+    }
+
+    fn check_gemv(rows: usize, cols: usize, x: &R::Buf<f32>, out: &R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+        check(n > 0 && x.len() >= n * cols && out.len() >= n * rows, || format!("gemv: x {} / out {} elements for n={n}, {rows}x{cols}", x.len(), out.len()))
+    }
+
+    /// `out[n, rows] = x[n, cols] · Wᵀ` for pack-quantized INT weights (4-bit word fast path when
+    /// the layout allows it).
+    pub fn int_gemv(&self, w: &DevGrouped<R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+        let p = &w.packed;
+        Self::check_gemv(p.rows, p.cols, x, out, n)?;
+        let fast = p.bits == 4 && p.stride % 4 == 0 && w.group_size % 8 == 0;
+        let mut args = vec![A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&w.p0), A::F32s(&w.p1), A::F32s(x), A::F32s(out), A::I32(p.rows as i32), A::I32(p.cols as i32)];
+        if !fast {
+            args.push(A::I32(p.bits as i32));
+        }
+        args.extend([A::I32(w.group_size as i32), A::I32(n as i32)]);
+        self.go(if fast { "int4_gemv" } else { "int_gemv" }, Self::gemv_dims(p.rows, n), &args)
+    }
+
+    pub fn cubic_gemv(&self, w: &DevGrouped<R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+        let p = &w.packed;
+        Self::check_gemv(p.rows, p.cols, x, out, n)?;
+        let args = [A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&w.p0), A::F32s(&w.p1), A::F32s(x), A::F32s(out), A::I32(p.rows as i32), A::I32(p.cols as i32), A::I32(p.bits as i32), A::I32(w.group_size as i32), A::I32(n as i32)];
+        self.go("cubic_gemv", Self::gemv_dims(p.rows, n), &args)
+    }
+
+    pub fn mxfp4_gemv(&self, w: &DevMxfp4<R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+        Self::check_gemv(w.rows, w.cols, x, out, n)?;
+        let args = [A::U8s(&w.packed), A::U8s(&w.scales), A::F32s(x), A::F32s(out), A::I32(w.rows as i32), A::I32(w.cols as i32), A::I32(n as i32)];
+        self.go("mxfp4_gemv", Self::gemv_dims(w.rows, n), &args)
+    }
+
+    pub fn row_dims(rows: usize) -> Dims {
+        Dims::new((rows as u32, 1, 1), 256)
+    }
+    pub fn flat_dims(n: usize) -> Dims {
+        Dims::new((n.div_ceil(256).max(1) as u32, 1, 1), 256)
+    }
+
+    /// RMSNorm of each `d`-wide row of `x` into `y` (`d` = `w.len()`).
+    pub fn rms_norm(&self, x: &R::Buf<f32>, w: &R::Buf<f32>, y: &mut R::Buf<f32>, rows: usize, eps: f32) -> Result<(), CudaError> {
+        let d = w.len();
+        check(x.len() >= rows * d && y.len() >= rows * d, || "rms_norm: buffer sizes".into())?;
+        self.go("rms_norm", Self::row_dims(rows), &[A::F32s(x), A::F32s(w), A::F32s(y), A::I32(d as i32), A::F32(eps)])
+    }
+
+    /// `x += delta; y = rms_norm(x)`.
+    pub fn add_rms_norm(&self, x: &mut R::Buf<f32>, delta: &R::Buf<f32>, w: &R::Buf<f32>, y: &mut R::Buf<f32>, rows: usize, eps: f32) -> Result<(), CudaError> {
+        let d = w.len();
+        check(x.len() >= rows * d && delta.len() >= rows * d && y.len() >= rows * d, || "add_rms_norm: buffer sizes".into())?;
+        self.go("add_rms_norm", Self::row_dims(rows), &[A::F32s(x), A::F32s(delta), A::F32s(w), A::F32s(y), A::I32(d as i32), A::F32(eps)])
+    }
+
+    /// Rotates `x` ([tokens, heads, head_dim]) in place; token t at `positions[t]`.
+    pub fn rope(&self, x: &mut R::Buf<f32>, positions: &R::Buf<i32>, inv_freq: &R::Buf<f32>, tokens: usize, heads: usize, head_dim: usize) -> Result<(), CudaError> {
+        let rotary = inv_freq.len() * 2;
+        check(rotary <= head_dim && x.len() >= tokens * heads * head_dim && positions.len() >= tokens, || "rope: buffer sizes".into())?;
+        let args = [A::F32s(x), A::I32s(positions), A::F32s(inv_freq), A::I32(tokens as i32), A::I32(heads as i32), A::I32(head_dim as i32), A::I32(rotary as i32)];
+        self.go("rope_neox", Self::flat_dims(tokens * heads * rotary / 2), &args)
+    }
+
+    /// `out[t, :] = silu(gate_up[t, :d]) * gate_up[t, d:]`.
+    pub fn silu_mul(&self, gate_up: &R::Buf<f32>, out: &mut R::Buf<f32>, tokens: usize, d: usize) -> Result<(), CudaError> {
+        check(gate_up.len() >= tokens * 2 * d && out.len() >= tokens * d, || "silu_mul: buffer sizes".into())?;
+        self.go("silu_mul", Self::flat_dims(tokens * d), &[A::F32s(gate_up), A::F32s(out), A::I32(tokens as i32), A::I32(d as i32)])
+    }
+
+    fn attn_check(g: &PagedGeometry, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, out: &R::Buf<f32>) -> Result<usize, CudaError> {
+        let seqs = lens.len();
+        check(g.head_dim <= 256 && g.kv_heads > 0 && g.heads % g.kv_heads == 0, || format!("attention: {} heads over {} kv heads of {}", g.heads, g.kv_heads, g.head_dim))?;
+        check(q.len() >= seqs * g.heads * g.head_dim && out.len() >= seqs * g.heads * g.head_dim && tables.len() >= seqs * g.max_blocks, || "attention: buffer sizes".into())?;
+        Ok(seqs)
+    }
+    pub fn attn_dims(g: &PagedGeometry, seqs: usize) -> Dims {
+        Dims::new((seqs as u32, g.heads as u32, 1), 128)
+    }
+
+    /// Decode attention over f32 K/V blocks, one query row per entry of `lens`. The caller
+    /// guarantees the block tables and lengths stay inside the pool (the engine's block pool does).
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_f32(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<f32>, v: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        self.paged_attention_16_32("paged_attention_f32", g, q, A::F32s(k), A::F32s(v), tables, lens, scale, out)
+    }
+
+    /// As [`Self::paged_attention_f32`] over bf16 (bit patterns) K/V blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_bf16(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<u16>, v: &R::Buf<u16>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        self.paged_attention_16_32("paged_attention_bf16", g, q, A::U16s(k), A::U16s(v), tables, lens, scale, out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention_16_32(&self, name: &'static str, g: &PagedGeometry, q: &R::Buf<f32>, k: A<'_, R>, v: A<'_, R>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        let seqs = Self::attn_check(g, q, tables, lens, out)?;
+        let args = [A::F32s(q), k, v, A::I32s(tables), A::I32s(lens), A::F32s(out), A::I32(g.heads as i32), A::I32(g.kv_heads as i32), A::I32(g.head_dim as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)];
+        self.go(name, Self::attn_dims(g, seqs), &args)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_fp8(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<u8>, v: &R::Buf<u8>, k_scales: &R::Buf<f32>, v_scales: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        let seqs = Self::attn_check(g, q, tables, lens, out)?;
+        let args = [A::F32s(q), A::U8s(k), A::U8s(v), A::F32s(k_scales), A::F32s(v_scales), A::I32s(tables), A::I32s(lens), A::F32s(out), A::I32(g.heads as i32), A::I32(g.kv_heads as i32), A::I32(g.head_dim as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)];
+        self.go("paged_attention_fp8", Self::attn_dims(g, seqs), &args)
+    }
+
+    /// One token per row of `logits` ([seqs, vocab]); `u` holds one uniform draw per row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sample(&self, logits: &R::Buf<f32>, probs: &mut R::Buf<f32>, u: &R::Buf<f32>, out: &mut R::Buf<i32>, vocab: usize, temperature: f32, top_k: usize, top_p: f32) -> Result<(), CudaError> {
+        let seqs = u.len();
+        check(temperature > 0.0 && logits.len() >= seqs * vocab && probs.len() >= seqs * vocab && out.len() >= seqs, || "sample: buffer sizes or temperature".into())?;
+        let args = [A::F32s(logits), A::F32s(probs), A::F32s(u), A::I32s(out), A::I32(vocab as i32), A::F32(temperature), A::I32(top_k as i32), A::F32(top_p)];
+        self.go("sample_top_k_top_p", Dims::new((seqs as u32, 1, 1), 1024), &args)
+    }
+
+    /// Groups `experts` (assignment → expert id, all in range: the router guarantees it) by expert;
+    /// returns `(offsets [num_experts + 1], order [assignments])` on the device.
+    pub fn moe_group(&self, experts: &R::Buf<i32>, num_experts: usize) -> Result<(R::Buf<i32>, R::Buf<i32>), CudaError> {
+        let a = experts.len();
+        let counts = self.zeros::<i32>(num_experts)?;
+        let offsets = self.zeros::<i32>(num_experts + 1)?;
+        let order = self.zeros::<i32>(a)?;
+        self.go("moe_count", Self::flat_dims(a), &[A::I32s(experts), A::I32(a as i32), A::I32s(&counts)])?;
+        self.go("moe_offsets", Dims::new((1, 1, 1), 32), &[A::I32s(&counts), A::I32(num_experts as i32), A::I32s(&offsets)])?;
+        self.go("moe_scatter", Dims::new((num_experts as u32, 1, 1), 256), &[A::I32s(experts), A::I32(a as i32), A::I32s(&offsets), A::I32s(&order)])?;
+        Ok((offsets, order))
+    }
+
+    /// `out[a, :] = W[experts[a]] · x[a / k]` in grouped order (bf16 weights [experts, rows, cols]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_expert_gemv_bf16(&self, weights: &R::Buf<u16>, x: &R::Buf<f32>, experts: &R::Buf<i32>, order: &R::Buf<i32>, out: &mut R::Buf<f32>, rows: usize, cols: usize, k: usize) -> Result<(), CudaError> {
+        let a = experts.len();
+        check(k > 0 && a % k == 0 && order.len() == a && x.len() >= a / k * cols && out.len() >= a * rows, || "moe_expert_gemv: buffer sizes".into())?;
+        // One grid row per assignment: CUDA caps gridDim.y at 65535 (callers chunk larger batches).
+        check(a <= 65535, || format!("moe_expert_gemv: {a} assignments in one launch (at most 65535)"))?;
+        let args = [A::U16s(weights), A::F32s(x), A::I32s(experts), A::I32s(order), A::F32s(out), A::I32(rows as i32), A::I32(cols as i32), A::I32(k as i32)];
+        self.go("moe_expert_gemv_bf16", Dims::new((rows.div_ceil(GEMV_WARPS) as u32, a as u32, 1), (GEMV_WARPS * 32) as u32), &args)
+    }
+
+    /// Dense bf16 GEMM: `out[n, m] (f32) = x[n, k] (bf16) · W[m, k]ᵀ (bf16)`, f32 accumulation.
+    pub fn gemm_bf16(&self, x: &R::Buf<u16>, w: &R::Buf<u16>, out: &mut R::Buf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+        check(x.len() >= n * k && w.len() >= m * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
+        self.rt.gemm_bf16(x, w, out, n, k, m)
+    }
+}

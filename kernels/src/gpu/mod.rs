@@ -1,0 +1,8 @@
+//! The device layer shared by every runtime: the [`Runtime`] trait (buffers, copies, launch by
+//! name) and [`Kernels`], each kernel's size-checked launch wrapper written once over it.
+pub mod kernels;
+pub mod kv_pool;
+pub mod runtime;
+
+pub use kernels::{DevGrouped, DevMxfp4, DevPacked, Kernels, PagedGeometry};
+pub use runtime::{DevBuf, Dims, Elem, KArg, Runtime};
