@@ -171,7 +171,6 @@ fn bad_layouts_are_clear_errors() {
 
 mod deepseek {
     use super::common;
-    use serde_json::Value;
     use std::path::PathBuf;
     use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
     use wasmserve::model::LoadedModel;
@@ -180,23 +179,10 @@ mod deepseek {
         common::repo_root().join("tests/reference/deepseek_v3/model")
     }
 
-    pub struct Case {
-        pub ids: Vec<u32>,
-        pub prefill: Vec<Vec<f32>>,
-        pub greedy: Vec<u32>,
-        pub steps: Vec<Vec<f32>>,
-    }
+    pub use common::ReferenceCase as Case;
 
     pub fn cases() -> Vec<Case> {
-        let r: Value = serde_json::from_str(&std::fs::read_to_string(dir().join("reference.json")).unwrap()).unwrap();
-        let rows = |v: &Value| -> Vec<Vec<f32>> { v.as_array().unwrap().iter().map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()).collect() };
-        let ids = |v: &Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
-        r["cases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| Case { ids: ids(&c["ids"]), prefill: rows(&c["prefill_logits"]), greedy: ids(&c["greedy_ids"]), steps: rows(&c["step_logits"]) })
-            .collect()
+        common::reference_cases(&dir().join("reference.json"))
     }
 
     /// Prefill logits of every prompt position, then the logits of each decode step fed the
@@ -279,37 +265,9 @@ fn deepseek_engine_tokens(ep: usize, prompts: &[&[u32]]) -> Vec<Vec<u32>> {
 }
 
 fn deepseek_engine_tokens_of(model: wasmserve::model::LoadedModel, prompts: &[&[u32]]) -> Vec<Vec<u32>> {
-    use tokio::sync::mpsc::unbounded_channel;
-    use wasmserve::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
-    use wasmserve::sampling::SamplingParams;
-    let model = std::sync::Arc::new(model);
     // A small token budget: chunked prefill, prefill and decode rows of both requests mixed.
-    let mut core = EngineCore::new(model, EngineConfig { max_num_batched_tokens: 7, enable_prefix_caching: false, ..Default::default() });
-    let mut rxs = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        let (tx, rx) = unbounded_channel();
-        let req = EngineRequest { prompt_ids: p.to_vec(), sampling: SamplingParams::greedy(), max_tokens: 32, ignore_eos: true, ..Default::default() };
-        core.add_request(i as u64 + 1, req, tx).unwrap();
-        rxs.push(rx);
-    }
-    let mut steps = 0;
-    while core.step() {
-        steps += 1;
-        assert!(steps < 10_000, "engine did not finish");
-    }
-    rxs.iter_mut()
-        .map(|rx| {
-            let mut toks = Vec::new();
-            while let Ok(ev) = rx.try_recv() {
-                match ev {
-                    EngineEvent::Token { token, .. } => toks.push(token),
-                    EngineEvent::Error(e) => panic!("engine error: {e}"),
-                    _ => {}
-                }
-            }
-            toks
-        })
-        .collect()
+    let config = wasmserve::engine::EngineConfig { max_num_batched_tokens: 7, enable_prefix_caching: false, ..Default::default() };
+    common::engine_greedy_tokens(std::sync::Arc::new(model), config, prompts, 32)
 }
 
 #[test]

@@ -41,23 +41,10 @@ fn model() -> Arc<LoadedModel> {
     M.get_or_init(|| Arc::new(wasmserve::model::load(&dir().join("model")).expect("loading the tiny DeepSeek-V3"))).clone()
 }
 
-struct Case {
-    ids: Vec<u32>,
-    prefill: Vec<Vec<f32>>,
-    greedy: Vec<u32>,
-    steps: Vec<Vec<f32>>,
-}
+use common::ReferenceCase as Case;
 
 fn cases() -> Vec<Case> {
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(dir().join("model/reference.json")).unwrap()).unwrap();
-    let rows = |v: &Value| -> Vec<Vec<f32>> { v.as_array().unwrap().iter().map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()).collect() };
-    let ids = |v: &Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
-    r["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Case { ids: ids(&c["ids"]), prefill: rows(&c["prefill_logits"]), greedy: ids(&c["greedy_ids"]), steps: rows(&c["step_logits"]) })
-        .collect()
+    common::reference_cases(&dir().join("model/reference.json"))
 }
 
 fn max_diff(got: &[f32], want: &[f32]) -> f32 {

@@ -10,7 +10,6 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
-use serde_json::Value;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use wasmserve::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
 use wasmserve::model::kv::BatchRow;
@@ -22,12 +21,7 @@ use wasmserve::sampling::SamplingParams;
 /// rounded to 1e-5. Measured: 2.7e-5 (prefill), 1.7e-5 (decode, engine log-probabilities).
 const TOLERANCE: f32 = 2e-4;
 
-struct Case {
-    ids: Vec<u32>,
-    prefill: Vec<Vec<f32>>,
-    greedy: Vec<u32>,
-    steps: Vec<Vec<f32>>,
-}
+use common::ReferenceCase as Case;
 
 fn dir() -> std::path::PathBuf {
     common::repo_root().join("tests/reference/kimi_linear/model")
@@ -39,10 +33,7 @@ fn model() -> Arc<LoadedModel> {
 }
 
 fn cases() -> Vec<Case> {
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(dir().join("reference.json")).unwrap()).unwrap();
-    let mat = |x: &Value| -> Vec<Vec<f32>> { x.as_array().unwrap().iter().map(|r| r.as_array().unwrap().iter().map(|f| f.as_f64().unwrap() as f32).collect()).collect() };
-    let ids = |x: &Value| -> Vec<u32> { x.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect() };
-    v["cases"].as_array().unwrap().iter().map(|c| Case { ids: ids(&c["ids"]), prefill: mat(&c["prefill_logits"]), greedy: ids(&c["greedy_ids"]), steps: mat(&c["step_logits"]) }).collect()
+    common::reference_cases(&dir().join("reference.json"))
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {

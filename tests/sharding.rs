@@ -227,37 +227,11 @@ fn non_divisible_shapes_are_clear_errors() {
 
 /// Greedy tokens per request from an engine serving `path` split over `tp` ranks.
 fn engine_tokens(path: &std::path::Path, tp: usize, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
-    use tokio::sync::mpsc::unbounded_channel;
-    use wasmserve::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
-    use wasmserve::sampling::SamplingParams;
     let model = std::sync::Arc::new(wasmserve::model::load_tp(path, tp).unwrap());
+    let prompts: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     // A small token budget forces chunked prefill and mixed prefill/decode batches.
-    let mut core = EngineCore::new(model, EngineConfig { max_num_batched_tokens: 8, ..Default::default() });
-    let mut rxs = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        let (tx, rx) = unbounded_channel();
-        let req = EngineRequest { prompt_ids: p.clone(), sampling: SamplingParams::greedy(), max_tokens, ignore_eos: true, ..Default::default() };
-        core.add_request(i as u64 + 1, req, tx).unwrap();
-        rxs.push(rx);
-    }
-    let mut steps = 0;
-    while core.step() {
-        steps += 1;
-        assert!(steps < 10_000, "engine did not finish");
-    }
-    rxs.iter_mut()
-        .map(|rx| {
-            let mut toks = Vec::new();
-            while let Ok(ev) = rx.try_recv() {
-                match ev {
-                    EngineEvent::Token { token, .. } => toks.push(token),
-                    EngineEvent::Error(e) => panic!("engine error: {e}"),
-                    _ => {}
-                }
-            }
-            toks
-        })
-        .collect()
+    let config = wasmserve::engine::EngineConfig { max_num_batched_tokens: 8, ..Default::default() };
+    common::engine_greedy_tokens(model, config, &prompts, max_tokens)
 }
 
 #[test]
