@@ -9,6 +9,7 @@
 use kernels::cpu::matmul::matmul_t;
 use kernels::cpu::norm::rms_norm;
 
+use super::decoder::{add_residual, embed_tokens, final_norm_rows};
 use super::config::{AttentionKind, FfnKind, LayerSpec, ModelConfig};
 use super::error::LoadError;
 use super::kv::{BatchRow, CacheLayout, KvCache};
@@ -183,32 +184,20 @@ impl DeepseekV3Model {
         let (n, d) = (tokens.len(), cfg.hidden_size);
         assert_eq!(n, rows.len(), "forward: one BatchRow per token");
         let embed = self.embed.as_slice();
-        let mut hidden = vec![0.0f32; n * d];
-        for (h, &t) in hidden.chunks_exact_mut(d).zip(tokens) {
-            let t = t as usize;
-            assert!(t < cfg.vocab_size, "token id {t} out of range");
-            h.copy_from_slice(&embed[t * d..(t + 1) * d]);
-        }
+        let mut hidden = embed_tokens(embed, d, tokens);
         let mut normed = vec![0.0f32; n * d];
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&hidden, layer.attn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
-            let a = attend(li, &layer.attn, &normed)?;
-            hidden.iter_mut().zip(&a).for_each(|(h, v)| *h += v);
+            add_residual(&mut hidden, &attend(li, &layer.attn, &normed)?);
             rms_norm(&hidden, layer.ffn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
             let f = match &layer.ffn {
                 Ffn::Dense(m) => m.forward(&normed, n),
                 Ffn::Moe(m) => m.forward(&normed, n),
                 Ffn::ExpertParallel(m) => expert_parallel(m, &normed, n)?,
             };
-            hidden.iter_mut().zip(&f).for_each(|(h, v)| *h += v);
+            add_residual(&mut hidden, &f);
         }
-        // Only the requested rows go through the final norm and the vocabulary projection.
-        let mut picked = Vec::with_capacity(logit_rows.len() * d);
-        for &r in logit_rows {
-            picked.extend_from_slice(&hidden[r * d..(r + 1) * d]);
-        }
-        let mut final_normed = vec![0.0f32; picked.len()];
-        rms_norm(&picked, self.norm.as_slice(), cfg.rms_norm_eps, &mut final_normed);
+        let final_normed = final_norm_rows(&hidden, d, logit_rows, self.norm.as_slice(), cfg.rms_norm_eps);
         match &self.lm_head {
             Some(head) => Ok(head.forward(&final_normed, logit_rows.len())),
             None => {

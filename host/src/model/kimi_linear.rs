@@ -9,6 +9,7 @@
 use kernels::cpu::norm::rms_norm;
 
 use super::config::ModelConfig;
+use super::decoder::{add_residual, embed_tokens, final_norm_rows};
 use super::error::LoadError;
 use super::kda::plan::{layer_plan, MixerKind};
 use super::kda::state::SequenceState;
@@ -125,13 +126,7 @@ impl LanguageModel for KimiLinearModel {
         let cfg = &self.cfg;
         let (n, d) = (tokens.len(), cfg.hidden_size);
         assert_eq!(n, rows.len(), "forward: one BatchRow per token");
-        let embed = self.embed.as_slice();
-        let mut hidden = vec![0.0f32; n * d];
-        for (h, &t) in hidden.chunks_exact_mut(d).zip(tokens) {
-            let t = t as usize;
-            assert!(t < cfg.vocab_size, "token id {t} out of range");
-            h.copy_from_slice(&embed[t * d..(t + 1) * d]);
-        }
+        let mut hidden = embed_tokens(self.embed.as_slice(), d, tokens);
         let mut normed = vec![0.0f32; n * d];
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&hidden, layer.attn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
@@ -143,25 +138,15 @@ impl LanguageModel for KimiLinearModel {
                 }
                 Mixer::Latent(attn) => attn.forward(&normed, rows, kv, li),
             };
-            for (h, a) in hidden.iter_mut().zip(&mixed) {
-                *h += a;
-            }
+            add_residual(&mut hidden, &mixed);
             rms_norm(&hidden, layer.ffn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
             let out = match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(&normed, n),
                 Ffn::Moe(moe) => moe.forward(&normed, n),
             };
-            for (h, a) in hidden.iter_mut().zip(&out) {
-                *h += a;
-            }
+            add_residual(&mut hidden, &out);
         }
-        // Only the requested rows go through the final norm and the vocabulary projection.
-        let mut picked = Vec::with_capacity(logit_rows.len() * d);
-        for &r in logit_rows {
-            picked.extend_from_slice(&hidden[r * d..(r + 1) * d]);
-        }
-        let mut final_normed = vec![0.0f32; picked.len()];
-        rms_norm(&picked, self.norm.as_slice(), cfg.rms_norm_eps, &mut final_normed);
+        let final_normed = final_norm_rows(&hidden, d, logit_rows, self.norm.as_slice(), cfg.rms_norm_eps);
         self.lm_head.forward(&final_normed, logit_rows.len())
     }
 }

@@ -19,6 +19,7 @@ use crate::mesh::split::Split;
 use crate::mesh::{even_range, Collective, CollectiveError, LocalCollective};
 
 use super::config::ModelConfig;
+use super::decoder::{add_residual, final_norm_rows};
 use super::error::LoadError;
 use super::kv::{BatchRow, CacheLayout, KvCache, LayerKvShape};
 use super::LanguageModel;
@@ -231,9 +232,7 @@ impl LlamaModel {
             // Row-parallel output projection: each rank's partial sum over its heads, then the sum.
             let mut o = layer.o.forward(&attn, n);
             comm.all_reduce_sum(&mut o)?;
-            for (h, a) in hidden.iter_mut().zip(&o) {
-                *h += a;
-            }
+            add_residual(&mut hidden, &o);
             rms_norm(&hidden, layer.ffn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
             let gate = layer.gate.forward(&normed, n);
             let up = layer.up.forward(&normed, n);
@@ -241,18 +240,10 @@ impl LlamaModel {
             silu_mul(&gate, &up, &mut act);
             let mut down = layer.down.forward(&act, n);
             comm.all_reduce_sum(&mut down)?;
-            for (h, a) in hidden.iter_mut().zip(&down) {
-                *h += a;
-            }
-        }
-        // Only the requested rows go through the final norm and the (large) vocabulary projection.
-        let mut picked = Vec::with_capacity(logit_rows.len() * d);
-        for &r in logit_rows {
-            picked.extend_from_slice(&hidden[r * d..(r + 1) * d]);
+            add_residual(&mut hidden, &down);
         }
         let m = logit_rows.len();
-        let mut final_normed = vec![0.0f32; picked.len()];
-        rms_norm(&picked, self.norm.as_slice(), cfg.rms_norm_eps, &mut final_normed);
+        let final_normed = final_norm_rows(&hidden, d, logit_rows, self.norm.as_slice(), cfg.rms_norm_eps);
         let local = match &self.lm_head {
             Some(head) => head.forward(&final_normed, m),
             None => {

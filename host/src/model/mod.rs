@@ -1,6 +1,7 @@
 //! Model loading: checkpoint formats, the architecture registry and the forward pass.
 
 pub mod config;
+pub mod decoder;
 pub mod deepseek;
 pub mod error;
 pub mod ggml;
