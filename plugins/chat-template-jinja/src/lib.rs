@@ -15,6 +15,7 @@ use minijinja::value::{Kwargs, Value as JValue};
 use minijinja::{Environment, Error, ErrorKind};
 use serde_json::{Map, Value};
 use wasmserve_parsers::pyjson;
+use wasmserve_parsers::strftime::format_utc;
 use wasmserve_guest::{ChatTemplate, Plugin, PluginInfo, RenderOptions, Rendered};
 
 pub struct JinjaTemplate {
@@ -56,48 +57,6 @@ fn strftime_now(format: String) -> String {
     format_utc(NOW.with(Cell::get), &format)
 }
 
-/// Minimal strftime for the directives chat templates use (%d %m %Y %y %b %B %H %M %S %%).
-fn format_utc(secs: u64, fmt: &str) -> String {
-    let days = (secs / 86400) as i64;
-    let rem = secs % 86400;
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days + 719468;
-    let era = z.div_euclid(146097);
-    let doe = z - era * 146097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
-    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
-    let mut out = String::new();
-    let mut chars = fmt.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('d') => out.push_str(&format!("{d:02}")),
-            Some('m') => out.push_str(&format!("{m:02}")),
-            Some('Y') => out.push_str(&y.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", y % 100)),
-            Some('B') => out.push_str(MONTHS[(m - 1) as usize]),
-            Some('b') => out.push_str(&MONTHS[(m - 1) as usize][..3]),
-            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
-            Some('M') => out.push_str(&format!("{:02}", rem % 3600 / 60)),
-            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
-}
 
 impl Plugin for JinjaTemplate {
     fn info() -> PluginInfo {

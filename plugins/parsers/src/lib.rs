@@ -11,6 +11,7 @@ pub mod kimi_k3;
 pub mod pyjson;
 pub mod qwen3;
 pub mod scan;
+pub mod strftime;
 pub mod think;
 
 /// `chat_template_kwargs` as a JSON object (`{}` when absent or malformed).
