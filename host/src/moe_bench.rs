@@ -20,10 +20,10 @@ use kernels::cpu::cubic::AnyCubic;
 use kernels::cpu::quant_int::IntMatrix;
 
 use crate::model::linear::Linear;
-use crate::model::moe::config::{ExpertNaming, MoeConfig, Scoring, TopkMethod};
+use crate::model::moe::config::MoeConfig;
 use crate::model::moe::experts::Experts;
 use crate::model::moe::mlp::{Activation, GatedMlp};
-use crate::model::moe::router::{Router, Routing};
+use crate::model::moe::router::Router;
 use crate::model::quant::IntLinear;
 use crate::model::tensor::Tensor;
 
@@ -139,28 +139,7 @@ fn mlp(fmt: Format, hidden: usize, inter: usize, fill: &mut Fill) -> GatedMlp {
 }
 
 fn config(a: &MoeBenchArgs, top_k: usize) -> MoeConfig {
-    MoeConfig {
-        hidden_size: a.hidden,
-        num_experts: a.experts,
-        top_k,
-        moe_intermediate_size: a.intermediate,
-        num_shared_experts: 0,
-        scoring: Scoring::Softmax,
-        topk_method: TopkMethod::Greedy,
-        n_group: 1,
-        topk_group: 1,
-        norm_topk_prob: true,
-        routed_scaling_factor: 1.0,
-        activation: Activation::Silu,
-        latent: None,
-        rms_norm_eps: 1e-6,
-        naming: ExpertNaming::GateUpDown,
-        module: "mlp",
-        first_k_dense_replace: 0,
-        moe_layer_freq: 1,
-        mlp_layer_types: None,
-        dense_intermediate_size: 0,
-    }
+    MoeConfig { norm_topk_prob: true, ..MoeConfig::plain(a.hidden, a.experts, top_k, a.intermediate) }
 }
 
 /// Seconds per call of `f` over every input, best of the rounds handled by the caller.
@@ -172,19 +151,6 @@ fn per_step(inputs: &[Vec<f32>], mut f: impl FnMut(usize, &[f32]) -> Vec<f32>) -
     started.elapsed().as_secs_f64() / inputs.len() as f64
 }
 
-/// The per-token loop grouping avoids: each token runs its experts on its own row.
-fn per_token(experts: &Experts, x: &[f32], n: usize, routing: &Routing) -> Vec<f32> {
-    let d = experts.dim();
-    let mut out = vec![0.0; n * d];
-    for t in 0..n {
-        let (ids, ws) = routing.token(t);
-        for (&e, &w) in ids.iter().zip(ws) {
-            let y = experts.get(e as usize).forward(&x[t * d..(t + 1) * d], 1);
-            out[t * d..(t + 1) * d].iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
-        }
-    }
-    out
-}
 
 struct Row {
     format: String,
@@ -237,7 +203,7 @@ pub fn run(a: MoeBenchArgs) -> Result<()> {
                     moe_s = moe_s.min(per_step(&inputs, |_, x| experts.forward(x, n, &router.route(x, n), &|_| true)));
                     dense_s = dense_s.min(per_step(&inputs, |i, x| dense[(i + offset) % dense.len()].forward(x, n)));
                     if n > 1 {
-                        tok_s = tok_s.min(per_step(&inputs, |_, x| per_token(&experts, x, n, &router.route(x, n))));
+                        tok_s = tok_s.min(per_step(&inputs, |_, x| experts.forward_per_token(x, n, &router.route(x, n))));
                     }
                 }
                 eprintln!("{} k={k} tokens={n}: moe {:.0} us, dense {:.0} us", fmt.name(), moe_s * 1e6, dense_s * 1e6);

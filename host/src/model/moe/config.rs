@@ -92,6 +92,34 @@ fn first<'a>(v: &'a Value, keys: &[&str]) -> Option<&'a Value> {
 }
 
 impl MoeConfig {
+    /// The plainest routed MoE of these sizes: softmax scores, greedy top-k without groups or
+    /// renormalisation, SiLU experts, no shared or dense layers (benchmarks and unit tests start
+    /// from it and override what they exercise).
+    pub fn plain(hidden_size: usize, num_experts: usize, top_k: usize, moe_intermediate_size: usize) -> Self {
+        MoeConfig {
+            hidden_size,
+            num_experts,
+            top_k,
+            moe_intermediate_size,
+            num_shared_experts: 0,
+            scoring: Scoring::Softmax,
+            topk_method: TopkMethod::Greedy,
+            n_group: 1,
+            topk_group: 1,
+            norm_topk_prob: false,
+            routed_scaling_factor: 1.0,
+            activation: Activation::Silu,
+            latent: None,
+            rms_norm_eps: 1e-6,
+            naming: ExpertNaming::GateUpDown,
+            module: "mlp",
+            first_k_dense_replace: 0,
+            moe_layer_freq: 1,
+            mlp_layer_types: None,
+            dense_intermediate_size: 0,
+        }
+    }
+
     /// Parses the MoE part of `raw` (K3's nested `text_config` is looked into); `Ok(None)` when
     /// the config has no routed experts.
     pub fn from_hf_config(file: &Path, raw: &Value) -> Result<Option<Self>, LoadError> {

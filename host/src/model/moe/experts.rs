@@ -76,6 +76,24 @@ impl Experts {
         self.dim
     }
 
+    /// The obvious per-token loop [`Self::forward`] avoids: each token runs each of its experts
+    /// on its own row (all held experts). The reference the grouped path is tested against and
+    /// the baseline the MoE benchmark reports it against.
+    pub fn forward_per_token(&self, x: &[f32], n: usize, routing: &Routing) -> Vec<f32> {
+        let d = self.dim;
+        let mut out = vec![0.0; n * d];
+        for t in 0..n {
+            let (ids, ws) = routing.token(t);
+            for (&e, &w) in ids.iter().zip(ws) {
+                let y = self.get(e as usize).forward(&x[t * d..(t + 1) * d], 1);
+                for (o, v) in out[t * d..(t + 1) * d].iter_mut().zip(y) {
+                    *o += w * v;
+                }
+            }
+        }
+        out
+    }
+
     /// `Σ_k w_k · expert_k(x)` per token over the experts `owns` accepts (others contribute
     /// nothing, so devices owning disjoint expert sets produce partial sums that add up to the
     /// full result). Experts not held count as not owned. `x`: `n × dim`; returns `n × dim`.
@@ -127,21 +145,6 @@ mod tests {
         Linear::Dense(Tensor::owned(vec![rows, cols], (0..rows * cols).map(|_| rng.random_range(-0.5..0.5)).collect()))
     }
 
-    /// The obvious per-token loop: each token runs each of its experts on its own row.
-    fn naive(experts: &Experts, x: &[f32], n: usize, routing: &Routing) -> Vec<f32> {
-        let d = experts.dim();
-        let mut out = vec![0.0; n * d];
-        for t in 0..n {
-            let (ids, ws) = routing.token(t);
-            for (&e, &w) in ids.iter().zip(ws) {
-                let y = experts.get(e as usize).forward(&x[t * d..(t + 1) * d], 1);
-                for (o, v) in out[t * d..(t + 1) * d].iter_mut().zip(y) {
-                    *o += w * v;
-                }
-            }
-        }
-        out
-    }
 
     #[test]
     fn grouped_equals_per_token_and_partials_add_up() {
@@ -160,7 +163,7 @@ mod tests {
         }
         let routing = Routing { top_k: k, weights: (0..n * k).map(|_| rng.random_range(0.0..1.0)).collect(), experts: ids };
         let grouped = experts.forward(&x, n, &routing, &|_| true);
-        let want = naive(&experts, &x, n, &routing);
+        let want = experts.forward_per_token(&x, n, &routing);
         for (a, b) in grouped.iter().zip(&want) {
             assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
         }

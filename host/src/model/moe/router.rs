@@ -204,32 +204,9 @@ fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::moe::config::ExpertNaming;
-    use crate::model::moe::mlp::Activation;
 
     fn cfg(scoring: Scoring, method: TopkMethod, n_group: usize, topk_group: usize, top_k: usize) -> MoeConfig {
-        MoeConfig {
-            hidden_size: 8,
-            num_experts: 8,
-            top_k,
-            moe_intermediate_size: 4,
-            num_shared_experts: 0,
-            scoring,
-            topk_method: method,
-            n_group,
-            topk_group,
-            norm_topk_prob: false,
-            routed_scaling_factor: 1.0,
-            activation: Activation::Silu,
-            latent: None,
-            rms_norm_eps: 1e-6,
-            naming: ExpertNaming::GateUpDown,
-            module: "mlp",
-            first_k_dense_replace: 0,
-            moe_layer_freq: 1,
-            mlp_layer_types: None,
-            dense_intermediate_size: 0,
-        }
+        MoeConfig { scoring, topk_method: method, n_group, topk_group, ..MoeConfig::plain(8, 8, top_k, 4) }
     }
 
     /// A router whose logits equal the one-hot input's column: x = e_0 gives logits = `logits`.
