@@ -45,6 +45,56 @@ pub struct DevMxfp4<R: Runtime> {
     pub cols: usize,
 }
 
+/// Above this many tokens [`Kernels::matmul_quant`] dequantises the weight to bf16 and runs the
+/// dense tensor-core GEMM; at or below it the GEMV kernels run.
+///
+/// Why 32 (an estimate until `examples/gpu_bench.rs` measures it): the GEMV re-reads the packed
+/// weight once per 8-token tile and multiplies on the f32 CUDA cores, so its cost grows linearly
+/// with the batch; the dequant path costs a fixed write and read of 2 bf16 bytes per weight
+/// (8 passes over an INT4 weight, 4 over INT8) plus a tensor-core GEMM that is nearly flat in
+/// the batch at these sizes. On bandwidth alone that breaks even near 32–64 tokens; the GEMV's
+/// f32 FMA work (8 FMAs per decoded weight per tile) pulls the crossing lower.
+pub const GEMM_MIN_TOKENS: usize = 32;
+
+/// A packed weight of any quantized format, for the format-independent matmul entry points.
+pub enum QuantWeight<'a, R: Runtime> {
+    /// Pack-quantized INT (`p0` = scale, `p1` = zero).
+    Int(&'a DevGrouped<R>),
+    /// Cubic codebook (`p0` = s, `p1` = a).
+    Cubic(&'a DevGrouped<R>),
+    Mxfp4(&'a DevMxfp4<R>),
+}
+
+impl<R: Runtime> QuantWeight<'_, R> {
+    pub fn rows(&self) -> usize {
+        match self {
+            QuantWeight::Int(w) | QuantWeight::Cubic(w) => w.packed.rows,
+            QuantWeight::Mxfp4(w) => w.rows,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            QuantWeight::Int(w) | QuantWeight::Cubic(w) => w.packed.cols,
+            QuantWeight::Mxfp4(w) => w.cols,
+        }
+    }
+}
+
+/// Which kernels a [`Kernels::matmul_quant`] call ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulPath {
+    Gemv,
+    DequantGemm,
+}
+
+/// Caller-owned bf16 scratch for the prefill GEMM path, allocated once (e.g. for the largest
+/// weight and the largest prefill chunk) and reused by every layer: the dequantised weight
+/// `[rows, cols]` and the narrowed activations `[n, cols]`.
+pub struct GemmScratch<R: Runtime> {
+    pub weight: R::Buf<u16>,
+    pub x: R::Buf<u16>,
+}
+
 /// A runtime with the kernel launch wrappers on top. Derefs to the runtime (its device info,
 /// stream, ...).
 pub struct Kernels<R: Runtime> {
@@ -140,6 +190,92 @@ impl<R: Runtime> Kernels<R> {
         Self::check_gemv(w.rows, w.cols, x, out, n)?;
         let args = [A::U8s(&w.packed), A::U8s(&w.scales), A::F32s(x), A::F32s(out), A::I32(w.rows as i32), A::I32(w.cols as i32), A::I32(n as i32)];
         self.go("mxfp4_gemv", Self::gemv_dims(w.rows, n), &args)
+    }
+
+    /// `out[n, rows] = x[n, cols] · Wᵀ` for any quantized format: the GEMV for
+    /// `n <= GEMM_MIN_TOKENS`, else dequantise into `scratch` and run the bf16 GEMM (see
+    /// [`GEMM_MIN_TOKENS`]). The GEMM path narrows the activations to bf16 (the GEMV keeps f32).
+    pub fn matmul_quant(&self, w: QuantWeight<'_, R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize, scratch: &mut GemmScratch<R>) -> Result<MatmulPath, CudaError> {
+        if n <= GEMM_MIN_TOKENS {
+            self.quant_gemv(w, x, out, n)?;
+            Ok(MatmulPath::Gemv)
+        } else {
+            self.quant_gemm(w, x, out, n, scratch)?;
+            Ok(MatmulPath::DequantGemm)
+        }
+    }
+
+    /// The GEMV kernel of `w`'s format, whatever the batch.
+    pub fn quant_gemv(&self, w: QuantWeight<'_, R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+        match w {
+            QuantWeight::Int(w) => self.int_gemv(w, x, out, n),
+            QuantWeight::Cubic(w) => self.cubic_gemv(w, x, out, n),
+            QuantWeight::Mxfp4(w) => self.mxfp4_gemv(w, x, out, n),
+        }
+    }
+
+    /// The prefill path whatever the batch: dequantise `w` into `scratch.weight`, narrow `x` into
+    /// `scratch.x`, then the dense bf16 GEMM with f32 accumulation.
+    pub fn quant_gemm(&self, w: QuantWeight<'_, R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize, scratch: &mut GemmScratch<R>) -> Result<(), CudaError> {
+        let (rows, cols) = (w.rows(), w.cols());
+        Self::check_gemv(rows, cols, x, out, n)?;
+        check(scratch.x.len() >= n * cols, || format!("gemm scratch: {} bf16 activations, need {n} x {cols}", scratch.x.len()))?;
+        // The weight scratch is checked by `dequant_bf16`, before anything is launched.
+        self.dequant_bf16(w, &mut scratch.weight)?;
+        self.f32_to_bf16_rows(x, &mut scratch.x, n * cols)?;
+        self.gemm_bf16(&scratch.x, &scratch.weight, out, n, cols, rows)
+    }
+
+    /// Scratch for [`Self::matmul_quant`] over weights of up to `max_weight` elements and
+    /// activations of up to `max_x` elements (tokens × cols).
+    pub fn gemm_scratch(&self, max_weight: usize, max_x: usize) -> Result<GemmScratch<R>, CudaError> {
+        Ok(GemmScratch { weight: self.zeros(max_weight)?, x: self.zeros(max_x)? })
+    }
+
+    /// One thread per element over a flat index; errors when the grid would not fit gridDim.x.
+    fn elementwise_dims(what: &str, count: usize) -> Result<Dims, CudaError> {
+        check(count.div_ceil(256) <= i32::MAX as usize, || format!("{what}: {count} elements exceed one launch's grid"))?;
+        Ok(Self::flat_dims(count))
+    }
+
+    fn check_grouped(what: &str, w: &DevGrouped<R>) -> Result<(), CudaError> {
+        let p = &w.packed;
+        let groups = if w.group_size == 0 { 0 } else { p.rows * p.cols.div_ceil(w.group_size) };
+        check((1..=8).contains(&p.bits) && w.group_size > 0, || format!("{what}: {}-bit codes, group size {}", p.bits, w.group_size))?;
+        // code_at reads the byte after a code's first byte: the upload pads the buffer for it.
+        check(p.stride >= (p.cols * p.bits as usize).div_ceil(8) && p.data.len() > p.rows * p.stride, || format!("{what}: {} packed bytes for {} rows of stride {}", p.data.len(), p.rows, p.stride))?;
+        check(w.p0.len() >= groups && w.p1.len() >= groups, || format!("{what}: {} / {} group parameters for {groups} groups", w.p0.len(), w.p1.len()))
+    }
+
+    /// Expands `w` to bf16 bit patterns in `out[..rows * cols]` (row-major `[rows, cols]`); the
+    /// values are the format's dequantised weights rounded to nearest even.
+    pub fn dequant_bf16(&self, w: QuantWeight<'_, R>, out: &mut R::Buf<u16>) -> Result<(), CudaError> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let count = rows * cols;
+        check(out.len() >= count, || format!("dequant: scratch holds {} bf16 weights, need {rows} x {cols}", out.len()))?;
+        check(rows <= i32::MAX as usize && cols <= i32::MAX as usize, || format!("dequant: {rows} x {cols} exceeds 32-bit dimensions"))?;
+        let dims = Self::elementwise_dims("dequant", count)?;
+        match w {
+            QuantWeight::Int(g) | QuantWeight::Cubic(g) => {
+                let (name, what) = if matches!(w, QuantWeight::Int(_)) { ("dequant_int_bf16", "dequant INT") } else { ("dequant_cubic_bf16", "dequant Cubic") };
+                Self::check_grouped(what, g)?;
+                let p = &g.packed;
+                let args = [A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&g.p0), A::F32s(&g.p1), A::U16s(out), A::I32(rows as i32), A::I32(cols as i32), A::I32(p.bits as i32), A::I32(g.group_size as i32)];
+                self.go(name, dims, &args)
+            }
+            QuantWeight::Mxfp4(m) => {
+                check(cols % 32 == 0 && m.packed.len() >= count / 2 && m.scales.len() >= count / 32, || format!("dequant MXFP4 {rows}x{cols}: {} code bytes, {} scales", m.packed.len(), m.scales.len()))?;
+                let args = [A::U8s(&m.packed), A::U8s(&m.scales), A::U16s(out), A::I32(rows as i32), A::I32(cols as i32)];
+                self.go("dequant_mxfp4_bf16", dims, &args)
+            }
+        }
+    }
+
+    /// `out[..count] = bf16(x[..count])`, round to nearest even.
+    pub fn f32_to_bf16_rows(&self, x: &R::Buf<f32>, out: &mut R::Buf<u16>, count: usize) -> Result<(), CudaError> {
+        check(x.len() >= count && out.len() >= count, || format!("f32_to_bf16_rows: {count} elements from {} into {}", x.len(), out.len()))?;
+        let dims = Self::elementwise_dims("f32_to_bf16_rows", count)?;
+        self.go("f32_to_bf16_rows", dims, &[A::F32s(x), A::U16s(out), A::I64(count as i64)])
     }
 
     pub fn row_dims(rows: usize) -> Dims {

@@ -1,0 +1,56 @@
+// Prefill-size matmuls over packed weights: these kernels expand a packed weight into a bf16
+// scratch matrix (reading the packed codes once) and narrow f32 activations to bf16, so that the
+// dense tensor-core GEMM (cuBLAS, `Runtime::gemm_bf16`) does the multiply. This is what several
+// engines do for large batches when they lack a mixed-precision tensor-core kernel; a fused
+// kernel that dequantises tiles in shared memory (Marlin-style) would save the scratch round trip
+// and is future work. Decode-size batches keep the GEMV kernels (kernels/src/gpu/kernels.rs picks).
+//
+// One thread per output element over a flat 64-bit index (gridDim.x alone, so any row count
+// fits). CPU references: kernels/src/cpu/dequant.rs over cpu::{quant_int, cubic, mxfp4}.
+
+// Pack-quantized INT, the layout int_gemv reads: w = (u - z) * s per (row, group), any width 1..8.
+extern "C" __global__ void dequant_int_bf16(const u8* __restrict__ packed, long stride, const float* __restrict__ scale,
+                                            const float* __restrict__ zero, u16* __restrict__ out, int rows, int cols,
+                                            int bits, int group_size) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)rows * cols) return;
+    int row = (int)(i / cols), j = (int)(i % cols);
+    int groups = (cols + group_size - 1) / group_size;
+    long p = (long)row * groups + j / group_size;
+    float w = ((float)code_at(packed + (long)row * stride, bits, j) - zero[p]) * scale[p];
+    out[i] = f32_to_bf16(w);
+}
+
+// Cubic codebook, cubic_gemv's level formula: s * fma(a*t, t*t, t), t = (i - h)/h, h = 2^(b-1).
+// Evaluated per element (no shared-memory table): the kernel is bound by its bf16 writes.
+extern "C" __global__ void dequant_cubic_bf16(const u8* __restrict__ packed, long stride, const float* __restrict__ scale,
+                                              const float* __restrict__ shape, u16* __restrict__ out, int rows, int cols,
+                                              int bits, int group_size) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)rows * cols) return;
+    int row = (int)(i / cols), j = (int)(i % cols);
+    int groups = (cols + group_size - 1) / group_size;
+    long p = (long)row * groups + j / group_size;
+    float h = (float)(1 << (bits - 1));
+    float t = ((float)code_at(packed + (long)row * stride, bits, j) - h) / h;
+    float a = shape[p];
+    out[i] = f32_to_bf16(scale[p] * fmaf(a * t, t * t, t));
+}
+
+// MXFP4, mxfp4_gemv's layout: element 2k in the low nibble of byte k of a cols/2-byte row, one
+// E8M0 scale per 32 inputs ([rows, cols/32]); cols is a multiple of 32.
+extern "C" __global__ void dequant_mxfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ scales,
+                                              u16* __restrict__ out, int rows, int cols) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)rows * cols) return;
+    u8 byte = packed[i >> 1]; // rows are exactly cols/2 bytes, so element i lives in byte i/2
+    u32 code = (i & 1) ? (byte >> 4) : (byte & 15u);
+    // Scale (row, j/32) sits at row*cols/32 + j/32 = i/32 because cols is a multiple of 32.
+    out[i] = f32_to_bf16(e2m1_to_f32(code) * e8m0_to_f32(scales[i / 32]));
+}
+
+// Activations for the bf16 GEMM: x rounded to nearest even, like every other bf16 narrowing here.
+extern "C" __global__ void f32_to_bf16_rows(const float* __restrict__ x, u16* __restrict__ out, long count) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) out[i] = f32_to_bf16(x[i]);
+}
