@@ -65,6 +65,14 @@ pub enum QuantWeight<'a, R: Runtime> {
     Mxfp4(&'a DevMxfp4<R>),
 }
 
+// By hand: a derive would demand `R: Clone`, but only references are copied.
+impl<R: Runtime> Clone for QuantWeight<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<R: Runtime> Copy for QuantWeight<'_, R> {}
+
 impl<R: Runtime> QuantWeight<'_, R> {
     pub fn rows(&self) -> usize {
         match self {
@@ -387,5 +395,128 @@ impl<R: Runtime> Kernels<R> {
     pub fn gemm_bf16(&self, x: &R::Buf<u16>, w: &R::Buf<u16>, out: &mut R::Buf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
         check(x.len() >= n * k && w.len() >= m * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
         self.rt.gemm_bf16(x, w, out, n, k, m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The path choice and the size checks of the quantized matmul, on a runtime that only records
+    //! launches (the kernels' numbers are checked against the CPU references by the simulator and
+    //! GPU suites in kernels/tests).
+    use std::cell::RefCell;
+
+    use super::*;
+
+    struct Host<T>(Vec<T>);
+    impl<T> DevBuf for Host<T> {
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+    }
+
+    #[derive(Default)]
+    struct Recorder {
+        launched: RefCell<Vec<&'static str>>,
+    }
+
+    impl Runtime for Recorder {
+        type Buf<T: Elem> = Host<T>;
+        fn describe(&self) -> String {
+            "recorder".into()
+        }
+        fn upload<T: Elem>(&self, host: &[T]) -> Result<Host<T>, CudaError> {
+            Ok(Host(host.to_vec()))
+        }
+        fn download<T: Elem>(&self, buf: &Host<T>) -> Result<Vec<T>, CudaError> {
+            Ok(buf.0.clone())
+        }
+        fn zeros<T: Elem>(&self, n: usize) -> Result<Host<T>, CudaError> {
+            Ok(Host(vec![T::default(); n]))
+        }
+        fn write<T: Elem>(&self, buf: &mut Host<T>, offset: usize, host: &[T]) -> Result<(), CudaError> {
+            buf.0[offset..offset + host.len()].copy_from_slice(host);
+            Ok(())
+        }
+        fn synchronize(&self) -> Result<(), CudaError> {
+            Ok(())
+        }
+        unsafe fn launch(&self, kernel: &'static str, _dims: Dims, _args: &[KArg<'_, Self>]) -> Result<(), CudaError> {
+            self.launched.borrow_mut().push(kernel);
+            Ok(())
+        }
+        fn gemm_bf16(&self, _x: &Host<u16>, _w: &Host<u16>, _out: &mut Host<f32>, _n: usize, _k: usize, _m: usize) -> Result<(), CudaError> {
+            self.launched.borrow_mut().push("gemm_bf16");
+            Ok(())
+        }
+    }
+
+    const ROWS: usize = 40;
+    const COLS: usize = 96;
+
+    fn int_weight(k: &Kernels<Recorder>, bits: u32) -> DevGrouped<Recorder> {
+        let stride = (COLS * bits as usize).div_ceil(8);
+        let packed = k.upload_packed(bits, ROWS, COLS, stride, &vec![0u8; ROWS * stride]).unwrap();
+        let groups = ROWS * COLS.div_ceil(32);
+        k.upload_grouped(packed, 32, &vec![1.0; groups], &vec![0.0; groups]).unwrap()
+    }
+
+    fn run(k: &Kernels<Recorder>, w: QuantWeight<'_, Recorder>, n: usize, scratch: &mut GemmScratch<Recorder>) -> (Result<MatmulPath, CudaError>, Vec<&'static str>) {
+        let x = k.zeros::<f32>(n * COLS).unwrap();
+        let mut out = k.zeros::<f32>(n * ROWS).unwrap();
+        k.rt.launched.borrow_mut().clear();
+        let r = k.matmul_quant(w, &x, &mut out, n, scratch);
+        (r, k.rt.launched.borrow().clone())
+    }
+
+    #[test]
+    fn small_batches_run_the_gemv_and_large_ones_dequantise_into_the_gemm() {
+        let k = Kernels::new(Recorder::default());
+        let mut scratch = k.gemm_scratch(ROWS * COLS, 64 * COLS).unwrap();
+        let (w3, w4) = (int_weight(&k, 3), int_weight(&k, 4));
+        let mx = k.upload_mxfp4(ROWS, COLS, &vec![0u8; ROWS * COLS / 2], &vec![127u8; ROWS * COLS / 32]).unwrap();
+        let cases = [
+            (QuantWeight::Int(&w3), "int_gemv", "dequant_int_bf16"),
+            (QuantWeight::Int(&w4), "int4_gemv", "dequant_int_bf16"),
+            (QuantWeight::Cubic(&w3), "cubic_gemv", "dequant_cubic_bf16"),
+            (QuantWeight::Mxfp4(&mx), "mxfp4_gemv", "dequant_mxfp4_bf16"),
+        ];
+        for (w, gemv, dequant) in cases {
+            for n in [1, GEMM_MIN_TOKENS] {
+                let (path, launched) = run(&k, w, n, &mut scratch);
+                assert_eq!((path.unwrap(), launched), (MatmulPath::Gemv, vec![gemv]), "n={n}");
+            }
+            for n in [GEMM_MIN_TOKENS + 1, 64] {
+                let (path, launched) = run(&k, w, n, &mut scratch);
+                assert_eq!((path.unwrap(), launched), (MatmulPath::DequantGemm, vec![dequant, "f32_to_bf16_rows", "gemm_bf16"]), "n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_short_scratch_or_input_is_an_error_before_any_launch() {
+        let k = Kernels::new(Recorder::default());
+        let w = int_weight(&k, 4);
+        let n = 48;
+        let mut small_weight = k.gemm_scratch(ROWS * COLS - 1, n * COLS).unwrap();
+        let (r, launched) = run(&k, QuantWeight::Int(&w), n, &mut small_weight);
+        let msg = r.unwrap_err().to_string();
+        assert!(msg.contains("scratch holds 3839 bf16 weights, need 40 x 96"), "{msg}");
+        assert!(launched.is_empty());
+
+        let mut small_x = k.gemm_scratch(ROWS * COLS, n * COLS - 1).unwrap();
+        let (r, launched) = run(&k, QuantWeight::Int(&w), n, &mut small_x);
+        assert!(r.unwrap_err().to_string().contains("need 48 x 96"));
+        assert!(launched.is_empty());
+
+        let mut scratch = k.gemm_scratch(ROWS * COLS, n * COLS).unwrap();
+        let x = k.zeros::<f32>(n * COLS - 1).unwrap();
+        let mut out = k.zeros::<f32>(n * ROWS).unwrap();
+        assert!(k.matmul_quant(QuantWeight::Int(&w), &x, &mut out, n, &mut scratch).is_err());
+        let mut short_params = int_weight(&k, 4);
+        short_params.p1 = k.zeros(1).unwrap();
+        let x = k.zeros::<f32>(n * COLS).unwrap();
+        let msg = k.matmul_quant(QuantWeight::Cubic(&short_params), &x, &mut out, n, &mut scratch).unwrap_err().to_string();
+        assert!(msg.contains("group parameters"), "{msg}");
+        assert!(k.rt.launched.borrow().is_empty());
     }
 }
