@@ -2,7 +2,10 @@
 //!  * INT4 GEMV achieved DRAM bandwidth as a fraction of the device's theoretical peak;
 //!  * decode tok/s of a SmolLM2-135M-shaped forward step (30 layers: norms, QKV/O/gate-up/down
 //!    projections, RoPE, paged attention over a 512-token context, SwiGLU, bf16 LM head on cuBLAS)
-//!    at 1 and 64 streams, with bf16 (cuBLAS) or INT4 (int4_gemv) projection weights.
+//!    at 1 and 64 streams, with bf16 (cuBLAS) or INT4 (int4_gemv) projection weights;
+//!  * prefill: INT4 matmuls of 1536x576 (SmolLM2's MLP shape) and 4096x4096 over a batch of tokens,
+//!    GEMV path vs dequant + cuBLAS bf16 GEMM path (`Kernels::quant_gemv` / `quant_gemm`), tok/s,
+//!    the ratio, and the smallest batch where the GEMM path wins (where `GEMM_MIN_TOKENS` belongs).
 //! Weights are random: these are kernel-throughput figures with the real model's shapes.
 
 use std::time::Instant;
@@ -10,6 +13,7 @@ use std::time::Instant;
 use kernels::cpu::attention::PagedGeometry;
 use kernels::cuda::launch::{CudaSlice, DevGrouped, Gpu};
 use kernels::cuda::nvrtc::PtxCache;
+use kernels::gpu::{GemmScratch, QuantWeight, GEMM_MIN_TOKENS};
 
 const HIDDEN: usize = 576;
 const HEADS: usize = 9;
@@ -154,6 +158,57 @@ fn int4_bandwidth(g: &Gpu) -> (f64, f64) {
     (achieved, achieved / g.info.peak_bandwidth)
 }
 
+/// Seconds per call of `f` (after warm-up), timed over enough calls to pass ~50 ms.
+fn time_per_call(g: &Gpu, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    g.synchronize().unwrap();
+    let mut iters = 1usize;
+    loop {
+        let t = Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        g.synchronize().unwrap();
+        let secs = t.elapsed().as_secs_f64();
+        if secs > 0.05 || iters >= 1 << 14 {
+            return secs / iters as f64;
+        }
+        iters *= 4;
+    }
+}
+
+/// Tok/s of the INT4 GEMV path and of the dequant + bf16 GEMM path for `n` tokens through a
+/// `rows x cols` weight.
+fn prefill_tok_s(g: &Gpu, w: &DevGrouped, scratch: &mut GemmScratch<kernels::cuda::launch::CudaRuntime>, n: usize) -> (f64, f64) {
+    let (rows, cols) = (w.packed.rows, w.packed.cols);
+    let x = g.upload(&rand_f32(n * cols, 3, 1.0)).unwrap();
+    let mut out = g.zeros::<f32>(n * rows).unwrap();
+    let gemv = time_per_call(g, || g.quant_gemv(QuantWeight::Int(w), &x, &mut out, n).unwrap());
+    let gemm = time_per_call(g, || g.quant_gemm(QuantWeight::Int(w), &x, &mut out, n, scratch).unwrap());
+    (n as f64 / gemv, n as f64 / gemm)
+}
+
+fn prefill_report(g: &Gpu) {
+    for (rows, cols) in [(1536usize, 576usize), (4096, 4096)] {
+        let w = int4(g, rows, cols, 11);
+        let mut scratch = g.gemm_scratch(rows * cols, 512 * cols).unwrap();
+        let mut crossover = None;
+        for n in [8usize, 16, 32, 64, 128, 256, 512] {
+            let (gemv, gemm) = prefill_tok_s(g, &w, &mut scratch, n);
+            if gemm > gemv && crossover.is_none() {
+                crossover = Some(n);
+            }
+            println!("prefill INT4 {rows}x{cols} g{GROUP} n={n}: GEMV {gemv:.0} tok/s, dequant+cuBLAS {gemm:.0} tok/s, ratio {:.2}x", gemm / gemv);
+        }
+        match crossover {
+            Some(n) => println!("prefill INT4 {rows}x{cols}: the GEMM path first wins at n={n} (GEMM_MIN_TOKENS is {GEMM_MIN_TOKENS})"),
+            None => println!("prefill INT4 {rows}x{cols}: the GEMV path wins up to n=512 (GEMM_MIN_TOKENS is {GEMM_MIN_TOKENS})"),
+        }
+    }
+}
+
 fn main() {
     let g = match Gpu::open(0, &PtxCache::new(PtxCache::default_dir())) {
         Ok(g) => g,
@@ -171,4 +226,5 @@ fn main() {
             println!("SmolLM2-135M-shaped decode ({}), {n} stream(s): {tps:.0} tok/s", if int4_weights { "INT4 int4_gemv" } else { "bf16 cuBLAS" });
         }
     }
+    prefill_report(&g);
 }

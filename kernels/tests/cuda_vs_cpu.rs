@@ -12,6 +12,8 @@ use kernels::cpu::bitpack::PackedRows;
 use kernels::cuda::launch::Gpu;
 use kernels::cuda::nvrtc::PtxCache;
 
+mod prefill_gemm;
+
 fn gpu(test: &str) -> Option<&'static Gpu> {
     static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
     match GPU.get_or_init(|| Gpu::open(0, &PtxCache::new(PtxCache::default_dir())).map_err(|e| e.to_string())) {
@@ -329,4 +331,16 @@ fn device_kv_pool_writes_and_attends_like_the_cpu_reference() {
         pool.attention(g, 1, heads, max_blocks, &dq, &dt, &dl, 0.2, &mut dout).unwrap();
         assert_close(&format!("device KV pool {storage:?}"), &g.download(&dout).unwrap(), &want, 1e-5);
     }
+}
+
+#[test]
+fn dequant_kernels_match_cpu_bit_for_bit() {
+    let Some(g) = gpu("dequant_kernels_match_cpu_bit_for_bit") else { return };
+    prefill_gemm::dequant_matches_cpu_bit_for_bit(g);
+}
+
+#[test]
+fn matmul_quant_matches_cpu_on_both_sides_of_the_threshold() {
+    let Some(g) = gpu("matmul_quant_matches_cpu_on_both_sides_of_the_threshold") else { return };
+    prefill_gemm::matmul_quant_matches_cpu(g);
 }
