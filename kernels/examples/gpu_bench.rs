@@ -6,6 +6,7 @@
 //!  * prefill: INT4 matmuls of 1536x576 (SmolLM2's MLP shape) and 4096x4096 over a batch of tokens,
 //!    GEMV path vs dequant + cuBLAS bf16 GEMM path (`Kernels::quant_gemv` / `quant_gemm`), tok/s,
 //!    the ratio, and the smallest batch where the GEMM path wins (where `GEMM_MIN_TOKENS` belongs).
+//!
 //! Weights are random: these are kernel-throughput figures with the real model's shapes.
 
 use std::time::Instant;

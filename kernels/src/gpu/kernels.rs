@@ -473,7 +473,7 @@ mod tests {
         let k = Kernels::new(Recorder::default());
         let mut scratch = k.gemm_scratch(ROWS * COLS, 64 * COLS).unwrap();
         let (w3, w4) = (int_weight(&k, 3), int_weight(&k, 4));
-        let mx = k.upload_mxfp4(ROWS, COLS, &vec![0u8; ROWS * COLS / 2], &vec![127u8; ROWS * COLS / 32]).unwrap();
+        let mx = k.upload_mxfp4(ROWS, COLS, &vec![0u8; ROWS * COLS / 2], &[127u8; ROWS * COLS / 32]).unwrap();
         let cases = [
             (QuantWeight::Int(&w3), "int_gemv", "dequant_int_bf16"),
             (QuantWeight::Int(&w4), "int4_gemv", "dequant_int_bf16"),
