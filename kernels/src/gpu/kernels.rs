@@ -261,8 +261,12 @@ impl<R: Runtime> Kernels<R> {
         let (rows, cols) = (w.rows(), w.cols());
         let count = rows * cols;
         check(out.len() >= count, || format!("dequant: scratch holds {} bf16 weights, need {rows} x {cols}", out.len()))?;
+        // One block per row (gridDim.x); columns are an int in the kernels.
         check(rows <= i32::MAX as usize && cols <= i32::MAX as usize, || format!("dequant: {rows} x {cols} exceeds 32-bit dimensions"))?;
-        let dims = Self::elementwise_dims("dequant", count)?;
+        if count == 0 {
+            return Ok(()); // nothing to write, and CUDA refuses an empty grid
+        }
+        let dims = Self::row_dims(rows);
         match w {
             QuantWeight::Int(g) | QuantWeight::Cubic(g) => {
                 let (name, what) = if matches!(w, QuantWeight::Int(_)) { ("dequant_int_bf16", "dequant INT") } else { ("dequant_cubic_bf16", "dequant Cubic") };
