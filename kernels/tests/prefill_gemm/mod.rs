@@ -1,11 +1,11 @@
 //! The prefill GEMM path (`kernels/cuda/dequant.cu` + the bf16 GEMM, chosen by
-//! `Kernels::matmul_quant`) against the CPU references, written once over any runtime: the GPU
-//! suite (`cuda_vs_cpu.rs`) and the simulator suite call these with their own `Kernels<R>`.
+//! `Kernels::matmul_quant`) against the CPU references, written once over any runtime and run by
+//! `cuda_vs_cpu.rs` on the simulator and on a CUDA device.
 //!
 //! * Dequantisation must equal `cpu::dequant` bit for bit (both round the format's exact f32
 //!   weight to nearest even).
 //! * `matmul_quant` must match the CPU quantized matmul (f32 weights, f32 activations): within
-//!   1e-5 of the largest output on the GEMV side; on the GEMM side within the error the bf16
+//!   the runtime's GEMV tolerance of the largest output on the GEMV side; on the GEMM side within the error the bf16
 //!   narrowing of weights and activations can cause, bounded per output (see [`gemm_bound`]).
 
 use kernels::cpu;
@@ -127,7 +127,7 @@ fn gemm_bound(s_i: f64, k: usize) -> f64 {
     ((2f64.powi(-8) + 2f64.powi(-18) + 2.0 * k as f64 * 2f64.powi(-24)) * s_i) * 1.001 + 1e-30
 }
 
-fn check_matmul<R: Runtime>(k: &Kernels<R>, what: &str, w: QuantWeight<'_, R>, host: &impl DequantizeRows, reference: impl Fn(&[f32], &mut [f32], usize)) {
+fn check_matmul<R: Runtime>(k: &Kernels<R>, what: &str, w: QuantWeight<'_, R>, host: &impl DequantizeRows, gemv_tol: f32, reference: impl Fn(&[f32], &mut [f32], usize)) {
     let (rows, cols) = (host.rows(), host.cols());
     let dense: Vec<Vec<f32>> = (0..rows).map(|r| host.dequantize_row(r)).collect();
     let max_n = 77;
@@ -146,7 +146,7 @@ fn check_matmul<R: Runtime>(k: &Kernels<R>, what: &str, w: QuantWeight<'_, R>, h
                 let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
                 let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
                 eprintln!("{what} n={n} (GEMV): max error {worst:.2e} of max |ref| {scale:.3}");
-                assert!(worst <= 1e-5, "{what} n={n}: GEMV relative error {worst}");
+                assert!(worst <= gemv_tol, "{what} n={n}: GEMV relative error {worst} > {gemv_tol}");
             }
             MatmulPath::DequantGemm => {
                 // The worst error as a fraction of its own bound (must stay <= 1).
@@ -169,15 +169,15 @@ fn check_matmul<R: Runtime>(k: &Kernels<R>, what: &str, w: QuantWeight<'_, R>, h
 
 /// `matmul_quant` for INT (bits 2/3/4/8), Cubic (same widths) and MXFP4, odd shapes, batches on
 /// both sides of `GEMM_MIN_TOKENS`.
-pub fn matmul_quant_matches_cpu<R: Runtime>(k: &Kernels<R>) {
+pub fn matmul_quant_matches_cpu<R: Runtime>(k: &Kernels<R>, gemv_tol: f32) {
     for &(bits, rows, cols, gs) in GROUPED {
         let w = int_matrix(k, bits, rows, cols, gs);
-        check_matmul(k, &format!("int{bits} {rows}x{cols} g{gs}"), QuantWeight::Int(&w.dev), &w.cpu, |x, o, n| w.cpu.matmul_t(x, o, n));
+        check_matmul(k, &format!("int{bits} {rows}x{cols} g{gs}"), QuantWeight::Int(&w.dev), &w.cpu, gemv_tol, |x, o, n| w.cpu.matmul_t(x, o, n));
         let w = cubic_matrix(k, bits, rows, cols, gs);
-        check_matmul(k, &format!("cubic{bits} {rows}x{cols} g{gs}"), QuantWeight::Cubic(&w.dev), &w.cpu, |x, o, n| w.cpu.matmul_t(x, o, n));
+        check_matmul(k, &format!("cubic{bits} {rows}x{cols} g{gs}"), QuantWeight::Cubic(&w.dev), &w.cpu, gemv_tol, |x, o, n| w.cpu.matmul_t(x, o, n));
     }
     for &(rows, cols) in MXFP4 {
         let (dev, host) = mxfp4_matrix(k, rows, cols, false);
-        check_matmul(k, &format!("mxfp4 {rows}x{cols}"), QuantWeight::Mxfp4(&dev), &host, |x, o, n| host.matmul_t(x, o, n));
+        check_matmul(k, &format!("mxfp4 {rows}x{cols}"), QuantWeight::Mxfp4(&dev), &host, gemv_tol, |x, o, n| host.matmul_t(x, o, n));
     }
 }
