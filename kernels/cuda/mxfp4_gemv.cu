@@ -1,16 +1,11 @@
 // MXFP4 (CPU reference kernels/src/cpu/mxfp4.rs): E2M1 codes two per byte (element 2k in the low
-// nibble of byte k), one E8M0 scale per 32 inputs. One warp per row: lane l reads byte l of each
-// 16-byte block, so a warp covers two whole blocks per step with coalesced loads.
+// nibble of byte k), one E8M0 scale per 32 inputs (e8m0_to_f32 is in the prelude). One warp per
+// row: lane l reads byte l of each 16-byte block, so a warp covers two whole blocks per step with
+// coalesced loads.
 #define TOK 8
 
 __constant__ float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-__device__ __forceinline__ float e8m0_to_f32(u8 e) {
-    if (e == 255) return __int_as_float(0x7fc00000);
-    if (e == 0) return __uint_as_float(1u << 22);
-    return __uint_as_float(((u32)e) << 23);
-}
 
 // `cols` is a multiple of 32; rows are cols/2 bytes; scales [rows, cols/32].
 extern "C" __global__ void mxfp4_gemv(const u8* __restrict__ packed, const u8* __restrict__ scales,

@@ -63,3 +63,18 @@ __device__ __forceinline__ u32 code_at(const u8* row, int bits, long j) {
     u32 pair = (u32)row[p >> 3] | ((u32)row[(p >> 3) + 1] << 8);
     return (pair >> (p & 7)) & ((1u << bits) - 1u);
 }
+
+// MX formats (OCP microscaling; CPU reference kernels/src/cpu/mxfp4.rs). E8M0 scale 2^(e-127),
+// 0xFF is NaN; 2^-127 is an f32 subnormal (mantissa bit 22).
+__device__ __forceinline__ float e8m0_to_f32(u8 e) {
+    if (e == 255) return __int_as_float(0x7fc00000);
+    if (e == 0) return __uint_as_float(1u << 22);
+    return __uint_as_float(((u32)e) << 23);
+}
+// FP4 E2M1 code (bit 3 sign, 2 exponent bits, 1 mantissa bit) built from its bits, so no table
+// lookup (constant memory serialises when a warp reads different entries).
+__device__ __forceinline__ float e2m1_to_f32(u32 c) {
+    u32 e = (c >> 1) & 3u, m = c & 1u;
+    float mag = e == 0 ? 0.5f * (float)m : __uint_as_float(((e + 126u) << 23) | (m << 22)); // (1 + m/2) * 2^(e-1)
+    return (c & 8u) ? -mag : mag;
+}

@@ -2,14 +2,20 @@
 //!  * INT4 GEMV achieved DRAM bandwidth as a fraction of the device's theoretical peak;
 //!  * decode tok/s of a SmolLM2-135M-shaped forward step (30 layers: norms, QKV/O/gate-up/down
 //!    projections, RoPE, paged attention over a 512-token context, SwiGLU, bf16 LM head on cuBLAS)
-//!    at 1 and 64 streams, with bf16 (cuBLAS) or INT4 (int4_gemv) projection weights.
+//!    at 1 and 64 streams, with bf16 (cuBLAS) or INT4 (int4_gemv) projection weights;
+//!  * prefill: INT4 matmuls of 1536x576 (SmolLM2's MLP shape) and 4096x4096 over 8..512 tokens,
+//!    GEMV path vs dequant + cuBLAS bf16 GEMM path (`Kernels::quant_gemv` / `quant_gemm`), tok/s,
+//!    the ratio, and the smallest batch where the GEMM path wins (where `GEMM_MIN_TOKENS` belongs);
+//!    the same for Cubic 4-bit and MXFP4 at 4096x4096.
+//!
 //! Weights are random: these are kernel-throughput figures with the real model's shapes.
 
 use std::time::Instant;
 
 use kernels::cpu::attention::PagedGeometry;
-use kernels::cuda::launch::{CudaSlice, DevGrouped, Gpu};
+use kernels::cuda::launch::{CudaRuntime, CudaSlice, DevGrouped, Gpu};
 use kernels::cuda::nvrtc::PtxCache;
+use kernels::gpu::{GemmScratch, QuantWeight, GEMM_MIN_TOKENS};
 
 const HIDDEN: usize = 576;
 const HEADS: usize = 9;
@@ -154,6 +160,74 @@ fn int4_bandwidth(g: &Gpu) -> (f64, f64) {
     (achieved, achieved / g.info.peak_bandwidth)
 }
 
+/// Seconds per call of `f` (after warm-up), timed over enough calls to pass ~50 ms.
+fn time_per_call(g: &Gpu, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    g.synchronize().unwrap();
+    let mut iters = 1usize;
+    loop {
+        let t = Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        g.synchronize().unwrap();
+        let secs = t.elapsed().as_secs_f64();
+        if secs > 0.05 || iters >= 1 << 14 {
+            return secs / iters as f64;
+        }
+        iters *= 4;
+    }
+}
+
+/// Tok/s of the GEMV path and of the dequant + bf16 GEMM path for `n` tokens through `w`.
+fn prefill_tok_s(g: &Gpu, w: QuantWeight<'_, CudaRuntime>, scratch: &mut GemmScratch<CudaRuntime>, n: usize) -> (f64, f64) {
+    let (rows, cols) = (w.rows(), w.cols());
+    let x = g.upload(&rand_f32(n * cols, 3, 1.0)).unwrap();
+    let mut out = g.zeros::<f32>(n * rows).unwrap();
+    let gemv = time_per_call(g, || g.quant_gemv(w, &x, &mut out, n).unwrap());
+    let gemm = time_per_call(g, || g.quant_gemm(w, &x, &mut out, n, scratch).unwrap());
+    (n as f64 / gemv, n as f64 / gemm)
+}
+
+/// Prints GEMV vs dequant+cuBLAS tok/s for each batch and the smallest batch where the GEMM wins.
+fn crossover(g: &Gpu, what: &str, w: QuantWeight<'_, CudaRuntime>, batches: &[usize]) {
+    let max_n = batches.iter().copied().max().unwrap_or(1);
+    let mut scratch = g.gemm_scratch(w.rows() * w.cols(), max_n * w.cols()).unwrap();
+    let mut first_win = None;
+    for &n in batches {
+        let (gemv, gemm) = prefill_tok_s(g, w, &mut scratch, n);
+        if gemm > gemv && first_win.is_none() {
+            first_win = Some(n);
+        }
+        println!("prefill {what} n={n}: GEMV {gemv:.0} tok/s, dequant+cuBLAS {gemm:.0} tok/s, ratio {:.2}x", gemm / gemv);
+    }
+    match first_win {
+        Some(n) => println!("prefill {what}: the GEMM path first wins at n={n} (GEMM_MIN_TOKENS is {GEMM_MIN_TOKENS})"),
+        None => println!("prefill {what}: the GEMV path wins up to n={max_n} (GEMM_MIN_TOKENS is {GEMM_MIN_TOKENS})"),
+    }
+}
+
+fn prefill_report(g: &Gpu) {
+    let batches = [8usize, 16, 32, 64, 128, 256, 512];
+    for (rows, cols) in [(1536usize, 576usize), (4096, 4096)] {
+        let w = int4(g, rows, cols, 11);
+        crossover(g, &format!("INT4 {rows}x{cols} g{GROUP}"), QuantWeight::Int(&w), &batches);
+    }
+    // The other formats at the large shape: their GEMVs decode differently (Cubic looks levels up
+    // in shared memory, MXFP4 in a constant table), so their crossover may sit elsewhere.
+    let (rows, cols) = (4096usize, 4096usize);
+    let mut r = lcg(21);
+    let bytes: Vec<u8> = (0..rows * cols / 2).map(|_| r() as u8).collect();
+    let groups = rows * cols / GROUP;
+    let cubic = g.upload_grouped(g.upload_packed(4, rows, cols, cols / 2, &bytes).unwrap(), GROUP, &rand_f32(groups, 22, 0.02), &rand_f32(groups, 23, 0.5)).unwrap();
+    crossover(g, &format!("Cubic4 {rows}x{cols} g{GROUP}"), QuantWeight::Cubic(&cubic), &[16, 32, 64, 512]);
+    let scales: Vec<u8> = (0..rows * cols / 32).map(|_| 118 + (r() % 8) as u8).collect();
+    let mx = g.upload_mxfp4(rows, cols, &bytes, &scales).unwrap();
+    crossover(g, &format!("MXFP4 {rows}x{cols}"), QuantWeight::Mxfp4(&mx), &[16, 32, 64, 512]);
+}
+
 fn main() {
     let g = match Gpu::open(0, &PtxCache::new(PtxCache::default_dir())) {
         Ok(g) => g,
@@ -171,4 +245,5 @@ fn main() {
             println!("SmolLM2-135M-shaped decode ({}), {n} stream(s): {tps:.0} tok/s", if int4_weights { "INT4 int4_gemv" } else { "bf16 cuBLAS" });
         }
     }
+    prefill_report(&g);
 }

@@ -12,6 +12,7 @@ pub mod packed_matmul;
 pub mod quant_int;
 pub mod mxfp4;
 pub mod cubic;
+pub mod dequant;
 pub mod attention;
 pub mod sample;
 pub mod moe;

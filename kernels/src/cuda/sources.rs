@@ -29,6 +29,7 @@ pub const SOURCES: &[Source] = &[
     src!("int_gemv.cu", ["int_gemv", "int4_gemv"]),
     src!("cubic_gemv.cu", ["cubic_gemv"]),
     src!("mxfp4_gemv.cu", ["mxfp4_gemv"]),
+    src!("dequant.cu", ["dequant_int_bf16", "dequant_cubic_bf16", "dequant_mxfp4_bf16", "f32_to_bf16_rows"]),
     src!("norm.cu", ["rms_norm", "add_rms_norm"]),
     src!("rope.cu", ["rope_neox"]),
     src!("swiglu.cu", ["silu_mul"]),

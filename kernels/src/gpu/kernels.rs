@@ -45,6 +45,64 @@ pub struct DevMxfp4<R: Runtime> {
     pub cols: usize,
 }
 
+/// Above this many tokens [`Kernels::matmul_quant`] dequantises the weight to bf16 and runs the
+/// dense tensor-core GEMM; at or below it the GEMV kernels run.
+///
+/// Why 32 (an estimate until `examples/gpu_bench.rs` measures it): the GEMV re-reads the packed
+/// weight once per 8-token tile and multiplies on the f32 CUDA cores, so its cost grows linearly
+/// with the batch; the dequant path costs a fixed write and read of 2 bf16 bytes per weight
+/// (8 passes over an INT4 weight, 4 over INT8) plus a tensor-core GEMM that is nearly flat in
+/// the batch at these sizes. On bandwidth alone that breaks even near 32–64 tokens; the GEMV's
+/// f32 FMA work (8 FMAs per decoded weight per tile) pulls the crossing lower.
+pub const GEMM_MIN_TOKENS: usize = 32;
+
+/// A packed weight of any quantized format, for the format-independent matmul entry points.
+pub enum QuantWeight<'a, R: Runtime> {
+    /// Pack-quantized INT (`p0` = scale, `p1` = zero).
+    Int(&'a DevGrouped<R>),
+    /// Cubic codebook (`p0` = s, `p1` = a).
+    Cubic(&'a DevGrouped<R>),
+    Mxfp4(&'a DevMxfp4<R>),
+}
+
+// By hand: a derive would demand `R: Clone`, but only references are copied.
+impl<R: Runtime> Clone for QuantWeight<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<R: Runtime> Copy for QuantWeight<'_, R> {}
+
+impl<R: Runtime> QuantWeight<'_, R> {
+    pub fn rows(&self) -> usize {
+        match self {
+            QuantWeight::Int(w) | QuantWeight::Cubic(w) => w.packed.rows,
+            QuantWeight::Mxfp4(w) => w.rows,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            QuantWeight::Int(w) | QuantWeight::Cubic(w) => w.packed.cols,
+            QuantWeight::Mxfp4(w) => w.cols,
+        }
+    }
+}
+
+/// Which kernels a [`Kernels::matmul_quant`] call ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulPath {
+    Gemv,
+    DequantGemm,
+}
+
+/// Caller-owned bf16 scratch for the prefill GEMM path, allocated once (e.g. for the largest
+/// weight and the largest prefill chunk) and reused by every layer: the dequantised weight
+/// `[rows, cols]` and the narrowed activations `[n, cols]`.
+pub struct GemmScratch<R: Runtime> {
+    pub weight: R::Buf<u16>,
+    pub x: R::Buf<u16>,
+}
+
 /// A runtime with the kernel launch wrappers on top. Derefs to the runtime (its device info,
 /// stream, ...).
 pub struct Kernels<R: Runtime> {
@@ -140,6 +198,96 @@ impl<R: Runtime> Kernels<R> {
         Self::check_gemv(w.rows, w.cols, x, out, n)?;
         let args = [A::U8s(&w.packed), A::U8s(&w.scales), A::F32s(x), A::F32s(out), A::I32(w.rows as i32), A::I32(w.cols as i32), A::I32(n as i32)];
         self.go("mxfp4_gemv", Self::gemv_dims(w.rows, n), &args)
+    }
+
+    /// `out[n, rows] = x[n, cols] · Wᵀ` for any quantized format: the GEMV for
+    /// `n <= GEMM_MIN_TOKENS`, else dequantise into `scratch` and run the bf16 GEMM (see
+    /// [`GEMM_MIN_TOKENS`]). The GEMM path narrows the activations to bf16 (the GEMV keeps f32).
+    pub fn matmul_quant(&self, w: QuantWeight<'_, R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize, scratch: &mut GemmScratch<R>) -> Result<MatmulPath, CudaError> {
+        if n <= GEMM_MIN_TOKENS {
+            self.quant_gemv(w, x, out, n)?;
+            Ok(MatmulPath::Gemv)
+        } else {
+            self.quant_gemm(w, x, out, n, scratch)?;
+            Ok(MatmulPath::DequantGemm)
+        }
+    }
+
+    /// The GEMV kernel of `w`'s format, whatever the batch.
+    pub fn quant_gemv(&self, w: QuantWeight<'_, R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+        match w {
+            QuantWeight::Int(w) => self.int_gemv(w, x, out, n),
+            QuantWeight::Cubic(w) => self.cubic_gemv(w, x, out, n),
+            QuantWeight::Mxfp4(w) => self.mxfp4_gemv(w, x, out, n),
+        }
+    }
+
+    /// The prefill path whatever the batch: dequantise `w` into `scratch.weight`, narrow `x` into
+    /// `scratch.x`, then the dense bf16 GEMM with f32 accumulation.
+    pub fn quant_gemm(&self, w: QuantWeight<'_, R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize, scratch: &mut GemmScratch<R>) -> Result<(), CudaError> {
+        let (rows, cols) = (w.rows(), w.cols());
+        Self::check_gemv(rows, cols, x, out, n)?;
+        check(scratch.x.len() >= n * cols, || format!("gemm scratch: {} bf16 activations, need {n} x {cols}", scratch.x.len()))?;
+        // The weight scratch is checked by `dequant_bf16`, before anything is launched.
+        self.dequant_bf16(w, &mut scratch.weight)?;
+        self.f32_to_bf16_rows(x, &mut scratch.x, n * cols)?;
+        self.gemm_bf16(&scratch.x, &scratch.weight, out, n, cols, rows)
+    }
+
+    /// Scratch for [`Self::matmul_quant`] over weights of up to `max_weight` elements and
+    /// activations of up to `max_x` elements (tokens × cols).
+    pub fn gemm_scratch(&self, max_weight: usize, max_x: usize) -> Result<GemmScratch<R>, CudaError> {
+        Ok(GemmScratch { weight: self.zeros(max_weight)?, x: self.zeros(max_x)? })
+    }
+
+    /// One thread per element over a flat index; errors when the grid would not fit gridDim.x.
+    fn elementwise_dims(what: &str, count: usize) -> Result<Dims, CudaError> {
+        check(count.div_ceil(256) <= i32::MAX as usize, || format!("{what}: {count} elements exceed one launch's grid"))?;
+        Ok(Self::flat_dims(count))
+    }
+
+    fn check_grouped(what: &str, w: &DevGrouped<R>) -> Result<(), CudaError> {
+        let p = &w.packed;
+        let groups = if w.group_size == 0 { 0 } else { p.rows * p.cols.div_ceil(w.group_size) };
+        check((1..=8).contains(&p.bits) && w.group_size > 0, || format!("{what}: {}-bit codes, group size {}", p.bits, w.group_size))?;
+        // code_at reads the byte after a code's first byte: the upload pads the buffer for it.
+        check(p.stride >= (p.cols * p.bits as usize).div_ceil(8) && p.data.len() > p.rows * p.stride, || format!("{what}: {} packed bytes for {} rows of stride {}", p.data.len(), p.rows, p.stride))?;
+        check(w.p0.len() >= groups && w.p1.len() >= groups, || format!("{what}: {} / {} group parameters for {groups} groups", w.p0.len(), w.p1.len()))
+    }
+
+    /// Expands `w` to bf16 bit patterns in `out[..rows * cols]` (row-major `[rows, cols]`); the
+    /// values are the format's dequantised weights rounded to nearest even.
+    pub fn dequant_bf16(&self, w: QuantWeight<'_, R>, out: &mut R::Buf<u16>) -> Result<(), CudaError> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let count = rows * cols;
+        check(out.len() >= count, || format!("dequant: scratch holds {} bf16 weights, need {rows} x {cols}", out.len()))?;
+        // One block per row (gridDim.x); columns are an int in the kernels.
+        check(rows <= i32::MAX as usize && cols <= i32::MAX as usize, || format!("dequant: {rows} x {cols} exceeds 32-bit dimensions"))?;
+        if count == 0 {
+            return Ok(()); // nothing to write, and CUDA refuses an empty grid
+        }
+        let dims = Self::row_dims(rows);
+        match w {
+            QuantWeight::Int(g) | QuantWeight::Cubic(g) => {
+                let (name, what) = if matches!(w, QuantWeight::Int(_)) { ("dequant_int_bf16", "dequant INT") } else { ("dequant_cubic_bf16", "dequant Cubic") };
+                Self::check_grouped(what, g)?;
+                let p = &g.packed;
+                let args = [A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&g.p0), A::F32s(&g.p1), A::U16s(out), A::I32(rows as i32), A::I32(cols as i32), A::I32(p.bits as i32), A::I32(g.group_size as i32)];
+                self.go(name, dims, &args)
+            }
+            QuantWeight::Mxfp4(m) => {
+                check(cols % 32 == 0 && m.packed.len() >= count / 2 && m.scales.len() >= count / 32, || format!("dequant MXFP4 {rows}x{cols}: {} code bytes, {} scales", m.packed.len(), m.scales.len()))?;
+                let args = [A::U8s(&m.packed), A::U8s(&m.scales), A::U16s(out), A::I32(rows as i32), A::I32(cols as i32)];
+                self.go("dequant_mxfp4_bf16", dims, &args)
+            }
+        }
+    }
+
+    /// `out[..count] = bf16(x[..count])`, round to nearest even.
+    pub fn f32_to_bf16_rows(&self, x: &R::Buf<f32>, out: &mut R::Buf<u16>, count: usize) -> Result<(), CudaError> {
+        check(x.len() >= count && out.len() >= count, || format!("f32_to_bf16_rows: {count} elements from {} into {}", x.len(), out.len()))?;
+        let dims = Self::elementwise_dims("f32_to_bf16_rows", count)?;
+        self.go("f32_to_bf16_rows", dims, &[A::F32s(x), A::U16s(out), A::I64(count as i64)])
     }
 
     pub fn row_dims(rows: usize) -> Dims {
@@ -251,5 +399,128 @@ impl<R: Runtime> Kernels<R> {
     pub fn gemm_bf16(&self, x: &R::Buf<u16>, w: &R::Buf<u16>, out: &mut R::Buf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
         check(x.len() >= n * k && w.len() >= m * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
         self.rt.gemm_bf16(x, w, out, n, k, m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The path choice and the size checks of the quantized matmul, on a runtime that only records
+    //! launches (the kernels' numbers are checked against the CPU references by the simulator and
+    //! GPU suites in kernels/tests).
+    use std::cell::RefCell;
+
+    use super::*;
+
+    struct Host<T>(Vec<T>);
+    impl<T> DevBuf for Host<T> {
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+    }
+
+    #[derive(Default)]
+    struct Recorder {
+        launched: RefCell<Vec<&'static str>>,
+    }
+
+    impl Runtime for Recorder {
+        type Buf<T: Elem> = Host<T>;
+        fn describe(&self) -> String {
+            "recorder".into()
+        }
+        fn upload<T: Elem>(&self, host: &[T]) -> Result<Host<T>, CudaError> {
+            Ok(Host(host.to_vec()))
+        }
+        fn download<T: Elem>(&self, buf: &Host<T>) -> Result<Vec<T>, CudaError> {
+            Ok(buf.0.clone())
+        }
+        fn zeros<T: Elem>(&self, n: usize) -> Result<Host<T>, CudaError> {
+            Ok(Host(vec![T::default(); n]))
+        }
+        fn write<T: Elem>(&self, buf: &mut Host<T>, offset: usize, host: &[T]) -> Result<(), CudaError> {
+            buf.0[offset..offset + host.len()].copy_from_slice(host);
+            Ok(())
+        }
+        fn synchronize(&self) -> Result<(), CudaError> {
+            Ok(())
+        }
+        unsafe fn launch(&self, kernel: &'static str, _dims: Dims, _args: &[KArg<'_, Self>]) -> Result<(), CudaError> {
+            self.launched.borrow_mut().push(kernel);
+            Ok(())
+        }
+        fn gemm_bf16(&self, _x: &Host<u16>, _w: &Host<u16>, _out: &mut Host<f32>, _n: usize, _k: usize, _m: usize) -> Result<(), CudaError> {
+            self.launched.borrow_mut().push("gemm_bf16");
+            Ok(())
+        }
+    }
+
+    const ROWS: usize = 40;
+    const COLS: usize = 96;
+
+    fn int_weight(k: &Kernels<Recorder>, bits: u32) -> DevGrouped<Recorder> {
+        let stride = (COLS * bits as usize).div_ceil(8);
+        let packed = k.upload_packed(bits, ROWS, COLS, stride, &vec![0u8; ROWS * stride]).unwrap();
+        let groups = ROWS * COLS.div_ceil(32);
+        k.upload_grouped(packed, 32, &vec![1.0; groups], &vec![0.0; groups]).unwrap()
+    }
+
+    fn run(k: &Kernels<Recorder>, w: QuantWeight<'_, Recorder>, n: usize, scratch: &mut GemmScratch<Recorder>) -> (Result<MatmulPath, CudaError>, Vec<&'static str>) {
+        let x = k.zeros::<f32>(n * COLS).unwrap();
+        let mut out = k.zeros::<f32>(n * ROWS).unwrap();
+        k.rt.launched.borrow_mut().clear();
+        let r = k.matmul_quant(w, &x, &mut out, n, scratch);
+        (r, k.rt.launched.borrow().clone())
+    }
+
+    #[test]
+    fn small_batches_run_the_gemv_and_large_ones_dequantise_into_the_gemm() {
+        let k = Kernels::new(Recorder::default());
+        let mut scratch = k.gemm_scratch(ROWS * COLS, 64 * COLS).unwrap();
+        let (w3, w4) = (int_weight(&k, 3), int_weight(&k, 4));
+        let mx = k.upload_mxfp4(ROWS, COLS, &vec![0u8; ROWS * COLS / 2], &[127u8; ROWS * COLS / 32]).unwrap();
+        let cases = [
+            (QuantWeight::Int(&w3), "int_gemv", "dequant_int_bf16"),
+            (QuantWeight::Int(&w4), "int4_gemv", "dequant_int_bf16"),
+            (QuantWeight::Cubic(&w3), "cubic_gemv", "dequant_cubic_bf16"),
+            (QuantWeight::Mxfp4(&mx), "mxfp4_gemv", "dequant_mxfp4_bf16"),
+        ];
+        for (w, gemv, dequant) in cases {
+            for n in [1, GEMM_MIN_TOKENS] {
+                let (path, launched) = run(&k, w, n, &mut scratch);
+                assert_eq!((path.unwrap(), launched), (MatmulPath::Gemv, vec![gemv]), "n={n}");
+            }
+            for n in [GEMM_MIN_TOKENS + 1, 64] {
+                let (path, launched) = run(&k, w, n, &mut scratch);
+                assert_eq!((path.unwrap(), launched), (MatmulPath::DequantGemm, vec![dequant, "f32_to_bf16_rows", "gemm_bf16"]), "n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_short_scratch_or_input_is_an_error_before_any_launch() {
+        let k = Kernels::new(Recorder::default());
+        let w = int_weight(&k, 4);
+        let n = 48;
+        let mut small_weight = k.gemm_scratch(ROWS * COLS - 1, n * COLS).unwrap();
+        let (r, launched) = run(&k, QuantWeight::Int(&w), n, &mut small_weight);
+        let msg = r.unwrap_err().to_string();
+        assert!(msg.contains("scratch holds 3839 bf16 weights, need 40 x 96"), "{msg}");
+        assert!(launched.is_empty());
+
+        let mut small_x = k.gemm_scratch(ROWS * COLS, n * COLS - 1).unwrap();
+        let (r, launched) = run(&k, QuantWeight::Int(&w), n, &mut small_x);
+        assert!(r.unwrap_err().to_string().contains("need 48 x 96"));
+        assert!(launched.is_empty());
+
+        let mut scratch = k.gemm_scratch(ROWS * COLS, n * COLS).unwrap();
+        let x = k.zeros::<f32>(n * COLS - 1).unwrap();
+        let mut out = k.zeros::<f32>(n * ROWS).unwrap();
+        assert!(k.matmul_quant(QuantWeight::Int(&w), &x, &mut out, n, &mut scratch).is_err());
+        let mut short_params = int_weight(&k, 4);
+        short_params.p1 = k.zeros(1).unwrap();
+        let x = k.zeros::<f32>(n * COLS).unwrap();
+        let msg = k.matmul_quant(QuantWeight::Cubic(&short_params), &x, &mut out, n, &mut scratch).unwrap_err().to_string();
+        assert!(msg.contains("group parameters"), "{msg}");
+        assert!(k.rt.launched.borrow().is_empty());
     }
 }

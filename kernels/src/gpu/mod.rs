@@ -4,5 +4,5 @@ pub mod kernels;
 pub mod kv_pool;
 pub mod runtime;
 
-pub use kernels::{DevGrouped, DevMxfp4, DevPacked, Kernels, PagedGeometry};
+pub use kernels::{DevGrouped, DevMxfp4, DevPacked, GemmScratch, Kernels, MatmulPath, PagedGeometry, QuantWeight, GEMM_MIN_TOKENS};
 pub use runtime::{DevBuf, Dims, Elem, KArg, Runtime};
