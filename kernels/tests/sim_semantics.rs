@@ -86,7 +86,9 @@ fn barriers_that_can_never_complete_are_errors_not_hangs() {
 
 #[test]
 fn launch_geometry_and_scalars_arrive_intact() {
-    let Some(rt) = sim("launch_geometry_and_scalars_arrive_intact") else { return };
+    let Some(parallel) = sim("launch_geometry_and_scalars_arrive_intact") else { return };
+    // Serially and with ranges of blocks on rayon's threads: the same result.
+    for rt in [parallel, SimRuntime::serial().unwrap()] {
     let (grid, block) = ((3u32, 2u32, 2u32), (4u32, 3u32, 2u32));
     let threads = (grid.0 * grid.1 * grid.2 * block.0 * block.1 * block.2) as usize;
     let out = rt.zeros::<i32>(threads * 6).unwrap();
@@ -108,6 +110,7 @@ fn launch_geometry_and_scalars_arrive_intact() {
                 }
             }
         }
+    }
     }
 }
 
