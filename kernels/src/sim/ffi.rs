@@ -39,10 +39,11 @@ pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes
         // and the caller guarantees the arguments (see above).
         let rc = unsafe { wsim_launch(name.as_ptr(), grid.as_ptr(), block.as_ptr(), shared_bytes, args.as_ptr() as *mut *mut c_void, kinds.as_ptr(), blocks.start, blocks.end - blocks.start, err.as_mut_ptr(), err.len()) };
         if rc == 0 {
-            return Ok(());
+            Ok(())
+        } else {
+            // SAFETY: the C side always NUL-terminates (vsnprintf).
+            Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned())
         }
-        // SAFETY: the C side always NUL-terminates (vsnprintf).
-        return Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned());
     }
     #[cfg(not(wasmserve_sim))]
     {
@@ -58,7 +59,7 @@ pub fn signature(kernel: &str) -> Option<String> {
     {
         // SAFETY: NUL-terminated input; the result is null or a static NUL-terminated string.
         let p = unsafe { wsim_signature(name.as_ptr()) };
-        return (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned());
+        (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
     }
     #[cfg(not(wasmserve_sim))]
     {
