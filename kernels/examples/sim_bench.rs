@@ -6,16 +6,24 @@
 
 use std::time::Instant;
 
-use kernels::sim::SimGpu;
+use kernels::gpu::Kernels;
+use kernels::sim::{SimGpu, SimRuntime};
 
 fn main() {
-    let g = match SimGpu::sim() {
-        Ok(g) => g,
-        Err(e) => {
+    let (parallel, serial) = match (SimGpu::sim(), SimRuntime::serial()) {
+        (Ok(p), Ok(s)) => (p, Kernels::new(s)),
+        (Err(e), _) | (_, Err(e)) => {
             eprintln!("simulator unavailable: {e}");
             return;
         }
     };
+    println!("one thread:");
+    bench(&serial);
+    println!("{} rayon threads:", rayon::current_num_threads());
+    bench(&parallel);
+}
+
+fn bench(g: &SimGpu) {
     for &(rows, cols) in &[(576usize, 1536usize), (1536, 576), (49152, 576)] {
         let gs = 32;
         let stride = cols / 2;
