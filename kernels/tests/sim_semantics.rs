@@ -155,3 +155,18 @@ fn concurrent_launches_on_different_threads_share_nothing() {
         }
     });
 }
+
+/// build.rs registered every kernel that src/cuda/sources.rs lists, with a parameter list the
+/// simulator could classify (no `?` kinds).
+#[test]
+fn every_listed_kernel_is_in_the_simulator_registry() {
+    let Some(_) = sim("every_listed_kernel_is_in_the_simulator_registry") else { return };
+    for src in kernels::cuda::sources::SOURCES {
+        for k in src.kernels {
+            let sig = kernels::sim::ffi::signature(k).unwrap_or_else(|| panic!("{k} ({}) is not in the simulator", src.name));
+            assert!(!sig.is_empty() && !sig.contains('?'), "{k}: parameter kinds {sig:?}");
+        }
+    }
+    assert_eq!(kernels::sim::ffi::signature("int4_gemv").as_deref(), Some("plppppiiii"));
+    assert!(kernels::sim::ffi::signature("no_such_kernel").is_none());
+}

@@ -164,14 +164,13 @@ impl Runtime for SimRuntime {
     /// Not cuBLAS: `out[i, j] = Σ_k x[i, k]·w[j, k]` over the bf16 values in f32, in k order.
     fn gemm_bf16(&self, x: &SimBuf<u16>, w: &SimBuf<u16>, out: &mut SimBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
         gpu::kernels::check(x.len() >= n * k && w.len() >= m * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
-        let widen = |v: &[u16]| v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect::<Vec<f32>>();
-        let (xs, ws) = (widen(&x.to_vec()[..n * k]), widen(&w.to_vec()[..m * k]));
+        let widen = |b: u16| f32::from_bits((b as u32) << 16);
+        let (xs, ws) = (&x.as_slice()[..n * k], &w.as_slice()[..m * k]);
         let mut res = vec![0.0f32; n * m];
-        res.par_chunks_mut(m.max(1)).enumerate().for_each(|(i, row)| {
-            let xr = &xs[i * k..(i + 1) * k];
-            for (j, o) in row.iter_mut().enumerate() {
-                *o = xr.iter().zip(&ws[j * k..(j + 1) * k]).fold(0.0f32, |acc, (a, b)| acc + a * b);
-            }
+        // One output element per task, each summed in k order: deterministic however rayon splits.
+        res.par_iter_mut().enumerate().for_each(|(idx, o)| {
+            let (i, j) = (idx / m, idx % m);
+            *o = xs[i * k..(i + 1) * k].iter().zip(&ws[j * k..(j + 1) * k]).fold(0.0f32, |acc, (&a, &b)| acc + widen(a) * widen(b));
         });
         out.write(0, &res);
         Ok(())
