@@ -155,7 +155,7 @@ std::string where(const char* what, const char* file, int line) {
     return b;
 }
 
-[[noreturn]] void fail(const char* fmt, ...) {
+[[noreturn]] __attribute__((cold, noinline)) void fail(const char* fmt, ...) {
     char b[512];
     va_list ap;
     va_start(ap, fmt);
@@ -166,7 +166,7 @@ std::string where(const char* what, const char* file, int line) {
     back_to_main();
 }
 
-[[noreturn]] void deadlock() {
+[[noreturn]] __attribute__((cold, noinline)) void deadlock() {
     unsigned block = 0, warp = 0;
     const char *wf = "?", *ww = "?";
     int wl = 0;
@@ -183,7 +183,7 @@ std::string where(const char* what, const char* file, int line) {
 }
 
 // Switches to the next runnable fiber after `self` (round robin), or reports a deadlock.
-void schedule_from(unsigned self) {
+inline __attribute__((always_inline)) void schedule_from(unsigned self) {
     unsigned n = L->n;
     if (self + 1 < n && L->fibers[self + 1].state == Ready) {  // the usual case: the next lane
         resume(self, self + 1);
@@ -231,7 +231,9 @@ const char* kernel_site_mismatch = "lanes of warp %u wait at different collectiv
 
 }  // namespace
 
-const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const char* file, int line) {
+namespace {
+// Why this collective cannot proceed (kept out of line: the hot path only tests conditions).
+[[noreturn]] __attribute__((cold, noinline)) void collective_error(uint32_t mask, const char* what, const char* file, int line) {
     unsigned self = L->current;
     Warp& w = L->warps[self / 32];
     uint32_t exist = w.expected == 32 ? 0xffffffffu : ((1u << w.expected) - 1u);
@@ -241,10 +243,19 @@ const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const
     if (w.exited > 0)
         fail("%s: %u lane(s) of warp %u exited before it, so it can never complete", where(what, file, line).c_str(), w.exited,
              self / 32);
+    fail(kernel_site_mismatch, self / 32, where(w.what, w.file, w.line).c_str(), where(what, file, line).c_str());
+}
+}  // namespace
+
+const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const char* file, int line) {
+    unsigned self = L->current;
+    Warp& w = L->warps[self / 32];
+    uint32_t exist = w.expected == 32 ? 0xffffffffu : ((1u << w.expected) - 1u);
+    if (__builtin_expect((mask & exist) != exist || w.exited > 0, 0)) collective_error(mask, what, file, line);
     if (w.arrived == 0) {
         w.what = what, w.file = file, w.line = line;
-    } else if (w.line != line || w.what != what || (w.file != file && strcmp(w.file, file) != 0)) {
-        fail(kernel_site_mismatch, self / 32, where(w.what, w.file, w.line).c_str(), where(what, file, line).c_str());
+    } else if (__builtin_expect(w.line != line || w.what != what || (w.file != file && strcmp(w.file, file) != 0), 0)) {
+        collective_error(mask, what, file, line);
     }
     uint32_t* slots = w.slots[w.gen & 1];
     slots[self % 32] = v;
