@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#if !defined(__x86_64__)
+#if !defined(__x86_64__) || defined(WSIM_UCONTEXT)
 #include <ucontext.h>
 #endif
 
@@ -29,7 +29,10 @@ constexpr std::size_t kGuard = 4096;       // an overflow faults instead of corr
 
 enum State : uint8_t { Ready, AtBlockBarrier, AtWarpCollective, Exited };
 
-#if defined(__x86_64__)
+// Context switch: hand-written on x86-64; elsewhere (or with -DWSIM_UCONTEXT, which the tests were
+// also run with) the portable but ~5x slower ucontext.
+
+#if defined(__x86_64__) && !defined(WSIM_UCONTEXT)
 // Saves the callee-saved registers on the current stack, stores its pointer in *save and resumes
 // the fiber whose stack pointer is `to` (swapcontext would also make a signal-mask system call
 // per switch, which dominates a simulated GEMV).
@@ -110,7 +113,7 @@ thread_local Launch* L __attribute__((tls_model("initial-exec"))) = nullptr;
 void fiber_main();
 
 void prepare(Fiber& f) {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(WSIM_UCONTEXT)
     // Frame popped by wsim_switch: six callee-saved registers, then fiber_main as return address;
     // fiber_main starts with rsp = top - 8 (as after a call) and a null return address above it.
     // Stack tops are staggered by a few cache lines: at the same page offset every fiber's frame
@@ -130,7 +133,7 @@ void prepare(Fiber& f) {
 }
 
 inline void switch_ctx(Context& from, Context& to) {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(WSIM_UCONTEXT)
     wsim_switch(&from.sp, to.sp);
 #else
     swapcontext(&from.uc, &to.uc);
