@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#if !defined(__x86_64__)
+#if !defined(__x86_64__) || defined(WSIM_UCONTEXT)
 #include <ucontext.h>
 #endif
 
@@ -29,7 +29,10 @@ constexpr std::size_t kGuard = 4096;       // an overflow faults instead of corr
 
 enum State : uint8_t { Ready, AtBlockBarrier, AtWarpCollective, Exited };
 
-#if defined(__x86_64__)
+// Context switch: hand-written on x86-64; elsewhere (or with -DWSIM_UCONTEXT, which the tests were
+// also run with) the portable but ~5x slower ucontext.
+
+#if defined(__x86_64__) && !defined(WSIM_UCONTEXT)
 // Saves the callee-saved registers on the current stack, stores its pointer in *save and resumes
 // the fiber whose stack pointer is `to` (swapcontext would also make a signal-mask system call
 // per switch, which dominates a simulated GEMV).
@@ -70,6 +73,7 @@ struct Context {
 struct Fiber {
     Context ctx;
     char* stack;
+    std::size_t color;  // bytes left unused at the top of the stack
     uint3_ tid;
     State state;
 };
@@ -109,10 +113,12 @@ thread_local Launch* L __attribute__((tls_model("initial-exec"))) = nullptr;
 void fiber_main();
 
 void prepare(Fiber& f) {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(WSIM_UCONTEXT)
     // Frame popped by wsim_switch: six callee-saved registers, then fiber_main as return address;
     // fiber_main starts with rsp = top - 8 (as after a call) and a null return address above it.
-    auto* top = reinterpret_cast<void**>(f.stack + kGuard + kStack);
+    // Stack tops are staggered by a few cache lines: at the same page offset every fiber's frame
+    // would map to the same L1 sets, and each switch would miss.
+    auto* top = reinterpret_cast<void**>(f.stack + kGuard + kStack - f.color);
     top[-1] = nullptr;
     top[-2] = reinterpret_cast<void*>(&fiber_main);
     for (int i = 3; i <= 8; i++) top[-i] = nullptr;
@@ -127,7 +133,7 @@ void prepare(Fiber& f) {
 }
 
 inline void switch_ctx(Context& from, Context& to) {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(WSIM_UCONTEXT)
     wsim_switch(&from.sp, to.sp);
 #else
     swapcontext(&from.uc, &to.uc);
@@ -137,6 +143,7 @@ inline void switch_ctx(Context& from, Context& to) {
 inline void resume(unsigned from, unsigned to) {
     L->current = to;
     cur.tid = L->fibers[to].tid;
+    cur.lane = to % 32;
     switch_ctx(L->fibers[from].ctx, L->fibers[to].ctx);
 }
 
@@ -151,7 +158,7 @@ std::string where(const char* what, const char* file, int line) {
     return b;
 }
 
-[[noreturn]] void fail(const char* fmt, ...) {
+[[noreturn]] __attribute__((cold, noinline)) void fail(const char* fmt, ...) {
     char b[512];
     va_list ap;
     va_start(ap, fmt);
@@ -162,7 +169,7 @@ std::string where(const char* what, const char* file, int line) {
     back_to_main();
 }
 
-[[noreturn]] void deadlock() {
+[[noreturn]] __attribute__((cold, noinline)) void deadlock() {
     unsigned block = 0, warp = 0;
     const char *wf = "?", *ww = "?";
     int wl = 0;
@@ -179,8 +186,12 @@ std::string where(const char* what, const char* file, int line) {
 }
 
 // Switches to the next runnable fiber after `self` (round robin), or reports a deadlock.
-void schedule_from(unsigned self) {
+inline __attribute__((always_inline)) void schedule_from(unsigned self) {
     unsigned n = L->n;
+    if (self + 1 < n && L->fibers[self + 1].state == Ready) {  // the usual case: the next lane
+        resume(self, self + 1);
+        return;
+    }
     for (unsigned k = 1; k < n; k++) {
         unsigned i = self + k < n ? self + k : self + k - n;
         if (L->fibers[i].state == Ready) {
@@ -223,9 +234,9 @@ const char* kernel_site_mismatch = "lanes of warp %u wait at different collectiv
 
 }  // namespace
 
-unsigned lane_id() { return L->current % 32; }
-
-const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const char* file, int line) {
+namespace {
+// Why this collective cannot proceed (kept out of line: the hot path only tests conditions).
+[[noreturn]] __attribute__((cold, noinline)) void collective_error(uint32_t mask, const char* what, const char* file, int line) {
     unsigned self = L->current;
     Warp& w = L->warps[self / 32];
     uint32_t exist = w.expected == 32 ? 0xffffffffu : ((1u << w.expected) - 1u);
@@ -235,10 +246,19 @@ const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const
     if (w.exited > 0)
         fail("%s: %u lane(s) of warp %u exited before it, so it can never complete", where(what, file, line).c_str(), w.exited,
              self / 32);
+    fail(kernel_site_mismatch, self / 32, where(w.what, w.file, w.line).c_str(), where(what, file, line).c_str());
+}
+}  // namespace
+
+const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const char* file, int line) {
+    unsigned self = L->current;
+    Warp& w = L->warps[self / 32];
+    uint32_t exist = w.expected == 32 ? 0xffffffffu : ((1u << w.expected) - 1u);
+    if (__builtin_expect((mask & exist) != exist || w.exited > 0, 0)) collective_error(mask, what, file, line);
     if (w.arrived == 0) {
         w.what = what, w.file = file, w.line = line;
-    } else if (w.line != line || w.what != what || (w.file != file && strcmp(w.file, file) != 0)) {
-        fail(kernel_site_mismatch, self / 32, where(w.what, w.file, w.line).c_str(), where(what, file, line).c_str());
+    } else if (__builtin_expect(w.line != line || w.what != what || (w.file != file && strcmp(w.file, file) != 0), 0)) {
+        collective_error(mask, what, file, line);
     }
     uint32_t* slots = w.slots[w.gen & 1];
     slots[self % 32] = v;
@@ -298,11 +318,12 @@ extern "C" const char* wsim_signature(const char* name) {
     return e ? e->signature : nullptr;
 }
 
-// Launches `name` like cuLaunchKernel (args[i] points at parameter i) and runs it to completion.
-// `kinds` names the arguments the caller packed; they must match the kernel's parameters.
-// Returns 0, or 1 with a message in `err`.
+// Launches `name` like cuLaunchKernel (args[i] points at parameter i) and runs blocks
+// [first, first + count) of the grid (linear index, x fastest) to completion on this OS thread;
+// other ranges may run on other threads at the same time. `kinds` names the arguments the caller
+// packed; they must match the kernel's parameters. Returns 0, or 1 with a message in `err`.
 extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_t* block, uint32_t shared_bytes, void** args,
-                           const char* kinds, char* err, std::size_t errlen) {
+                           const char* kinds, uint64_t first, uint64_t count, char* err, std::size_t errlen) {
     const Entry* e = find(name);
     if (!e) return report(err, errlen, "no kernel %s in the simulator", name);
     if (strcmp(e->signature, kinds) != 0)
@@ -330,6 +351,7 @@ extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_
     l.warps.assign((n + 31) / 32, Warp{});
     for (unsigned i = 0; i < n; i++) {
         l.fibers[i].stack = l.stacks[i];
+        l.fibers[i].color = (i * 7 % 64) * 64;
         l.fibers[i].tid = {i % block[0], i / block[0] % block[1], i / (block[0] * block[1])};
     }
     l.kernel = e->invoke, l.args = args, l.n = n, l.failed = false;
@@ -338,28 +360,30 @@ extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_
     cur.bdim = {block[0], block[1], block[2]};
     cur.gdim = {grid[0], grid[1], grid[2]};
     int rc = 0;
-    for (unsigned z = 0; z < grid[2] && rc == 0; z++)
-        for (unsigned y = 0; y < grid[1] && rc == 0; y++)
-            for (unsigned x = 0; x < grid[0] && rc == 0; x++) {
-                cur.bid = {x, y, z};
-                for (Fiber& f : l.fibers) {
-                    f.state = Ready;
-                    prepare(f);
-                }
-                for (unsigned w = 0; w < l.warps.size(); w++) {
-                    Warp& wp = l.warps[w];
-                    wp.arrived = wp.exited = wp.gen = 0;
-                    wp.expected = n - w * 32 < 32 ? n - w * 32 : 32;
-                }
-                l.current = 0, l.at_barrier = 0, l.exited = 0, l.bfile = nullptr;
-                cur.tid = l.fibers[0].tid;
-                switch_ctx(l.main, l.fibers[0].ctx);
-                if (l.failed) {
-                    unsigned t = l.current;
-                    rc = report(err, errlen, "%s: block (%u, %u, %u), thread (%u, %u, %u): %s", name, x, y, z, l.fibers[t].tid.x,
-                                l.fibers[t].tid.y, l.fibers[t].tid.z, l.error.c_str());
-                }
-            }
+    uint64_t total = (uint64_t)grid[0] * grid[1] * grid[2];
+    uint64_t end = first + count < total ? first + count : total;
+    for (uint64_t b = first; b < end && rc == 0; b++) {
+        unsigned x = (unsigned)(b % grid[0]), y = (unsigned)(b / grid[0] % grid[1]), z = (unsigned)(b / ((uint64_t)grid[0] * grid[1]));
+        cur.bid = {x, y, z};
+        for (Fiber& f : l.fibers) {
+            f.state = Ready;
+            prepare(f);
+        }
+        for (unsigned w = 0; w < l.warps.size(); w++) {
+            Warp& wp = l.warps[w];
+            wp.arrived = wp.exited = wp.gen = 0;
+            wp.expected = n - w * 32 < 32 ? n - w * 32 : 32;
+        }
+        l.current = 0, l.at_barrier = 0, l.exited = 0, l.bfile = nullptr;
+        cur.tid = l.fibers[0].tid;
+        cur.lane = 0;
+        switch_ctx(l.main, l.fibers[0].ctx);
+        if (l.failed) {
+            unsigned t = l.current;
+            rc = report(err, errlen, "%s: block (%u, %u, %u), thread (%u, %u, %u): %s", name, x, y, z, l.fibers[t].tid.x, l.fibers[t].tid.y,
+                        l.fibers[t].tid.z, l.error.c_str());
+        }
+    }
     L = nullptr;
     cur = saved;
     return rc;
