@@ -15,3 +15,5 @@ pub mod cubic;
 pub mod attention;
 pub mod sample;
 pub mod moe;
+pub mod gather;
+pub mod kv_write;
