@@ -12,10 +12,12 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod device;
+pub mod placement;
 
 pub use kernels::cpu::attention::{KvBlocks, PagedGeometry};
 
 pub use device::{select, DeviceSpec, Selected};
+pub use placement::place_model;
 
 /// Why a backend operation failed (bad shapes, device errors).
 #[derive(Debug, thiserror::Error)]
