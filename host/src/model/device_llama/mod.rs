@@ -8,6 +8,10 @@
 //! weights in bf16 (see `weights`), so it is tested against it and against transformers.
 
 mod weights;
+#[cfg(test)]
+mod ref_runtime;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Mutex;
 
@@ -108,6 +112,7 @@ impl<R: Runtime> DeviceLlama<R> {
 
 /// What one step uploads: per token its id, position, pool row to write, and the block table
 /// and length its attention reads.
+#[derive(Debug)]
 struct StepInputs {
     ids: Vec<i32>,
     positions: Vec<i32>,
@@ -302,7 +307,7 @@ pub fn place_on_device<R: Runtime + 'static>(m: LoadedModel, gpu: Kernels<R>) ->
 }
 
 #[cfg(test)]
-mod tests {
+mod step_tests {
     use super::*;
 
     fn cfg() -> ModelConfig {
@@ -319,7 +324,8 @@ mod tests {
         let rows = [BatchRow { seq: 0, pos: 0 }, BatchRow { seq: 0, pos: 1 }, BatchRow { seq: 0, pos: 2 }, BatchRow { seq: 1, pos: 5 }];
         let tables = vec![vec![4, 2], vec![1, 3, 0]];
         let s = step_inputs(&cfg(), &[1, 2, 3, 4], &rows, 2, &tables, 5, &[2, 3]).unwrap();
-        assert_eq!(s.slots, [8, 9, 4, 7]);
+        // seq 1 position 5: block index 2 of its table (block 0), slot 1.
+        assert_eq!(s.slots, [8, 9, 4, 1]);
         assert_eq!(s.max_blocks, 3);
         assert_eq!(s.tables, [4, 0, 0, 4, 0, 0, 4, 2, 0, 1, 3, 0]);
         assert_eq!(s.lens, [1, 2, 3, 6]);
