@@ -20,7 +20,7 @@ use crate::model::linear::Linear;
 use crate::model::llama::{Layer, LlamaModel, TpRank};
 use crate::model::quant::IntLinear;
 use crate::model::tensor::Tensor;
-use crate::model::{DeviceKv, LanguageModel};
+use crate::model::{DeviceKv as _, LanguageModel};
 
 const D: usize = 64;
 const HEADS: usize = 4;
@@ -256,4 +256,75 @@ fn a_contiguous_cache_or_a_missing_pool_is_an_error() {
     assert!(dev.allocate(8, BS, KvStorage::F32).is_err(), "a second, different pool is refused");
     let e = dev.try_forward(&[1], &row, &mut Tables { tables: vec![vec![9]], copies: vec![] }, &[0]).unwrap_err();
     assert!(e.to_string().contains("outside the device pool"), "{e}");
+}
+
+/// The tiny bf16 checkpoint of tests/reference/tiny_llama (made with transformers).
+fn tiny_checkpoint() -> (crate::model::LoadedModel, serde_json::Value) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+    let reference = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    (crate::model::load(&dir).unwrap(), reference)
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Through `place_on_device`, every position's logits against transformers' (f32 compute from the
+/// same bf16 weights). The device path rounds GEMM activations to bf16, so the bound is that
+/// rounding's (about 2^-9 relative per input, accumulated over two layers), not the CPU's 2e-4.
+#[test]
+fn device_llama_matches_transformers_on_the_tiny_checkpoint() {
+    let (m, reference) = tiny_checkpoint();
+    let m = super::place_on_device(m, Kernels::new(RefRuntime)).unwrap();
+    let dev = m.model.device_kv().expect("a Llama is placed on the device");
+    dev.allocate(16, BS, KvStorage::F32).unwrap();
+    let vocab = m.config().vocab_size;
+    let mut worst = 0.0f32;
+    for (c, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let toks = ids(&case["ids"]);
+        let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+        let all: Vec<usize> = (0..toks.len()).collect();
+        // Each case in its own blocks (4 cases x at most 4 blocks of 4).
+        let table: Vec<u32> = (0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 4 + b).collect();
+        let got = m.model.try_forward(&toks, &rows, &mut Tables { tables: vec![table], copies: vec![] }, &all).unwrap();
+        for (p, want) in case["logits"].as_array().unwrap().iter().enumerate() {
+            for (v, w) in want.as_array().unwrap().iter().enumerate() {
+                worst = worst.max((got[p * vocab + v] - w.as_f64().unwrap() as f32).abs());
+            }
+        }
+    }
+    eprintln!("tiny checkpoint, device forward vs transformers: max |logit difference| {worst:.2e}");
+    assert!(worst < 2e-2, "{worst}");
+}
+
+/// The engine serving through the device path: K/V only in the device pool (the host pool holds
+/// none), greedy continuations equal to transformers'.
+#[test]
+fn engine_serves_the_device_model_with_kv_in_the_device_pool() {
+    use crate::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
+    use crate::sampling::SamplingParams;
+    let (m, reference) = tiny_checkpoint();
+    let m = std::sync::Arc::new(super::place_on_device(m, Kernels::new(RefRuntime)).unwrap());
+    let cfg = EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, max_num_batched_tokens: 7, ..Default::default() };
+    let mut core = EngineCore::try_new(m, cfg).unwrap();
+    assert!(core.pool().is_external(), "no host K/V for a device model");
+    let mut rxs = Vec::new();
+    for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let req = EngineRequest { prompt_ids: ids(&case["ids"]), sampling: SamplingParams::greedy(), max_tokens: 12, ignore_eos: true, ..Default::default() };
+        core.add_request(i as u64 + 1, req, tx).unwrap();
+        rxs.push((rx, ids(&case["greedy_ids"])));
+    }
+    while core.step() {}
+    for (mut rx, want) in rxs {
+        let mut got = Vec::new();
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                EngineEvent::Token { token, .. } => got.push(token),
+                EngineEvent::Error(e) => panic!("engine error: {e}"),
+                _ => {}
+            }
+        }
+        assert_eq!(got, want, "greedy continuation through the device path");
+    }
 }
