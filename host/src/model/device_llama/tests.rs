@@ -311,20 +311,64 @@ fn engine_serves_the_device_model_with_kv_in_the_device_pool() {
     let mut rxs = Vec::new();
     for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let req = EngineRequest { prompt_ids: ids(&case["ids"]), sampling: SamplingParams::greedy(), max_tokens: 12, ignore_eos: true, ..Default::default() };
+        // n = 2 on the first case: the second choice forks the prompt's blocks, copying the
+        // partial last one on the device (copy-on-write through the paged view).
+        let n = if i == 0 { 2 } else { 1 };
+        let req = EngineRequest { prompt_ids: ids(&case["ids"]), sampling: SamplingParams::greedy(), max_tokens: 12, ignore_eos: true, n, ..Default::default() };
         core.add_request(i as u64 + 1, req, tx).unwrap();
         rxs.push((rx, ids(&case["greedy_ids"])));
     }
     while core.step() {}
     for (mut rx, want) in rxs {
-        let mut got = Vec::new();
+        let mut got: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
         while let Ok(ev) = rx.try_recv() {
             match ev {
-                EngineEvent::Token { token, .. } => got.push(token),
+                EngineEvent::Token { index, token, .. } => got.entry(index).or_default().push(token),
                 EngineEvent::Error(e) => panic!("engine error: {e}"),
                 _ => {}
             }
         }
-        assert_eq!(got, want, "greedy continuation through the device path");
+        for (index, toks) in got {
+            assert_eq!(toks, want, "greedy continuation {index} through the device path");
+        }
     }
+    assert_eq!(core.pool().unreferenced(), core.pool().num_blocks(), "every block released");
+}
+
+/// A model whose forward fails (as a device error would).
+struct Failing(crate::model::config::ModelConfig);
+
+impl LanguageModel for Failing {
+    fn config(&self) -> &crate::model::config::ModelConfig {
+        &self.0
+    }
+    fn cache_layout(&self) -> crate::model::kv::CacheLayout {
+        crate::model::kv::CacheLayout::uniform(self.0.num_layers(), crate::model::kv::LayerKvShape::heads(self.0.num_kv_heads, self.0.head_dim))
+    }
+    fn forward(&self, _: &[u32], _: &[BatchRow], _: &mut dyn KvCache, _: &[usize]) -> Vec<f32> {
+        unreachable!("the engine calls try_forward")
+    }
+    fn try_forward(&self, _: &[u32], _: &[BatchRow], _: &mut dyn KvCache, _: &[usize]) -> Result<Vec<f32>, crate::model::ForwardError> {
+        Err(crate::model::ForwardError::Invalid("injected device failure".into()))
+    }
+}
+
+/// A failing forward fails the batch's requests with the reason and frees their blocks; the
+/// engine keeps running.
+#[test]
+fn a_failed_forward_fails_the_requests_not_the_engine() {
+    use crate::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
+    let (m, _) = tiny_checkpoint();
+    let m = std::sync::Arc::new(crate::model::LoadedModel { model: Box::new(Failing(m.config().clone())), ..m });
+    let mut core = EngineCore::try_new(m, EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, ..Default::default() }).unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    core.add_request(1, EngineRequest { prompt_ids: vec![1, 5, 9], max_tokens: 4, ..Default::default() }, tx).unwrap();
+    while core.step() {}
+    match rx.try_recv() {
+        Ok(EngineEvent::Error(e)) => assert!(e.contains("forward pass failed") && e.contains("injected device failure"), "{e}"),
+        other => panic!("expected an error event, got {other:?}"),
+    }
+    assert_eq!(core.stats().forward_errors_total, 1);
+    assert!(!core.has_work());
+    assert_eq!(core.pool().unreferenced(), core.pool().num_blocks());
 }
