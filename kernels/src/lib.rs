@@ -5,3 +5,4 @@
 pub mod cpu;
 pub mod cuda;
 pub mod gpu;
+pub mod sim;

@@ -1,28 +1,96 @@
-//! Every CUDA kernel against its CPU reference in `kernels::cpu`, on random inputs.
+//! Every CUDA kernel against its CPU reference in `kernels::cpu`, on random inputs, written once over
+//! any [`Runtime`] and run on two: the CPU simulator (`sim::`, the real `.cu` sources compiled for
+//! the host: always runs) and a CUDA device (`cuda::`).
 //!
-//! Needs a GPU: without one each test prints `SKIPPED ...: <reason>` and passes, unless
-//! `WASMSERVE_REQUIRE_GPU=1` (bench/gpu-check.sh sets it), where a missing GPU fails.
-#![cfg(feature = "cuda")]
-
-use std::sync::OnceLock;
+//! Without a GPU each `cuda::` test prints `SKIPPED ...: <reason>` and passes, unless
+//! `WASMSERVE_REQUIRE_GPU=1` (bench/gpu-check.sh sets it), where a missing GPU fails. Likewise the
+//! `sim::` tests skip when no C++ compiler built the simulator, unless `WASMSERVE_REQUIRE_SIM=1` (CI).
 
 use kernels::cpu;
 use kernels::cpu::attention::{KvBlocks, PagedGeometry};
 use kernels::cpu::bitpack::PackedRows;
-use kernels::cuda::launch::Gpu;
-use kernels::cuda::nvrtc::PtxCache;
+use kernels::gpu::{Kernels, Runtime};
+use kernels::sim::SimGpu;
 
-fn gpu(test: &str) -> Option<&'static Gpu> {
-    static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
+fn required(var: &str) -> bool {
+    std::env::var_os(var).is_some_and(|v| v == "1")
+}
+
+fn sim(test: &str) -> Option<SimGpu> {
+    match SimGpu::sim() {
+        Ok(g) => Some(g),
+        Err(e) if required("WASMSERVE_REQUIRE_SIM") => panic!("{test}: {e}"),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            None
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu(test: &str) -> Option<&'static kernels::cuda::launch::Gpu> {
+    use kernels::cuda::launch::Gpu;
+    use kernels::cuda::nvrtc::PtxCache;
+    static GPU: std::sync::OnceLock<Result<Gpu, String>> = std::sync::OnceLock::new();
     match GPU.get_or_init(|| Gpu::open(0, &PtxCache::new(PtxCache::default_dir())).map_err(|e| e.to_string())) {
         Ok(g) => Some(g),
-        Err(e) if std::env::var_os("WASMSERVE_REQUIRE_GPU").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
+        Err(e) if required("WASMSERVE_REQUIRE_GPU") => panic!("{test}: {e}"),
         Err(e) => {
             eprintln!("SKIPPED {test}: no usable CUDA device: {e}");
             None
         }
     }
 }
+
+/// What each runtime must meet. Summation orders differ from the CPU references (warp trees vs
+/// serial loops), so GEMV-like results match to rounding, not bit for bit; the simulator computes
+/// in the same IEEE f32 with the same libm as the references, so it is held closer.
+struct Tol {
+    /// GEMV, attention, GEMM: max error relative to the largest reference magnitude.
+    gemv: f32,
+    /// RoPE: the simulator calls the references' sincosf; CUDA's differs in the last ulps.
+    rope: f32,
+    /// Sampled tokens that match neither the CPU reference's draw nor an f64-accurate one.
+    unexplained_draws: usize,
+}
+const SIM_TOL: Tol = Tol { gemv: 1e-6, rope: 0.0, unexplained_draws: 0 };
+#[cfg(feature = "cuda")]
+const CUDA_TOL: Tol = Tol { gemv: 1e-5, rope: 2e-6, unexplained_draws: 1 };
+
+/// One `#[test]` per check and runtime: `sim::<check>` and `cuda::<check>`.
+macro_rules! on_every_runtime {
+    ($($check:ident),* $(,)?) => {
+        mod sim {
+            $(#[test]
+            fn $check() {
+                if let Some(g) = super::sim(concat!("sim::", stringify!($check))) {
+                    super::$check(&g, &super::SIM_TOL)
+                }
+            })*
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda {
+            $(#[test]
+            fn $check() {
+                if let Some(g) = super::gpu(concat!("cuda::", stringify!($check))) {
+                    super::$check(g, &super::CUDA_TOL)
+                }
+            })*
+        }
+    };
+}
+
+on_every_runtime!(
+    int_gemv_matches_cpu_for_every_width_and_batch,
+    cubic_gemv_matches_cpu,
+    mxfp4_gemv_matches_cpu,
+    norms_rope_and_swiglu_match_cpu,
+    paged_attention_matches_cpu_for_f32_bf16_and_fp8,
+    sampling_draws_the_same_tokens_as_cpu,
+    moe_grouping_and_expert_gemv_match_cpu,
+    cublas_bf16_gemm_matches_cpu,
+    device_kv_pool_writes_and_attends_like_the_cpu_reference,
+);
 
 fn lcg(seed: u64) -> impl FnMut() -> u32 {
     let mut s = seed;
@@ -48,6 +116,33 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert!(worst <= tol, "{what}: max relative error {worst} > {tol}");
 }
 
+/// `cpu::sample::sample_top_k_top_p` with every mass summed in f64 (the top-k count is exact).
+fn f64_draw(logits: &[f32], temperature: f32, top_k: usize, top_p: f32, u: f32) -> usize {
+    let p = cpu::sample::unnormalised_probs(logits, temperature);
+    let mass = |t: f32| p.iter().filter(|&&x| x >= t).map(|&x| x as f64).sum::<f64>();
+    let mut tau = cpu::sample::threshold(&p, top_k, 1.0);
+    if top_p < 1.0 {
+        let total = mass(tau);
+        let (mut lo, mut hi) = (tau.to_bits(), 0x7f80_0000u32);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if mass(f32::from_bits(mid)) >= top_p as f64 * total { lo = mid } else { hi = mid - 1 }
+        }
+        tau = f32::from_bits(lo);
+    }
+    let target = u as f64 * mass(tau);
+    let mut run = 0.0f64;
+    let mut last = 0;
+    for (i, &x) in p.iter().enumerate().filter(|(_, &x)| x >= tau) {
+        run += x as f64;
+        last = i;
+        if run > target {
+            return i;
+        }
+    }
+    last
+}
+
 fn packed_rows(codes: &[u8], bits: u32, rows: usize, cols: usize) -> (PackedRows, Vec<u8>, usize) {
     let p = PackedRows::from_codes(bits, rows, cols, codes);
     // Pad rows to whole int32 words, as compressed-tensors stores them (exercises the fast path).
@@ -61,9 +156,7 @@ fn packed_rows(codes: &[u8], bits: u32, rows: usize, cols: usize) -> (PackedRows
     (PackedRows::new(bits, rows, cols, stride, &bytes), bytes, stride)
 }
 
-#[test]
-fn int_gemv_matches_cpu_for_every_width_and_batch() {
-    let Some(g) = gpu("int_gemv_matches_cpu_for_every_width_and_batch") else { return };
+fn int_gemv_matches_cpu_for_every_width_and_batch<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     for &(bits, rows, cols, gs) in &[(4u32, 129usize, 512usize, 128usize), (4, 64, 384, 32), (8, 33, 256, 64), (3, 17, 200, 200), (2, 9, 96, 32)] {
         let c = codes(rows * cols, bits, bits as u64 * 31 + cols as u64);
         let groups = rows * cols.div_ceil(gs);
@@ -79,14 +172,12 @@ fn int_gemv_matches_cpu_for_every_width_and_batch() {
             let dx = g.upload(&x).unwrap();
             let mut dout = g.zeros::<f32>(n * rows).unwrap();
             g.int_gemv(&dw, &dx, &mut dout, n).unwrap();
-            assert_close(&format!("int{bits} gemv {rows}x{cols} g{gs} n={n}"), &g.download(&dout).unwrap(), &want, 1e-5);
+            assert_close(&format!("int{bits} gemv {rows}x{cols} g{gs} n={n}"), &g.download(&dout).unwrap(), &want, t.gemv);
         }
     }
 }
 
-#[test]
-fn cubic_gemv_matches_cpu() {
-    let Some(g) = gpu("cubic_gemv_matches_cpu") else { return };
+fn cubic_gemv_matches_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     for bits in [2u32, 3, 4, 8] {
         let (rows, cols, gs) = (37, 544, 32);
         let c = codes(rows * cols, bits, bits as u64);
@@ -102,14 +193,12 @@ fn cubic_gemv_matches_cpu() {
             w.matmul_t(&x, &mut want, n);
             let (dx, mut dout) = (g.upload(&x).unwrap(), g.zeros::<f32>(n * rows).unwrap());
             g.cubic_gemv(&dw, &dx, &mut dout, n).unwrap();
-            assert_close(&format!("cubic{bits} gemv n={n}"), &g.download(&dout).unwrap(), &want, 1e-5);
+            assert_close(&format!("cubic{bits} gemv n={n}"), &g.download(&dout).unwrap(), &want, t.gemv);
         }
     }
 }
 
-#[test]
-fn mxfp4_gemv_matches_cpu() {
-    let Some(g) = gpu("mxfp4_gemv_matches_cpu") else { return };
+fn mxfp4_gemv_matches_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let (rows, cols) = (70, 640);
     let packed = codes(rows * cols / 2, 8, 3);
     let scales: Vec<u8> = codes(rows * cols / 32, 3, 4).into_iter().map(|e| 118 + e).collect();
@@ -121,13 +210,11 @@ fn mxfp4_gemv_matches_cpu() {
         w.matmul_t(&x, &mut want, n);
         let (dx, mut dout) = (g.upload(&x).unwrap(), g.zeros::<f32>(n * rows).unwrap());
         g.mxfp4_gemv(&dw, &dx, &mut dout, n).unwrap();
-        assert_close(&format!("mxfp4 gemv n={n}"), &g.download(&dout).unwrap(), &want, 1e-5);
+        assert_close(&format!("mxfp4 gemv n={n}"), &g.download(&dout).unwrap(), &want, t.gemv);
     }
 }
 
-#[test]
-fn norms_rope_and_swiglu_match_cpu() {
-    let Some(g) = gpu("norms_rope_and_swiglu_match_cpu") else { return };
+fn norms_rope_and_swiglu_match_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let (rows, d) = (5, 576);
     let x = uniform(rows * d, 1, -3.0, 3.0);
     let w = uniform(d, 2, 0.5, 1.5);
@@ -158,7 +245,7 @@ fn norms_rope_and_swiglu_match_cpu() {
     let (mut dq, dp, di) = (g.upload(&q).unwrap(), g.upload(&positions).unwrap(), g.upload(&inv).unwrap());
     g.rope(&mut dq, &dp, &di, tokens, heads, hd).unwrap();
     // sin/cos of large angles differ in the last ulps between libm and CUDA's sincosf.
-    assert_close("rope", &g.download(&dq).unwrap(), &want, 2e-6);
+    assert_close("rope", &g.download(&dq).unwrap(), &want, t.rope);
 
     let (t, dd) = (3, 1536);
     let gu = uniform(t * 2 * dd, 5, -6.0, 6.0);
@@ -171,9 +258,7 @@ fn norms_rope_and_swiglu_match_cpu() {
     assert_close("silu_mul", &g.download(&dout).unwrap(), &want, 1e-6);
 }
 
-#[test]
-fn paged_attention_matches_cpu_for_f32_bf16_and_fp8() {
-    let Some(g) = gpu("paged_attention_matches_cpu_for_f32_bf16_and_fp8") else { return };
+fn paged_attention_matches_cpu_for_f32_bf16_and_fp8<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let geo = PagedGeometry { heads: 8, kv_heads: 2, head_dim: 64, block_size: 16, max_blocks: 8 };
     let num_blocks = 20;
     let width = geo.kv_heads * geo.head_dim;
@@ -199,13 +284,13 @@ fn paged_attention_matches_cpu_for_f32_bf16_and_fp8() {
 
     cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &k, v: &v }, &tables, &lens, &geo, scale, &mut want);
     g.paged_attention_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
-    assert_close("paged attention f32", &g.download(&dout).unwrap(), &want, 1e-5);
+    assert_close("paged attention f32", &g.download(&dout).unwrap(), &want, t.gemv);
 
     let kb: Vec<u16> = k.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
     let vb: Vec<u16> = v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
     cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &kb, v: &vb }, &tables, &lens, &geo, scale, &mut want);
     g.paged_attention_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
-    assert_close("paged attention bf16", &g.download(&dout).unwrap(), &want, 1e-5);
+    assert_close("paged attention bf16", &g.download(&dout).unwrap(), &want, t.gemv);
 
     // FP8 with one scale per (row, kv head), as the pool stores it.
     let quant = |x: &[f32]| {
@@ -220,12 +305,10 @@ fn paged_attention_matches_cpu_for_f32_bf16_and_fp8() {
     cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &tables, &lens, &geo, scale, &mut want);
     let (dkc, dvc, dks, dvs) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
     g.paged_attention_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, scale, &mut dout).unwrap();
-    assert_close("paged attention fp8", &g.download(&dout).unwrap(), &want, 1e-5);
+    assert_close("paged attention fp8", &g.download(&dout).unwrap(), &want, t.gemv);
 }
 
-#[test]
-fn sampling_draws_the_same_tokens_as_cpu() {
-    let Some(g) = gpu("sampling_draws_the_same_tokens_as_cpu") else { return };
+fn sampling_draws_the_same_tokens_as_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let (seqs, vocab) = (16, 49152);
     // Distinct logits on a coarse grid plus a spread: no near-ties at the thresholds.
     let logits = uniform(seqs * vocab, 9, -8.0, 8.0);
@@ -239,16 +322,16 @@ fn sampling_draws_the_same_tokens_as_cpu() {
         let got = g.download(&out).unwrap();
         let want: Vec<i32> = (0..seqs).map(|s| cpu::sample::sample_top_k_top_p(&logits[s * vocab..(s + 1) * vocab], temp, k, p, u[s]) as i32).collect();
         let agree = got.iter().zip(&want).filter(|(a, b)| a == b).count();
-        eprintln!("sampling T={temp} k={k} p={p}: {agree}/{seqs} identical draws");
-        // Summation order differs (block tree vs serial), so a draw landing within rounding of a
-        // token boundary may differ; more than one in 16 would be a real bug.
-        assert!(agree >= seqs - 1, "T={temp} k={k} p={p}: gpu {got:?} cpu {want:?}");
+        // The CPU reference sums 49k probabilities serially in f32; the kernel sums chunk totals,
+        // which is more accurate, so a draw near a token boundary may differ. Such a draw must then
+        // be what an f64-accurate sampler picks.
+        let unexplained: Vec<usize> = (0..seqs).filter(|&s| got[s] != want[s] && got[s] as usize != f64_draw(&logits[s * vocab..(s + 1) * vocab], temp, k, p, u[s])).collect();
+        eprintln!("sampling T={temp} k={k} p={p}: {agree}/{seqs} identical draws, {} explained by f32 rounding of the reference", seqs - agree - unexplained.len());
+        assert!(unexplained.len() <= t.unexplained_draws, "T={temp} k={k} p={p}: sequences {unexplained:?} differ: device {got:?} cpu {want:?}");
     }
 }
 
-#[test]
-fn moe_grouping_and_expert_gemv_match_cpu() {
-    let Some(g) = gpu("moe_grouping_and_expert_gemv_match_cpu") else { return };
+fn moe_grouping_and_expert_gemv_match_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let (tokens, k, num_experts, rows, cols) = (37, 4, 16, 48, 256);
     let mut r = lcg(77);
     let experts: Vec<i32> = (0..tokens * k).map(|_| (r() % num_experts as u32) as i32).collect();
@@ -264,12 +347,10 @@ fn moe_grouping_and_expert_gemv_match_cpu() {
     cpu::moe::expert_gemv_bf16(&w, &x, &experts, &mut want, rows, cols, k);
     let mut dout = g.zeros::<f32>(tokens * k * rows).unwrap();
     g.moe_expert_gemv_bf16(&g.upload(&w).unwrap(), &g.upload(&x).unwrap(), &de, &dorder, &mut dout, rows, cols, k).unwrap();
-    assert_close("moe expert gemv bf16", &g.download(&dout).unwrap(), &want, 1e-5);
+    assert_close("moe expert gemv bf16", &g.download(&dout).unwrap(), &want, t.gemv);
 }
 
-#[test]
-fn cublas_bf16_gemm_matches_cpu() {
-    let Some(g) = gpu("cublas_bf16_gemm_matches_cpu") else { return };
+fn cublas_bf16_gemm_matches_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let (n, kk, m) = (19, 576, 130);
     let bf = |v: Vec<f32>| -> Vec<u16> { v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect() };
     let (x, w) = (bf(uniform(n * kk, 1, -1.0, 1.0)), bf(uniform(m * kk, 2, -0.2, 0.2)));
@@ -278,13 +359,11 @@ fn cublas_bf16_gemm_matches_cpu() {
     let want: Vec<f32> = (0..n * m).map(|i| (0..kk).map(|j| xf[i / m * kk + j] * wf[i % m * kk + j]).sum()).collect();
     let mut dout = g.zeros::<f32>(n * m).unwrap();
     g.gemm_bf16(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, kk, m).unwrap();
-    assert_close("cublas bf16 gemm", &g.download(&dout).unwrap(), &want, 1e-5);
+    assert_close("bf16 gemm", &g.download(&dout).unwrap(), &want, t.gemv);
 }
 
-#[test]
-fn device_kv_pool_writes_and_attends_like_the_cpu_reference() {
-    use kernels::cuda::kv_pool::{DeviceKvPool, KvStorage};
-    let Some(g) = gpu("device_kv_pool_writes_and_attends_like_the_cpu_reference") else { return };
+fn device_kv_pool_writes_and_attends_like_the_cpu_reference<R: Runtime>(g: &Kernels<R>, t: &Tol) {
+    use kernels::gpu::kv_pool::{DeviceKvPool, KvStorage};
     let (heads, kvh, hd, bs, blocks, max_blocks) = (4, 2, 32, 8, 6, 3);
     let w = kvh * hd;
     let lens = [5i32, 20];
@@ -327,6 +406,6 @@ fn device_kv_pool_writes_and_attends_like_the_cpu_reference() {
         let (dq, dt, dl) = (g.upload(&q).unwrap(), g.upload(&tables).unwrap(), g.upload(&lens).unwrap());
         let mut dout = g.zeros::<f32>(q.len()).unwrap();
         pool.attention(g, 1, heads, max_blocks, &dq, &dt, &dl, 0.2, &mut dout).unwrap();
-        assert_close(&format!("device KV pool {storage:?}"), &g.download(&dout).unwrap(), &want, 1e-5);
+        assert_close(&format!("device KV pool {storage:?}"), &g.download(&dout).unwrap(), &want, t.gemv);
     }
 }

@@ -1,0 +1,193 @@
+// CPU simulator for the CUDA C sources in kernels/cuda: lets g++ compile them unmodified (after
+// prelude.cuh) with `-x c++`. Every CUDA thread of a block is a cooperative fiber (sim.cpp);
+// barriers and warp collectives switch to the next runnable fiber, blocks run one after another on
+// the calling OS thread. Nothing preempts a fiber, so atomics are plain read-modify-writes and
+// `__shared__` is a `static thread_local` (launches on different OS threads share nothing).
+// Dynamic (`extern __shared__`) shared memory is not supported.
+#pragma once
+#include <math.h>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define __shared__ static thread_local
+#define __constant__ static const
+
+namespace cuda_sim {
+
+struct uint3_ {
+    unsigned x, y, z;
+};
+
+// The state of the fiber now running on this OS thread (set by the scheduler in sim.cpp).
+struct Current {
+    uint3_ tid, bid, bdim, gdim;
+};
+extern thread_local Current cur __attribute__((tls_model("initial-exec")));
+
+// Block-wide barrier; `file`/`line` identify the call site so threads waiting at different
+// __syncthreads are reported instead of silently meeting.
+void sync_block(const char* file, int line);
+// Warp collective: this lane contributes `v`, waits for every lane of its warp, and gets the whole
+// warp's contributions (32 slots, lanes that do not exist read 0). `mask` must cover every lane
+// that exists (partial-warp masks are not simulated and are reported as errors).
+const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const char* file, int line);
+void sync_warp(uint32_t mask, const char* file, int line);
+unsigned lane_id();
+
+template <class T>
+__forceinline__ uint32_t to_bits(T v) {
+    static_assert(sizeof(T) == 4, "the simulator shuffles 32-bit values only");
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return u;
+}
+template <class T>
+__forceinline__ T from_bits(uint32_t u) {
+    T v;
+    std::memcpy(&v, &u, 4);
+    return v;
+}
+
+// Unpacks a cuLaunchKernel-style argument array into the kernel's parameters.
+template <class... P, std::size_t... I>
+void call_impl(void (*k)(P...), void** a, std::index_sequence<I...>) {
+    k(*static_cast<std::remove_cv_t<P>*>(a[I])...);
+}
+template <class... P>
+void call(void (*k)(P...), void** a) {
+    call_impl(k, a, std::index_sequence_for<P...>{});
+}
+template <auto K>
+void invoke(void** a) {
+    call(K, a);
+}
+// One parameter's kind as the Rust side names its arguments: p pointer, i 32-bit int, l 64-bit
+// int, f float.
+template <class P>
+constexpr char kind() {
+    if constexpr (std::is_pointer_v<P>) return 'p';
+    else if constexpr (std::is_floating_point_v<P> && sizeof(P) == 4) return 'f';
+    else if constexpr (std::is_integral_v<P> && sizeof(P) == 4) return 'i';
+    else if constexpr (std::is_integral_v<P> && sizeof(P) == 8) return 'l';
+    else return '?';
+}
+template <class... P>
+struct Sig {
+    static constexpr char s[sizeof...(P) + 1] = {kind<P>()..., '\0'};
+};
+template <class... P>
+constexpr const char* signature(void (*)(P...)) {
+    return Sig<std::remove_cv_t<P>...>::s;
+}
+
+// One kernel in the registry that build.rs generates (one table per source file).
+struct Entry {
+    const char* name;
+    void (*invoke)(void**);
+    const char* signature;
+};
+
+}  // namespace cuda_sim
+
+#define threadIdx (::cuda_sim::cur.tid)
+#define blockIdx (::cuda_sim::cur.bid)
+#define blockDim (::cuda_sim::cur.bdim)
+#define gridDim (::cuda_sim::cur.gdim)
+#define warpSize 32
+
+inline void __syncthreads(const char* file = __builtin_FILE(), int line = __builtin_LINE()) { cuda_sim::sync_block(file, line); }
+inline void __syncwarp(unsigned mask = 0xffffffffu, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    cuda_sim::sync_warp(mask, file, line);
+}
+
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    const uint32_t* s = cuda_sim::warp_exchange(mask, cuda_sim::to_bits(v), "__shfl_xor_sync", file, line);
+    unsigned l = cuda_sim::lane_id();
+    unsigned src = l ^ (unsigned)lane_mask;
+    if ((src & ~(unsigned)(width - 1)) != (l & ~(unsigned)(width - 1))) src = l;  // outside the segment: own value
+    return cuda_sim::from_bits<T>(s[src & 31]);
+}
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    const uint32_t* s = cuda_sim::warp_exchange(mask, cuda_sim::to_bits(v), "__shfl_sync", file, line);
+    unsigned l = cuda_sim::lane_id();
+    unsigned base = l & ~(unsigned)(width - 1);
+    return cuda_sim::from_bits<T>(s[(base + ((unsigned)src_lane & (unsigned)(width - 1))) & 31]);
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    const uint32_t* s = cuda_sim::warp_exchange(mask, cuda_sim::to_bits(v), "__shfl_down_sync", file, line);
+    unsigned l = cuda_sim::lane_id();
+    unsigned seg = l & ~(unsigned)(width - 1), src = (l & (unsigned)(width - 1)) + delta;
+    return cuda_sim::from_bits<T>(src < (unsigned)width ? s[(seg + src) & 31] : s[l]);
+}
+template <class T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    const uint32_t* s = cuda_sim::warp_exchange(mask, cuda_sim::to_bits(v), "__shfl_up_sync", file, line);
+    unsigned l = cuda_sim::lane_id();
+    unsigned in_seg = l & (unsigned)(width - 1);
+    return cuda_sim::from_bits<T>(in_seg >= delta ? s[l - delta] : s[l]);
+}
+inline unsigned __ballot_sync(unsigned mask, int pred, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    const uint32_t* s = cuda_sim::warp_exchange(mask, pred ? 1u : 0u, "__ballot_sync", file, line);
+    unsigned b = 0;
+    for (int i = 0; i < 32; i++) b |= (s[i] & 1u) << i;
+    return b & mask;
+}
+inline int __any_sync(unsigned mask, int pred, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    return __ballot_sync(mask, pred, file, line) != 0;
+}
+inline int __all_sync(unsigned mask, int pred, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    return __ballot_sync(mask, !pred, file, line) == 0;
+}
+
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
+inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz((unsigned)v); }
+inline int __ffs(int v) { return __builtin_ffs(v); }
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+
+inline float __uint_as_float(unsigned u) { return cuda_sim::from_bits<float>(u); }
+inline float __int_as_float(int i) { return cuda_sim::from_bits<float>((uint32_t)i); }
+inline unsigned __float_as_uint(float f) { return cuda_sim::to_bits(f); }
+inline int __float_as_int(float f) { return (int)cuda_sim::to_bits(f); }
+
+// No preemption: a read-modify-write is atomic with respect to every other simulated thread.
+template <class T>
+inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+template <class T>
+inline T atomicSub(T* p, T v) { T old = *p; *p = old - v; return old; }
+template <class T>
+inline T atomicMax(T* p, T v) { T old = *p; *p = old < v ? v : old; return old; }
+template <class T>
+inline T atomicMin(T* p, T v) { T old = *p; *p = v < old ? v : old; return old; }
+template <class T>
+inline T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
+template <class T>
+inline T atomicCAS(T* p, T cmp, T v) { T old = *p; if (old == cmp) *p = v; return old; }
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long min(long a, long b) { return a < b ? a : b; }
+inline long max(long a, long b) { return a > b ? a : b; }
+// Fast-math intrinsics: computed at full precision (the device's are approximations).
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }

@@ -1,0 +1,66 @@
+//! The C entry points of the simulator library that build.rs compiles (kernels/sim/sim.cpp).
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+
+#[cfg(wasmserve_sim)]
+unsafe extern "C" {
+    fn wsim_launch(
+        name: *const c_char,
+        grid: *const u32,
+        block: *const u32,
+        shared_bytes: u32,
+        args: *mut *mut c_void,
+        kinds: *const c_char,
+        err: *mut c_char,
+        errlen: usize,
+    ) -> c_int;
+    fn wsim_signature(name: *const c_char) -> *const c_char;
+}
+
+/// Whether the simulator library was built (a C++ compiler was found at build time).
+pub const BUILT: bool = cfg!(wasmserve_sim);
+
+/// Runs `kernel` to completion. `args[i]` points at parameter i's value; `kinds` names each
+/// parameter (p pointer, i int, l long, f float) and is checked against the kernel's signature.
+///
+/// # Safety
+/// Every pointer argument must point at memory large enough for what the kernel accesses.
+pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &mut [*mut c_void], kinds: &str) -> Result<(), String> {
+    let name = CString::new(kernel).map_err(|_| format!("kernel name {kernel:?} contains a NUL byte"))?;
+    let kinds = CString::new(kinds).expect("kinds are ASCII letters");
+    #[cfg(wasmserve_sim)]
+    {
+        let mut err = vec![0 as c_char; 1024];
+        // SAFETY: the strings are NUL-terminated, the arrays have the lengths the C side reads,
+        // and the caller guarantees the arguments (see above).
+        let rc = unsafe { wsim_launch(name.as_ptr(), grid.as_ptr(), block.as_ptr(), shared_bytes, args.as_mut_ptr(), kinds.as_ptr(), err.as_mut_ptr(), err.len()) };
+        if rc == 0 {
+            return Ok(());
+        }
+        // SAFETY: the C side always NUL-terminates (vsnprintf).
+        return Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned());
+    }
+    #[cfg(not(wasmserve_sim))]
+    {
+        let _ = (name, kinds, grid, block, shared_bytes, args);
+        Err(NOT_BUILT.to_string())
+    }
+}
+
+/// The parameter kinds of `kernel` as the simulator compiled it, or None if it has no such kernel.
+pub fn signature(kernel: &str) -> Option<String> {
+    let name = CString::new(kernel).ok()?;
+    #[cfg(wasmserve_sim)]
+    {
+        // SAFETY: NUL-terminated input; the result is null or a static NUL-terminated string.
+        let p = unsafe { wsim_signature(name.as_ptr()) };
+        return (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned());
+    }
+    #[cfg(not(wasmserve_sim))]
+    {
+        let _ = name;
+        None
+    }
+}
+
+pub const NOT_BUILT: &str = "the CUDA simulator was not built (no C++ compiler was found when the kernels crate was compiled)";

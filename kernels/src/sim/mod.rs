@@ -1,0 +1,144 @@
+//! A CPU simulator as a [`Runtime`]: runs the real `.cu` sources (compiled for the host by
+//! build.rs, with `kernels/sim/cuda_sim.h` standing in for the CUDA built-ins), at the launch
+//! geometry and with the argument lists of the [`Kernels`] wrappers, so kernels and the code
+//! composing them are tested on machines without a GPU. Launches are synchronous and
+//! deterministic: one cooperative fiber per CUDA thread, blocks one after another.
+//!
+//! cuBLAS is not simulated: [`Runtime::gemm_bf16`] is a plain CPU loop with f32 accumulation.
+//! See docs/cuda.md ("CPU simulator") for what a passing simulator test does and does not prove.
+
+mod buf;
+pub mod ffi;
+
+use std::ffi::c_void;
+
+use rayon::prelude::*;
+
+pub use buf::SimBuf;
+
+use crate::cuda::CudaError;
+use crate::gpu::{self, DevBuf, Dims, Elem, KArg, Kernels, Runtime};
+
+/// Every kernel on the simulator.
+pub type SimGpu = Kernels<SimRuntime>;
+pub type SimDevPacked = gpu::DevPacked<SimRuntime>;
+pub type SimDevGrouped = gpu::DevGrouped<SimRuntime>;
+pub type SimDevMxfp4 = gpu::DevMxfp4<SimRuntime>;
+pub type SimKvPool = gpu::kv_pool::DeviceKvPool<SimRuntime>;
+
+fn sim_err(what: &'static str, msg: String) -> CudaError {
+    CudaError::Driver { what, msg }
+}
+
+#[derive(Debug)]
+pub struct SimRuntime {
+    _private: (),
+}
+
+impl SimRuntime {
+    /// Fails (with the reason) only when the simulator library was not built.
+    pub fn new() -> Result<Self, CudaError> {
+        if !ffi::BUILT {
+            return Err(sim_err("simulator", ffi::NOT_BUILT.to_string()));
+        }
+        Ok(Self { _private: () })
+    }
+}
+
+impl SimGpu {
+    /// The launch wrappers on the simulator.
+    pub fn sim() -> Result<Self, CudaError> {
+        Ok(Kernels::new(SimRuntime::new()?))
+    }
+}
+
+/// One packed argument: its value lives here, `args[i]` points at it.
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+struct Slot([u8; 8]);
+
+impl Runtime for SimRuntime {
+    type Buf<T: Elem> = SimBuf<T>;
+
+    fn describe(&self) -> String {
+        "CPU simulator".into()
+    }
+    fn upload<T: Elem>(&self, host: &[T]) -> Result<SimBuf<T>, CudaError> {
+        Ok(SimBuf::from_slice(host))
+    }
+    fn download<T: Elem>(&self, buf: &SimBuf<T>) -> Result<Vec<T>, CudaError> {
+        Ok(buf.to_vec())
+    }
+    fn zeros<T: Elem>(&self, n: usize) -> Result<SimBuf<T>, CudaError> {
+        Ok(SimBuf::from_slice(&vec![T::default(); n.max(1)]))
+    }
+    fn write<T: Elem>(&self, buf: &mut SimBuf<T>, offset: usize, host: &[T]) -> Result<(), CudaError> {
+        gpu::kernels::check(offset.checked_add(host.len()).is_some_and(|end| end <= buf.len()), || format!("write of {} at {offset} into {}", host.len(), buf.len()))?;
+        buf.write(offset, host);
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(())
+    }
+
+    unsafe fn launch(&self, kernel: &'static str, dims: Dims, args: &[KArg<'_, Self>]) -> Result<(), CudaError> {
+        let mut slots = vec![Slot([0; 8]); args.len()];
+        let mut kinds = String::with_capacity(args.len());
+        for (slot, a) in slots.iter_mut().zip(args) {
+            let p = slot.0.as_mut_ptr();
+            // SAFETY: each slot is 8 bytes, aligned to 8: room for any of these values.
+            unsafe {
+                match a {
+                    KArg::F32s(b) => (p as *mut *mut c_void).write(b.ptr() as *mut c_void),
+                    KArg::I32s(b) => (p as *mut *mut c_void).write(b.ptr() as *mut c_void),
+                    KArg::U8s(b) => (p as *mut *mut c_void).write(b.ptr() as *mut c_void),
+                    KArg::U16s(b) => (p as *mut *mut c_void).write(b.ptr() as *mut c_void),
+                    KArg::I32(v) => (p as *mut i32).write(*v),
+                    KArg::I64(v) => (p as *mut i64).write(*v),
+                    KArg::F32(v) => (p as *mut f32).write(*v),
+                }
+            }
+            kinds.push(match a {
+                KArg::F32s(_) | KArg::I32s(_) | KArg::U8s(_) | KArg::U16s(_) => 'p',
+                KArg::I32(_) => 'i',
+                KArg::I64(_) => 'l',
+                KArg::F32(_) => 'f',
+            });
+        }
+        let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s.0.as_mut_ptr() as *mut c_void).collect();
+        let (g, b) = (dims.grid, dims.block);
+        tracing::trace!(kernel, grid = ?g, block = ?b, "simulated launch");
+        // SAFETY: the caller guarantees buffer sizes (see `Runtime::launch`); the argument kinds
+        // are checked against the kernel's signature on the C side.
+        unsafe { ffi::launch(kernel, [g.0, g.1, g.2], [b.0, b.1, b.2], dims.shared_mem_bytes, &mut ptrs, &kinds) }.map_err(|m| sim_err("simulator", m))?;
+        for (i, a) in args.iter().enumerate() {
+            let intact = match a {
+                KArg::F32s(b) => b.guards_intact(),
+                KArg::I32s(b) => b.guards_intact(),
+                KArg::U8s(b) => b.guards_intact(),
+                KArg::U16s(b) => b.guards_intact(),
+                _ => true,
+            };
+            if !intact {
+                return Err(sim_err("simulator", format!("{kernel}: argument {i} was written out of bounds (guard bytes changed)")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Not cuBLAS: `out[i, j] = Σ_k x[i, k]·w[j, k]` over the bf16 values in f32, in k order.
+    fn gemm_bf16(&self, x: &SimBuf<u16>, w: &SimBuf<u16>, out: &mut SimBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+        gpu::kernels::check(x.len() >= n * k && w.len() >= m * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
+        let widen = |v: &[u16]| v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect::<Vec<f32>>();
+        let (xs, ws) = (widen(&x.to_vec()[..n * k]), widen(&w.to_vec()[..m * k]));
+        let mut res = vec![0.0f32; n * m];
+        res.par_chunks_mut(m.max(1)).enumerate().for_each(|(i, row)| {
+            let xr = &xs[i * k..(i + 1) * k];
+            for (j, o) in row.iter_mut().enumerate() {
+                *o = xr.iter().zip(&ws[j * k..(j + 1) * k]).fold(0.0f32, |acc, (a, b)| acc + a * b);
+            }
+        });
+        out.write(0, &res);
+        Ok(())
+    }
+}

@@ -1,0 +1,154 @@
+//! The CPU simulator's own semantics, on the test-only kernels of kernels/sim/selftest.cu:
+//! warp collectives and block barriers give CUDA's results, launch geometry and scalar arguments
+//! arrive intact, and a barrier that can never complete is an error from the launch, not a hang.
+//!
+//! Without the simulator (no C++ compiler at build time) each test prints `SKIPPED ...` and
+//! passes, unless `WASMSERVE_REQUIRE_SIM=1` (CI), where it fails.
+
+use kernels::gpu::{Dims, KArg, Runtime};
+use kernels::sim::SimRuntime;
+
+fn sim(test: &str) -> Option<SimRuntime> {
+    match SimRuntime::new() {
+        Ok(rt) => Some(rt),
+        Err(e) if std::env::var_os("WASMSERVE_REQUIRE_SIM").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            None
+        }
+    }
+}
+
+fn launch(rt: &SimRuntime, kernel: &'static str, dims: Dims, args: &[KArg<'_, SimRuntime>]) -> Result<(), String> {
+    // SAFETY: every test kernel's buffers are sized for the dimensions it is launched with.
+    unsafe { rt.launch(kernel, dims, args) }.map_err(|e| e.to_string())
+}
+
+#[test]
+fn warp_collectives_and_block_barriers_give_cuda_results() {
+    let Some(rt) = sim("warp_collectives_and_block_barriers_give_cuda_results") else { return };
+    let (blocks, threads) = (2usize, 96usize);
+    let out = rt.zeros::<f32>(blocks * threads * 8).unwrap();
+    launch(&rt, "simtest_collectives", Dims::new((blocks as u32, 1, 1), threads as u32), &[KArg::F32s(&out)]).unwrap();
+    let got = rt.download(&out).unwrap();
+    let block_total: f32 = (1..=threads).map(|v| v as f32).sum();
+    for b in 0..blocks {
+        for i in 0..threads {
+            let o = &got[(b * threads + i) * 8..][..8];
+            let (lane, warp0) = (i % 32, i / 32 * 32);
+            let v = |l: usize| (warp0 + l + 1) as f32;
+            let warp_total: f32 = (0..32).map(v).sum();
+            assert_eq!(o[0], warp_total, "warp_sum, thread {i}");
+            assert_eq!(o[1], v(3), "shfl from lane 3, thread {i}");
+            assert_eq!(o[2], if lane < 31 { v(lane + 1) } else { v(lane) }, "shfl_down 1, thread {i}");
+            assert_eq!(o[3], if lane >= 2 { v(lane - 2) } else { v(lane) }, "shfl_up 2, thread {i}");
+            assert_eq!(o[4], 0xaaaa_aaaau32 as f32, "ballot of odd lanes, thread {i}");
+            assert_eq!(o[5], v(lane ^ 4), "xor 4 within width 8, thread {i}");
+            assert_eq!(o[6], block_total, "block_sum, thread {i}");
+            assert_eq!(o[7], (threads - 1 - i) as f32, "shared memory after __syncthreads, thread {i}");
+        }
+    }
+}
+
+#[test]
+fn threads_that_returned_count_as_arrived_at_syncthreads() {
+    let Some(rt) = sim("threads_that_returned_count_as_arrived_at_syncthreads") else { return };
+    let out = rt.zeros::<i32>(128).unwrap();
+    launch(&rt, "simtest_early_exit", Dims::new((1, 1, 1), 128), &[KArg::I32s(&out), KArg::I32(50)]).unwrap();
+    let got = rt.download(&out).unwrap();
+    for i in 0..50 {
+        assert_eq!(got[i], (49 - i as i32) * 10);
+    }
+    assert!(got[50..].iter().all(|&v| v == 0));
+}
+
+#[test]
+fn barriers_that_can_never_complete_are_errors_not_hangs() {
+    let Some(rt) = sim("barriers_that_can_never_complete_are_errors_not_hangs") else { return };
+    let out = rt.zeros::<f32>(64).unwrap();
+    let e = launch(&rt, "simtest_exit_before_shuffle", Dims::new((1, 1, 1), 64), &[KArg::F32s(&out)]).unwrap_err();
+    eprintln!("{e}");
+    assert!(e.contains("exited") && e.contains("__shfl_xor_sync") && e.contains("prelude.cuh"), "{e}");
+
+    let ints = rt.zeros::<i32>(64).unwrap();
+    let e = launch(&rt, "simtest_divergent_barriers", Dims::new((1, 1, 1), 64), &[KArg::I32s(&ints)]).unwrap_err();
+    eprintln!("{e}");
+    assert!(e.contains("different barriers") && e.contains("selftest.cu"), "{e}");
+
+    let e = launch(&rt, "simtest_mixed_wait", Dims::new((1, 1, 1), 64), &[KArg::I32s(&ints)]).unwrap_err();
+    eprintln!("{e}");
+    assert!(e.contains("deadlock") && e.contains("__syncwarp"), "{e}");
+
+    // The runtime still works after aborted launches (fiber stacks are reused).
+    launch(&rt, "simtest_early_exit", Dims::new((1, 1, 1), 64), &[KArg::I32s(&ints), KArg::I32(64)]).unwrap();
+    assert_eq!(rt.download(&ints).unwrap()[0], 630);
+}
+
+#[test]
+fn launch_geometry_and_scalars_arrive_intact() {
+    let Some(rt) = sim("launch_geometry_and_scalars_arrive_intact") else { return };
+    let (grid, block) = ((3u32, 2u32, 2u32), (4u32, 3u32, 2u32));
+    let threads = (grid.0 * grid.1 * grid.2 * block.0 * block.1 * block.2) as usize;
+    let out = rt.zeros::<i32>(threads * 6).unwrap();
+    let dims = Dims { grid, block, shared_mem_bytes: 0 };
+    launch(&rt, "simtest_geometry", dims, &[KArg::I32s(&out), KArg::I64(1 << 40), KArg::F32(7.0)]).unwrap();
+    let got = rt.download(&out).unwrap();
+    let mut k = 0;
+    for bz in 0..grid.2 as i32 {
+        for by in 0..grid.1 as i32 {
+            for bx in 0..grid.0 as i32 {
+                for tz in 0..block.2 as i32 {
+                    for ty in 0..block.1 as i32 {
+                        for tx in 0..block.0 as i32 {
+                            // (int)(1 << 40) is 0: the long arrived whole and was narrowed by the kernel.
+                            assert_eq!(&got[k * 6..k * 6 + 6], &[tx, ty, tz, bx, by, bz + 7]);
+                            k += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn atomics_and_argument_checks() {
+    let Some(rt) = sim("atomics_and_argument_checks") else { return };
+    let out = rt.zeros::<i32>(1).unwrap();
+    launch(&rt, "simtest_atomic", Dims::new((5, 1, 1), 256), &[KArg::I32s(&out)]).unwrap();
+    assert_eq!(rt.download(&out).unwrap()[0], (0..1280).sum::<i32>());
+
+    let f = rt.zeros::<f32>(4).unwrap();
+    let e = launch(&rt, "no_such_kernel", Dims::new((1, 1, 1), 32), &[]).unwrap_err();
+    assert!(e.contains("no kernel no_such_kernel"), "{e}");
+    let e = launch(&rt, "simtest_atomic", Dims::new((1, 1, 1), 32), &[KArg::F32(1.0)]).unwrap_err();
+    assert!(e.contains("\"p\"") && e.contains("\"f\""), "{e}");
+    let e = launch(&rt, "simtest_atomic", Dims::new((1, 1, 1), 2048), &[KArg::I32s(&out)]).unwrap_err();
+    assert!(e.contains("block (2048, 1, 1)"), "{e}");
+    let e = launch(&rt, "simtest_atomic", Dims::new((0, 1, 1), 32), &[KArg::I32s(&out)]).unwrap_err();
+    assert!(e.contains("grid (0, 1, 1)"), "{e}");
+    let e = launch(&rt, "simtest_write_past_end", Dims::new((1, 1, 1), 32), &[KArg::F32s(&f), KArg::I32(4)]).unwrap_err();
+    assert!(e.contains("out of bounds"), "{e}");
+}
+
+/// `__shared__` is per OS thread: launches running at once on different threads do not mix.
+#[test]
+fn concurrent_launches_on_different_threads_share_nothing() {
+    let Some(_) = sim("concurrent_launches_on_different_threads_share_nothing") else { return };
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            s.spawn(move || {
+                let rt = SimRuntime::new().unwrap();
+                for _ in 0..20 {
+                    let out = rt.zeros::<i32>(256).unwrap();
+                    let live = 100 + t * 40;
+                    launch(&rt, "simtest_early_exit", Dims::new((1, 1, 1), 256), &[KArg::I32s(&out), KArg::I32(live)]).unwrap();
+                    let got = rt.download(&out).unwrap();
+                    for i in 0..live as usize {
+                        assert_eq!(got[i], (live - 1 - i as i32) * 10);
+                    }
+                }
+            });
+        }
+    });
+}
