@@ -274,8 +274,12 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 /// rounding's (about 2^-9 relative per input, accumulated over two layers), not the CPU's 2e-4.
 #[test]
 fn device_llama_matches_transformers_on_the_tiny_checkpoint() {
+    matches_transformers_on_the_tiny_checkpoint(Kernels::new(RefRuntime));
+}
+
+fn matches_transformers_on_the_tiny_checkpoint<R: Runtime + 'static>(gpu: Kernels<R>) {
     let (m, reference) = tiny_checkpoint();
-    let m = super::place_on_device(m, Kernels::new(RefRuntime)).unwrap();
+    let m = super::place_on_device(m, gpu).unwrap();
     let dev = m.model.device_kv().expect("a Llama is placed on the device");
     dev.allocate(16, BS, KvStorage::F32).unwrap();
     let vocab = m.config().vocab_size;
@@ -301,10 +305,14 @@ fn device_llama_matches_transformers_on_the_tiny_checkpoint() {
 /// none), greedy continuations equal to transformers'.
 #[test]
 fn engine_serves_the_device_model_with_kv_in_the_device_pool() {
+    engine_serves_with_kv_in_the_device_pool(Kernels::new(RefRuntime));
+}
+
+fn engine_serves_with_kv_in_the_device_pool<R: Runtime + 'static>(gpu: Kernels<R>) {
     use crate::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
     use crate::sampling::SamplingParams;
     let (m, reference) = tiny_checkpoint();
-    let m = std::sync::Arc::new(super::place_on_device(m, Kernels::new(RefRuntime)).unwrap());
+    let m = std::sync::Arc::new(super::place_on_device(m, gpu).unwrap());
     let cfg = EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, max_num_batched_tokens: 7, ..Default::default() };
     let mut core = EngineCore::try_new(m, cfg).unwrap();
     assert!(core.pool().is_external(), "no host K/V for a device model");
@@ -371,4 +379,52 @@ fn a_failed_forward_fails_the_requests_not_the_engine() {
     assert_eq!(core.stats().forward_errors_total, 1);
     assert!(!core.has_work());
     assert_eq!(core.pool().unreferenced(), core.pool().num_blocks());
+}
+
+/// The same checks on the CPU simulator, which runs the real `.cu` sources (kernels/sim): the
+/// device forward's kernels, launch geometry and composition as a GPU would run them.
+mod sim {
+    use super::*;
+    use kernels::sim::SimGpu;
+
+    fn sim(test: &str) -> Option<SimGpu> {
+        match SimGpu::sim() {
+            Ok(g) => Some(g),
+            Err(e) if std::env::var_os("WASMSERVE_REQUIRE_SIM").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
+            Err(e) => {
+                eprintln!("SKIPPED {test}: {e}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn matches_the_cpu_llama_dense_packed_and_every_kv_storage() {
+        let cases = [
+            (true, Weights::Dense, KvStorage::F32, 1e-2),
+            (false, Weights::Dense, KvStorage::Bf16, 1e-2),
+            (false, Weights::Packed, KvStorage::F32, 1e-2),
+            (true, Weights::Packed, KvStorage::Fp8, 0.15),
+        ];
+        for (tied, w, storage, tol) in cases {
+            let Some(g) = sim("sim::matches_the_cpu_llama") else { return };
+            let e = worst_error(g, tied, w, storage);
+            eprintln!("sim: tied={tied} {w:?} {storage:?}: worst relative logit error {e:.2e}");
+            assert!(e < tol, "tied={tied} {w:?} {storage:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn matches_transformers_on_the_tiny_checkpoint() {
+        if let Some(g) = sim("sim::matches_transformers_on_the_tiny_checkpoint") {
+            super::matches_transformers_on_the_tiny_checkpoint(g);
+        }
+    }
+
+    #[test]
+    fn engine_serves_with_kv_in_the_device_pool() {
+        if let Some(g) = sim("sim::engine_serves_with_kv_in_the_device_pool") {
+            super::engine_serves_with_kv_in_the_device_pool(g);
+        }
+    }
 }
