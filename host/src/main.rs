@@ -16,7 +16,8 @@ use wasmserve::sampling::SamplingParams;
 #[command(name = "wasmserve", version, about = "LLM inference server with Wasm component plugins")]
 struct Cli {
     /// Compute device: `cpu`, `cuda:0[,1..]` or `auto` (CUDA device 0 if usable, else the CPU,
-    /// saying why). An unusable explicit CUDA device is an error (docs/cuda.md).
+    /// saying why). An unusable explicit CUDA device is an error (docs/cuda.md). `sim` runs the
+    /// device forward on the CUDA-kernel simulator: for development and tests only (slow).
     #[arg(long, global = true, env = "WASMSERVE_DEVICE", default_value = "cpu", value_parser = wasmserve::backend::DeviceSpec::parse)]
     device: wasmserve::backend::DeviceSpec,
     #[command(subcommand)]

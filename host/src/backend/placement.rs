@@ -16,6 +16,7 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, Str
             _ => return Err(format!("--device {spec}: the device forward runs a model on one device; several ordinals (one per parallel rank) are not implemented for it yet")),
         },
         DeviceSpec::Auto => 0,
+        DeviceSpec::Sim => return onto_sim(m),
     };
     if m.model.as_llama().is_none() {
         if m.model.config().architecture == Architecture::Llama {
@@ -36,6 +37,16 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, Str
         }
         Placed::Unavailable(_, e) => Err(format!("--device {spec}: cannot use CUDA device {ordinal}: {e}. Use --device cpu (or auto, which falls back to the CPU).")),
     }
+}
+
+/// `--device sim` (development and tests): the device forward on the CUDA-kernel simulator.
+fn onto_sim(m: LoadedModel) -> Result<LoadedModel, String> {
+    if m.model.as_llama().is_none() {
+        return Err("--device sim: the simulator runs the single-device Llama forward only; this model has none".into());
+    }
+    let gpu = kernels::sim::SimGpu::sim().map_err(|e| format!("--device sim: {e}"))?;
+    tracing::warn!("--device sim: the model's forward runs on the CUDA-kernel simulator (a development/test device, far slower than --device cpu)");
+    crate::model::device_llama::place_on_device(m, gpu).map_err(|e| format!("--device sim: {e}"))
 }
 
 enum Placed {
