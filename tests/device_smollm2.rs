@@ -2,7 +2,8 @@
 //! (`kernels::sim`, the real `.cu` sources): prefill logits against transformers (fixtures of
 //! tests/reference/make_fixtures.py) and the engine's greedy continuations with K/V only in the
 //! device pool. Skips (saying so) when the simulator was not built, unless
-//! `WASMSERVE_REQUIRE_SIM=1`.
+//! `WASMSERVE_REQUIRE_SIM=1`. The `*_cuda_*` tests run the same checks on CUDA device 0 (skipped
+//! without one; bench/gpu-check.sh requires it).
 
 mod common;
 
@@ -19,10 +20,14 @@ use wasmserve::sampling::SamplingParams;
 /// positions), where the f32 CPU path is within 5e-4. The bound leaves room for summation order.
 const LOGIT_TOLERANCE: f32 = 0.4;
 
+fn required(var: &str) -> bool {
+    std::env::var_os(var).is_some_and(|v| v == "1")
+}
+
 fn sim_model(test: &str) -> Option<LoadedModel> {
     let gpu = match kernels::sim::SimGpu::sim() {
         Ok(g) => g,
-        Err(e) if std::env::var_os("WASMSERVE_REQUIRE_SIM").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
+        Err(e) if required("WASMSERVE_REQUIRE_SIM") => panic!("{test}: {e}"),
         Err(e) => {
             eprintln!("SKIPPED {test}: {e}");
             return None;
@@ -30,6 +35,52 @@ fn sim_model(test: &str) -> Option<LoadedModel> {
     };
     let m = wasmserve::model::load(&common::default_model_path()).expect("loading SmolLM2");
     Some(wasmserve::model::device_llama::place_on_device(m, gpu).expect("placing SmolLM2 on the simulator"))
+}
+
+/// The same model on CUDA device 0 (skips without one, fails under `WASMSERVE_REQUIRE_GPU=1`).
+#[cfg(feature = "cuda")]
+fn cuda_model(test: &str) -> Option<LoadedModel> {
+    use kernels::cuda::nvrtc::PtxCache;
+    let gpu = match kernels::cuda::launch::Gpu::open(0, &PtxCache::new(PtxCache::default_dir())) {
+        Ok(g) => g,
+        Err(e) if required("WASMSERVE_REQUIRE_GPU") => panic!("{test}: {e}"),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: no usable CUDA device: {e}");
+            return None;
+        }
+    };
+    let m = wasmserve::model::load(&common::default_model_path()).expect("loading SmolLM2");
+    Some(wasmserve::model::device_llama::place_on_device(m, gpu).expect("placing SmolLM2 on CUDA device 0"))
+}
+
+#[test]
+fn device_forward_on_the_simulator_matches_transformers_logits() {
+    if let Some(m) = sim_model("device_forward_on_the_simulator_matches_transformers_logits") {
+        logits_match_transformers(m, "simulator");
+    }
+}
+
+#[test]
+fn engine_on_the_simulator_follows_transformers_greedy_continuations() {
+    if let Some(m) = sim_model("engine_on_the_simulator_follows_transformers_greedy_continuations") {
+        engine_follows_transformers(m, "simulator");
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn device_forward_on_cuda_matches_transformers_logits() {
+    if let Some(m) = cuda_model("device_forward_on_cuda_matches_transformers_logits") {
+        logits_match_transformers(m, "CUDA");
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn engine_on_cuda_follows_transformers_greedy_continuations() {
+    if let Some(m) = cuda_model("engine_on_cuda_follows_transformers_greedy_continuations") {
+        engine_follows_transformers(m, "CUDA");
+    }
 }
 
 fn fixtures() -> Value {
@@ -58,9 +109,7 @@ impl KvCache for Tables {
     }
 }
 
-#[test]
-fn device_forward_on_the_simulator_matches_transformers_logits() {
-    let Some(m) = sim_model("device_forward_on_the_simulator_matches_transformers_logits") else { return };
+fn logits_match_transformers(m: LoadedModel, on: &str) {
     let f = fixtures();
     let vocab = m.config().vocab_size;
     m.model.device_kv().expect("a device model").allocate(16, 16, kernels::gpu::kv_pool::KvStorage::F32).unwrap();
@@ -72,7 +121,7 @@ fn device_forward_on_the_simulator_matches_transformers_logits() {
         let table: Vec<u32> = (0..prompt.len().div_ceil(16) as u32).collect();
         let started = std::time::Instant::now();
         let flat = m.model.try_forward(&prompt, &rows, &mut Tables(vec![table]), &all).unwrap();
-        eprintln!("{} tokens prefilled on the simulator in {:.1}s", prompt.len(), started.elapsed().as_secs_f64());
+        eprintln!("{} tokens prefilled on the {on} in {:.1}s", prompt.len(), started.elapsed().as_secs_f64());
         let probe_ids = ids(&p["logits_probe_ids"]);
         for (pos, probe) in p["logits_probe"].as_array().unwrap().iter().enumerate() {
             for (&id, want) in probe_ids.iter().zip(probe.as_array().unwrap()) {
@@ -88,7 +137,7 @@ fn device_forward_on_the_simulator_matches_transformers_logits() {
             argmax_agree += usize::from(wasmserve::sampling::argmax(&flat[pos * vocab..(pos + 1) * vocab]) == top[0][0].as_u64().unwrap() as u32);
         }
     }
-    eprintln!("SmolLM2 on the simulator: max |logit - transformers| = {worst:.3e}, argmax agrees at {argmax_agree}/{positions} positions");
+    eprintln!("SmolLM2 on the {on}: max |logit - transformers| = {worst:.3e}, argmax agrees at {argmax_agree}/{positions} positions");
     assert!(worst <= LOGIT_TOLERANCE, "max logit difference {worst} > {LOGIT_TOLERANCE}");
     // Near-ties may flip under bf16 rounding; almost every position must agree.
     assert!(argmax_agree * 10 >= positions * 9, "{argmax_agree}/{positions}");
@@ -97,9 +146,7 @@ fn device_forward_on_the_simulator_matches_transformers_logits() {
 /// The engine, K/V in the (simulated) device pool: how much of transformers' greedy
 /// continuation each prompt reproduces before the first divergence (bf16 rounding can flip a
 /// near-tie, so a short agreed prefix is required, not the whole continuation).
-#[test]
-fn engine_on_the_simulator_follows_transformers_greedy_continuations() {
-    let Some(m) = sim_model("engine_on_the_simulator_follows_transformers_greedy_continuations") else { return };
+fn engine_follows_transformers(m: LoadedModel, on: &str) {
     let f = fixtures();
     let mut core = EngineCore::try_new(std::sync::Arc::new(m), EngineConfig { kv_cache_bytes: 32 << 20, ..Default::default() }).unwrap();
     assert!(core.pool().is_external());
@@ -113,7 +160,7 @@ fn engine_on_the_simulator_follows_transformers_greedy_continuations() {
     }
     let started = std::time::Instant::now();
     while core.step() {}
-    eprintln!("{} prompts x {steps} tokens through the engine on the simulator in {:.1}s", rxs.len(), started.elapsed().as_secs_f64());
+    eprintln!("{} prompts x {steps} tokens through the engine on the {on} in {:.1}s", rxs.len(), started.elapsed().as_secs_f64());
     for (mut rx, want) in rxs {
         let mut got = Vec::new();
         while let Ok(ev) = rx.try_recv() {
