@@ -54,7 +54,7 @@ step 240 cargo build --release -p kernels --example gpu_bench --tests
 
 log "NVRTC compile + GPU-vs-CPU kernel comparisons"
 step 120 cargo test --release -p kernels --lib cuda:: -- --nocapture
-step 180 cargo test --release -p kernels --test cuda_vs_cpu -- --nocapture --test-threads=1 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-kernels.log"
+step 180 cargo test --release -p kernels --test cuda_vs_cpu -- cuda:: --nocapture --test-threads=1 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-kernels.log"
 grep -E "max error|identical draws" "$CARGO_TARGET_DIR/gpu-check-kernels.log" | sed 's/^/FIGURE kernel /' || true
 step 120 cargo test --release -p wasmserve --lib backend -- --nocapture
 

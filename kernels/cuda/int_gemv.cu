@@ -23,9 +23,11 @@ extern "C" __global__ void int_gemv(const u8* __restrict__ packed, long stride, 
         for (int t = 0; t < TOK; t++)
             if (t0 + t < n) acc[t] += w * x[(long)(t0 + t) * cols + j];
     }
-    for (int t = 0; t < TOK; t++) {
+    // t0 + t < n is the same for the whole warp, so stopping there keeps every lane in the
+    // shuffles, and a decode step (n = 1) reduces one accumulator instead of TOK.
+    for (int t = 0; t < TOK && t0 + t < n; t++) {
         float s = warp_sum(acc[t]);
-        if (lane == 0 && t0 + t < n) out[(long)(t0 + t) * rows + row] = s;
+        if (lane == 0) out[(long)(t0 + t) * rows + row] = s;
     }
 }
 
@@ -58,8 +60,10 @@ extern "C" __global__ void int4_gemv(const u8* __restrict__ packed, long stride,
             acc[t] += a;
         }
     }
-    for (int t = 0; t < TOK; t++) {
+    // t0 + t < n is the same for the whole warp, so stopping there keeps every lane in the
+    // shuffles, and a decode step (n = 1) reduces one accumulator instead of TOK.
+    for (int t = 0; t < TOK && t0 + t < n; t++) {
         float s = warp_sum(acc[t]);
-        if (lane == 0 && t0 + t < n) out[(long)(t0 + t) * rows + row] = s;
+        if (lane == 0) out[(long)(t0 + t) * rows + row] = s;
     }
 }

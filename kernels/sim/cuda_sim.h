@@ -1,8 +1,8 @@
 // CPU simulator for the CUDA C sources in kernels/cuda: lets g++ compile them unmodified (after
 // prelude.cuh) with `-x c++`. Every CUDA thread of a block is a cooperative fiber (sim.cpp);
 // barriers and warp collectives switch to the next runnable fiber, blocks run one after another on
-// the calling OS thread. Nothing preempts a fiber, so atomics are plain read-modify-writes and
-// `__shared__` is a `static thread_local` (launches on different OS threads share nothing).
+// one OS thread (the runtime may hand ranges of blocks to several threads). Nothing preempts a
+// fiber, so `__shared__` is a `static thread_local`: blocks on different OS threads share nothing.
 // Dynamic (`extern __shared__`) shared memory is not supported.
 #pragma once
 #include <math.h>
@@ -32,6 +32,7 @@ struct uint3_ {
 // The state of the fiber now running on this OS thread (set by the scheduler in sim.cpp).
 struct Current {
     uint3_ tid, bid, bdim, gdim;
+    unsigned lane;
 };
 extern thread_local Current cur __attribute__((tls_model("initial-exec")));
 
@@ -43,7 +44,7 @@ void sync_block(const char* file, int line);
 // that exists (partial-warp masks are not simulated and are reported as errors).
 const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const char* file, int line);
 void sync_warp(uint32_t mask, const char* file, int line);
-unsigned lane_id();
+inline unsigned lane_id() { return cur.lane; }
 
 template <class T>
 __forceinline__ uint32_t to_bits(T v) {
@@ -165,19 +166,41 @@ inline float __int_as_float(int i) { return cuda_sim::from_bits<float>((uint32_t
 inline unsigned __float_as_uint(float f) { return cuda_sim::to_bits(f); }
 inline int __float_as_int(float f) { return (int)cuda_sim::to_bits(f); }
 
-// No preemption: a read-modify-write is atomic with respect to every other simulated thread.
+// Within a block nothing preempts a fiber, but the runtime may run blocks of one grid on several
+// OS threads at once, so atomics are real (relaxed, like CUDA's) atomic read-modify-writes.
+namespace cuda_sim {
+template <class T, class F>
+inline T atomic_rmw(T* p, F f) {
+    T old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(p, &old, f(old), true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+    return old;
+}
 template <class T>
-inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+inline float atomic_rmw_float(float* p, T f) {
+    uint32_t* u = reinterpret_cast<uint32_t*>(p);
+    uint32_t old = __atomic_load_n(u, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(u, &old, to_bits(f(from_bits<float>(old))), true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+    return from_bits<float>(old);
+}
+}  // namespace cuda_sim
 template <class T>
-inline T atomicSub(T* p, T v) { T old = *p; *p = old - v; return old; }
+inline T atomicAdd(T* p, T v) { return cuda_sim::atomic_rmw(p, [v](T o) { return o + v; }); }
+inline float atomicAdd(float* p, float v) { return cuda_sim::atomic_rmw_float(p, [v](float o) { return o + v; }); }
 template <class T>
-inline T atomicMax(T* p, T v) { T old = *p; *p = old < v ? v : old; return old; }
+inline T atomicSub(T* p, T v) { return cuda_sim::atomic_rmw(p, [v](T o) { return o - v; }); }
 template <class T>
-inline T atomicMin(T* p, T v) { T old = *p; *p = v < old ? v : old; return old; }
+inline T atomicMax(T* p, T v) { return cuda_sim::atomic_rmw(p, [v](T o) { return o < v ? v : o; }); }
 template <class T>
-inline T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
+inline T atomicMin(T* p, T v) { return cuda_sim::atomic_rmw(p, [v](T o) { return v < o ? v : o; }); }
 template <class T>
-inline T atomicCAS(T* p, T cmp, T v) { T old = *p; if (old == cmp) *p = v; return old; }
+inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }
+template <class T>
+inline T atomicCAS(T* p, T cmp, T v) {
+    __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return cmp;
+}
 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }

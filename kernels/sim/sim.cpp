@@ -70,6 +70,7 @@ struct Context {
 struct Fiber {
     Context ctx;
     char* stack;
+    std::size_t color;  // bytes left unused at the top of the stack
     uint3_ tid;
     State state;
 };
@@ -112,7 +113,9 @@ void prepare(Fiber& f) {
 #if defined(__x86_64__)
     // Frame popped by wsim_switch: six callee-saved registers, then fiber_main as return address;
     // fiber_main starts with rsp = top - 8 (as after a call) and a null return address above it.
-    auto* top = reinterpret_cast<void**>(f.stack + kGuard + kStack);
+    // Stack tops are staggered by a few cache lines: at the same page offset every fiber's frame
+    // would map to the same L1 sets, and each switch would miss.
+    auto* top = reinterpret_cast<void**>(f.stack + kGuard + kStack - f.color);
     top[-1] = nullptr;
     top[-2] = reinterpret_cast<void*>(&fiber_main);
     for (int i = 3; i <= 8; i++) top[-i] = nullptr;
@@ -137,6 +140,7 @@ inline void switch_ctx(Context& from, Context& to) {
 inline void resume(unsigned from, unsigned to) {
     L->current = to;
     cur.tid = L->fibers[to].tid;
+    cur.lane = to % 32;
     switch_ctx(L->fibers[from].ctx, L->fibers[to].ctx);
 }
 
@@ -181,6 +185,10 @@ std::string where(const char* what, const char* file, int line) {
 // Switches to the next runnable fiber after `self` (round robin), or reports a deadlock.
 void schedule_from(unsigned self) {
     unsigned n = L->n;
+    if (self + 1 < n && L->fibers[self + 1].state == Ready) {  // the usual case: the next lane
+        resume(self, self + 1);
+        return;
+    }
     for (unsigned k = 1; k < n; k++) {
         unsigned i = self + k < n ? self + k : self + k - n;
         if (L->fibers[i].state == Ready) {
@@ -222,8 +230,6 @@ void fiber_main() {
 const char* kernel_site_mismatch = "lanes of warp %u wait at different collectives: %s and %s";
 
 }  // namespace
-
-unsigned lane_id() { return L->current % 32; }
 
 const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const char* file, int line) {
     unsigned self = L->current;
@@ -298,11 +304,12 @@ extern "C" const char* wsim_signature(const char* name) {
     return e ? e->signature : nullptr;
 }
 
-// Launches `name` like cuLaunchKernel (args[i] points at parameter i) and runs it to completion.
-// `kinds` names the arguments the caller packed; they must match the kernel's parameters.
-// Returns 0, or 1 with a message in `err`.
+// Launches `name` like cuLaunchKernel (args[i] points at parameter i) and runs blocks
+// [first, first + count) of the grid (linear index, x fastest) to completion on this OS thread;
+// other ranges may run on other threads at the same time. `kinds` names the arguments the caller
+// packed; they must match the kernel's parameters. Returns 0, or 1 with a message in `err`.
 extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_t* block, uint32_t shared_bytes, void** args,
-                           const char* kinds, char* err, std::size_t errlen) {
+                           const char* kinds, uint64_t first, uint64_t count, char* err, std::size_t errlen) {
     const Entry* e = find(name);
     if (!e) return report(err, errlen, "no kernel %s in the simulator", name);
     if (strcmp(e->signature, kinds) != 0)
@@ -330,6 +337,7 @@ extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_
     l.warps.assign((n + 31) / 32, Warp{});
     for (unsigned i = 0; i < n; i++) {
         l.fibers[i].stack = l.stacks[i];
+        l.fibers[i].color = (i * 7 % 64) * 64;
         l.fibers[i].tid = {i % block[0], i / block[0] % block[1], i / (block[0] * block[1])};
     }
     l.kernel = e->invoke, l.args = args, l.n = n, l.failed = false;
@@ -338,28 +346,30 @@ extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_
     cur.bdim = {block[0], block[1], block[2]};
     cur.gdim = {grid[0], grid[1], grid[2]};
     int rc = 0;
-    for (unsigned z = 0; z < grid[2] && rc == 0; z++)
-        for (unsigned y = 0; y < grid[1] && rc == 0; y++)
-            for (unsigned x = 0; x < grid[0] && rc == 0; x++) {
-                cur.bid = {x, y, z};
-                for (Fiber& f : l.fibers) {
-                    f.state = Ready;
-                    prepare(f);
-                }
-                for (unsigned w = 0; w < l.warps.size(); w++) {
-                    Warp& wp = l.warps[w];
-                    wp.arrived = wp.exited = wp.gen = 0;
-                    wp.expected = n - w * 32 < 32 ? n - w * 32 : 32;
-                }
-                l.current = 0, l.at_barrier = 0, l.exited = 0, l.bfile = nullptr;
-                cur.tid = l.fibers[0].tid;
-                switch_ctx(l.main, l.fibers[0].ctx);
-                if (l.failed) {
-                    unsigned t = l.current;
-                    rc = report(err, errlen, "%s: block (%u, %u, %u), thread (%u, %u, %u): %s", name, x, y, z, l.fibers[t].tid.x,
-                                l.fibers[t].tid.y, l.fibers[t].tid.z, l.error.c_str());
-                }
-            }
+    uint64_t total = (uint64_t)grid[0] * grid[1] * grid[2];
+    uint64_t end = first + count < total ? first + count : total;
+    for (uint64_t b = first; b < end && rc == 0; b++) {
+        unsigned x = (unsigned)(b % grid[0]), y = (unsigned)(b / grid[0] % grid[1]), z = (unsigned)(b / ((uint64_t)grid[0] * grid[1]));
+        cur.bid = {x, y, z};
+        for (Fiber& f : l.fibers) {
+            f.state = Ready;
+            prepare(f);
+        }
+        for (unsigned w = 0; w < l.warps.size(); w++) {
+            Warp& wp = l.warps[w];
+            wp.arrived = wp.exited = wp.gen = 0;
+            wp.expected = n - w * 32 < 32 ? n - w * 32 : 32;
+        }
+        l.current = 0, l.at_barrier = 0, l.exited = 0, l.bfile = nullptr;
+        cur.tid = l.fibers[0].tid;
+        cur.lane = 0;
+        switch_ctx(l.main, l.fibers[0].ctx);
+        if (l.failed) {
+            unsigned t = l.current;
+            rc = report(err, errlen, "%s: block (%u, %u, %u), thread (%u, %u, %u): %s", name, x, y, z, l.fibers[t].tid.x, l.fibers[t].tid.y,
+                        l.fibers[t].tid.z, l.error.c_str());
+        }
+    }
     L = nullptr;
     cur = saved;
     return rc;

@@ -56,8 +56,8 @@ fn threads_that_returned_count_as_arrived_at_syncthreads() {
     let out = rt.zeros::<i32>(128).unwrap();
     launch(&rt, "simtest_early_exit", Dims::new((1, 1, 1), 128), &[KArg::I32s(&out), KArg::I32(50)]).unwrap();
     let got = rt.download(&out).unwrap();
-    for i in 0..50 {
-        assert_eq!(got[i], (49 - i as i32) * 10);
+    for (i, &v) in got.iter().enumerate().take(50) {
+        assert_eq!(v, (49 - i as i32) * 10);
     }
     assert!(got[50..].iter().all(|&v| v == 0));
 }
@@ -86,23 +86,26 @@ fn barriers_that_can_never_complete_are_errors_not_hangs() {
 
 #[test]
 fn launch_geometry_and_scalars_arrive_intact() {
-    let Some(rt) = sim("launch_geometry_and_scalars_arrive_intact") else { return };
-    let (grid, block) = ((3u32, 2u32, 2u32), (4u32, 3u32, 2u32));
-    let threads = (grid.0 * grid.1 * grid.2 * block.0 * block.1 * block.2) as usize;
-    let out = rt.zeros::<i32>(threads * 6).unwrap();
-    let dims = Dims { grid, block, shared_mem_bytes: 0 };
-    launch(&rt, "simtest_geometry", dims, &[KArg::I32s(&out), KArg::I64(1 << 40), KArg::F32(7.0)]).unwrap();
-    let got = rt.download(&out).unwrap();
-    let mut k = 0;
-    for bz in 0..grid.2 as i32 {
-        for by in 0..grid.1 as i32 {
-            for bx in 0..grid.0 as i32 {
-                for tz in 0..block.2 as i32 {
-                    for ty in 0..block.1 as i32 {
-                        for tx in 0..block.0 as i32 {
-                            // (int)(1 << 40) is 0: the long arrived whole and was narrowed by the kernel.
-                            assert_eq!(&got[k * 6..k * 6 + 6], &[tx, ty, tz, bx, by, bz + 7]);
-                            k += 1;
+    let Some(parallel) = sim("launch_geometry_and_scalars_arrive_intact") else { return };
+    // Serially and with ranges of blocks on rayon's threads: the same result.
+    for rt in [parallel, SimRuntime::serial().unwrap()] {
+        let (grid, block) = ((3u32, 2u32, 2u32), (4u32, 3u32, 2u32));
+        let threads = (grid.0 * grid.1 * grid.2 * block.0 * block.1 * block.2) as usize;
+        let out = rt.zeros::<i32>(threads * 6).unwrap();
+        let dims = Dims { grid, block, shared_mem_bytes: 0 };
+        launch(&rt, "simtest_geometry", dims, &[KArg::I32s(&out), KArg::I64(1 << 40), KArg::F32(7.0)]).unwrap();
+        let got = rt.download(&out).unwrap();
+        let mut k = 0;
+        for bz in 0..grid.2 as i32 {
+            for by in 0..grid.1 as i32 {
+                for bx in 0..grid.0 as i32 {
+                    for tz in 0..block.2 as i32 {
+                        for ty in 0..block.1 as i32 {
+                            for tx in 0..block.0 as i32 {
+                                // (int)(1 << 40) is 0: the long arrived whole and was narrowed by the kernel.
+                                assert_eq!(&got[k * 6..k * 6 + 6], &[tx, ty, tz, bx, by, bz + 7]);
+                                k += 1;
+                            }
                         }
                     }
                 }
@@ -144,11 +147,26 @@ fn concurrent_launches_on_different_threads_share_nothing() {
                     let live = 100 + t * 40;
                     launch(&rt, "simtest_early_exit", Dims::new((1, 1, 1), 256), &[KArg::I32s(&out), KArg::I32(live)]).unwrap();
                     let got = rt.download(&out).unwrap();
-                    for i in 0..live as usize {
-                        assert_eq!(got[i], (live - 1 - i as i32) * 10);
+                    for (i, &v) in got.iter().enumerate().take(live as usize) {
+                        assert_eq!(v, (live - 1 - i as i32) * 10);
                     }
                 }
             });
         }
     });
+}
+
+/// build.rs registered every kernel that src/cuda/sources.rs lists, with a parameter list the
+/// simulator could classify (no `?` kinds).
+#[test]
+fn every_listed_kernel_is_in_the_simulator_registry() {
+    let Some(_) = sim("every_listed_kernel_is_in_the_simulator_registry") else { return };
+    for src in kernels::cuda::sources::SOURCES {
+        for k in src.kernels {
+            let sig = kernels::sim::ffi::signature(k).unwrap_or_else(|| panic!("{k} ({}) is not in the simulator", src.name));
+            assert!(!sig.is_empty() && !sig.contains('?'), "{k}: parameter kinds {sig:?}");
+        }
+    }
+    assert_eq!(kernels::sim::ffi::signature("int4_gemv").as_deref(), Some("plppppiiii"));
+    assert!(kernels::sim::ffi::signature("no_such_kernel").is_none());
 }

@@ -51,9 +51,15 @@ impl<T: Elem> SimBuf<T> {
         unsafe { (self.cells.as_ptr() as *mut T).add(self.guard) }
     }
 
+    /// The elements. No kernel writes them while the borrow lives: launches are synchronous and
+    /// only write buffers passed to them (as `&mut` through the safe wrappers).
+    pub(crate) fn as_slice(&self) -> &[T] {
+        // SAFETY: `len` initialised elements start at `ptr()`; see above for why nothing writes them.
+        unsafe { std::slice::from_raw_parts(self.ptr() as *const T, self.len) }
+    }
+
     pub(crate) fn to_vec(&self) -> Vec<T> {
-        // SAFETY: no kernel runs while a `&self` method does (launches are synchronous).
-        unsafe { std::slice::from_raw_parts(self.ptr() as *const T, self.len) }.to_vec()
+        self.as_slice().to_vec()
     }
 
     pub(crate) fn write(&mut self, offset: usize, host: &[T]) {

@@ -11,6 +11,8 @@ unsafe extern "C" {
         shared_bytes: u32,
         args: *mut *mut c_void,
         kinds: *const c_char,
+        first: u64,
+        count: u64,
         err: *mut c_char,
         errlen: usize,
     ) -> c_int;
@@ -20,12 +22,14 @@ unsafe extern "C" {
 /// Whether the simulator library was built (a C++ compiler was found at build time).
 pub const BUILT: bool = cfg!(wasmserve_sim);
 
-/// Runs `kernel` to completion. `args[i]` points at parameter i's value; `kinds` names each
-/// parameter (p pointer, i int, l long, f float) and is checked against the kernel's signature.
+/// Runs blocks `blocks` (linear index, x fastest) of `kernel`'s grid to completion on this thread.
+/// `args[i]` points at parameter i's value (only read); `kinds` names each parameter (p pointer,
+/// i int, l long, f float) and is checked against the kernel's signature.
 ///
 /// # Safety
-/// Every pointer argument must point at memory large enough for what the kernel accesses.
-pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &mut [*mut c_void], kinds: &str) -> Result<(), String> {
+/// Every pointer argument must point at memory large enough for what the kernel accesses, and
+/// ranges of one grid running at once on other threads must not race (CUDA's rules for blocks).
+pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[*mut c_void], kinds: &str, blocks: std::ops::Range<u64>) -> Result<(), String> {
     let name = CString::new(kernel).map_err(|_| format!("kernel name {kernel:?} contains a NUL byte"))?;
     let kinds = CString::new(kinds).expect("kinds are ASCII letters");
     #[cfg(wasmserve_sim)]
@@ -33,16 +37,17 @@ pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes
         let mut err = vec![0 as c_char; 1024];
         // SAFETY: the strings are NUL-terminated, the arrays have the lengths the C side reads,
         // and the caller guarantees the arguments (see above).
-        let rc = unsafe { wsim_launch(name.as_ptr(), grid.as_ptr(), block.as_ptr(), shared_bytes, args.as_mut_ptr(), kinds.as_ptr(), err.as_mut_ptr(), err.len()) };
+        let rc = unsafe { wsim_launch(name.as_ptr(), grid.as_ptr(), block.as_ptr(), shared_bytes, args.as_ptr() as *mut *mut c_void, kinds.as_ptr(), blocks.start, blocks.end - blocks.start, err.as_mut_ptr(), err.len()) };
         if rc == 0 {
-            return Ok(());
+            Ok(())
+        } else {
+            // SAFETY: the C side always NUL-terminates (vsnprintf).
+            Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned())
         }
-        // SAFETY: the C side always NUL-terminates (vsnprintf).
-        return Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned());
     }
     #[cfg(not(wasmserve_sim))]
     {
-        let _ = (name, kinds, grid, block, shared_bytes, args);
+        let _ = (name, kinds, grid, block, shared_bytes, args, blocks);
         Err(NOT_BUILT.to_string())
     }
 }
@@ -54,7 +59,7 @@ pub fn signature(kernel: &str) -> Option<String> {
     {
         // SAFETY: NUL-terminated input; the result is null or a static NUL-terminated string.
         let p = unsafe { wsim_signature(name.as_ptr()) };
-        return (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned());
+        (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
     }
     #[cfg(not(wasmserve_sim))]
     {

@@ -2,7 +2,8 @@
 //! build.rs, with `kernels/sim/cuda_sim.h` standing in for the CUDA built-ins), at the launch
 //! geometry and with the argument lists of the [`Kernels`] wrappers, so kernels and the code
 //! composing them are tested on machines without a GPU. Launches are synchronous and
-//! deterministic: one cooperative fiber per CUDA thread, blocks one after another.
+//! deterministic: one cooperative fiber per CUDA thread, the blocks of a grid in contiguous ranges
+//! on rayon's threads (or all on the caller's, [`SimRuntime::serial`]).
 //!
 //! cuBLAS is not simulated: [`Runtime::gemm_bf16`] is a plain CPU loop with f32 accumulation.
 //! See docs/cuda.md ("CPU simulator") for what a passing simulator test does and does not prove.
@@ -32,16 +33,36 @@ fn sim_err(what: &'static str, msg: String) -> CudaError {
 
 #[derive(Debug)]
 pub struct SimRuntime {
-    _private: (),
+    parallel: bool,
 }
 
 impl SimRuntime {
-    /// Fails (with the reason) only when the simulator library was not built.
+    /// Blocks of a grid run on rayon's threads, a contiguous range each (CUDA guarantees no order
+    /// between blocks, so results are the same as [`Self::serial`]'s for any kernel without
+    /// cross-block races). Fails (with the reason) only when the simulator library was not built.
     pub fn new() -> Result<Self, CudaError> {
+        Self::with_parallel(true)
+    }
+    /// Every block on the calling thread, in order.
+    pub fn serial() -> Result<Self, CudaError> {
+        Self::with_parallel(false)
+    }
+    fn with_parallel(parallel: bool) -> Result<Self, CudaError> {
         if !ffi::BUILT {
             return Err(sim_err("simulator", ffi::NOT_BUILT.to_string()));
         }
-        Ok(Self { _private: () })
+        Ok(Self { parallel })
+    }
+}
+
+/// The packed argument pointers, shared read-only by the threads running ranges of one grid.
+struct ArgPtrs(Vec<*mut c_void>);
+// SAFETY: the pointers are only read (by the kernels' argument unpacking) while the launch runs.
+unsafe impl Sync for ArgPtrs {}
+
+impl ArgPtrs {
+    fn get(&self) -> &[*mut c_void] {
+        &self.0
     }
 }
 
@@ -105,12 +126,26 @@ impl Runtime for SimRuntime {
                 KArg::F32(_) => 'f',
             });
         }
-        let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s.0.as_mut_ptr() as *mut c_void).collect();
+        let ptrs = ArgPtrs(slots.iter_mut().map(|s| s.0.as_mut_ptr() as *mut c_void).collect());
         let (g, b) = (dims.grid, dims.block);
-        tracing::trace!(kernel, grid = ?g, block = ?b, "simulated launch");
+        let (grid, block) = ([g.0, g.1, g.2], [b.0, b.1, b.2]);
+        let total = g.0 as u64 * g.1 as u64 * g.2 as u64;
+        let threads = if self.parallel { rayon::current_num_threads() as u64 } else { 1 };
+        tracing::trace!(kernel, ?grid, ?block, threads, "simulated launch");
         // SAFETY: the caller guarantees buffer sizes (see `Runtime::launch`); the argument kinds
-        // are checked against the kernel's signature on the C side.
-        unsafe { ffi::launch(kernel, [g.0, g.1, g.2], [b.0, b.1, b.2], dims.shared_mem_bytes, &mut ptrs, &kinds) }.map_err(|m| sim_err("simulator", m))?;
+        // are checked against the kernel's signature on the C side; blocks of one grid do not
+        // race under CUDA's rules, which the kernels follow.
+        let run = |r: std::ops::Range<u64>| unsafe { ffi::launch(kernel, grid, block, dims.shared_mem_bytes, ptrs.get(), &kinds, r) };
+        let result = if threads > 1 && total > 1 {
+            // A few ranges per thread so uneven blocks (attention over different lengths) balance.
+            let chunk = total.div_ceil(threads * 4).max(1);
+            let ranges: Vec<_> = (0..total.div_ceil(chunk)).map(|i| i * chunk..((i + 1) * chunk).min(total)).collect();
+            let results: Vec<Result<(), String>> = ranges.into_par_iter().map(run).collect();
+            results.into_iter().collect::<Result<(), String>>()
+        } else {
+            run(0..total.max(1))
+        };
+        result.map_err(|m| sim_err("simulator", m))?;
         for (i, a) in args.iter().enumerate() {
             let intact = match a {
                 KArg::F32s(b) => b.guards_intact(),
@@ -129,14 +164,13 @@ impl Runtime for SimRuntime {
     /// Not cuBLAS: `out[i, j] = Σ_k x[i, k]·w[j, k]` over the bf16 values in f32, in k order.
     fn gemm_bf16(&self, x: &SimBuf<u16>, w: &SimBuf<u16>, out: &mut SimBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
         gpu::kernels::check(x.len() >= n * k && w.len() >= m * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
-        let widen = |v: &[u16]| v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect::<Vec<f32>>();
-        let (xs, ws) = (widen(&x.to_vec()[..n * k]), widen(&w.to_vec()[..m * k]));
+        let widen = |b: u16| f32::from_bits((b as u32) << 16);
+        let (xs, ws) = (&x.as_slice()[..n * k], &w.as_slice()[..m * k]);
         let mut res = vec![0.0f32; n * m];
-        res.par_chunks_mut(m.max(1)).enumerate().for_each(|(i, row)| {
-            let xr = &xs[i * k..(i + 1) * k];
-            for (j, o) in row.iter_mut().enumerate() {
-                *o = xr.iter().zip(&ws[j * k..(j + 1) * k]).fold(0.0f32, |acc, (a, b)| acc + a * b);
-            }
+        // One output element per task, each summed in k order: deterministic however rayon splits.
+        res.par_iter_mut().enumerate().for_each(|(idx, o)| {
+            let (i, j) = (idx / m, idx % m);
+            *o = xs[i * k..(i + 1) * k].iter().zip(&ws[j * k..(j + 1) * k]).fold(0.0f32, |acc, (&a, &b)| acc + widen(a) * widen(b));
         });
         out.write(0, &res);
         Ok(())
