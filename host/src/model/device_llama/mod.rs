@@ -48,10 +48,9 @@ struct DeviceState<R: Runtime> {
     pool: Option<DeviceKvPool<R>>,
 }
 
+/// One whole model on one device (no tensor-parallel shard), so its heads are the config's.
 pub struct DeviceLlama<R: Runtime> {
     cfg: ModelConfig,
-    heads: usize,
-    kv_heads: usize,
     describe: String,
     state: Mutex<DeviceState<R>>,
 }
@@ -97,7 +96,7 @@ impl<R: Runtime> DeviceLlama<R> {
         let describe = gpu.describe();
         tracing::info!(device = %describe, layers = layers.len(), tied = lm_head.is_none(), "Llama weights uploaded to the device");
         let state = DeviceState { gpu, embed, layers, norm, lm_head, inv_freq, pool: None };
-        Ok(Self { heads: cfg.num_heads, kv_heads: cfg.num_kv_heads, cfg, describe, state: Mutex::new(state) })
+        Ok(Self { cfg, describe, state: Mutex::new(state) })
     }
 
     /// The device, as the runtime names it.
@@ -165,7 +164,8 @@ fn step_inputs(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], block_size:
 }
 
 impl<R: Runtime> DeviceState<R> {
-    fn forward(&mut self, cfg: &ModelConfig, heads: usize, kv_heads: usize, tokens: &[u32], rows: &[BatchRow], kv: &dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
+    fn forward(&mut self, cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], kv: &dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
+        let (heads, kv_heads) = (cfg.num_heads, cfg.num_kv_heads);
         let view = kv.paged_view().ok_or_else(|| invalid("the device forward needs the engine's paged KV cache (its K/V live in the device pool); contiguous caches are not supported".into()))?;
         let Self { gpu, embed, layers, norm, lm_head, inv_freq, pool } = self;
         let pool = pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
@@ -252,7 +252,7 @@ impl<R: Runtime> LanguageModel for DeviceLlama<R> {
     }
 
     fn cache_layout(&self) -> CacheLayout {
-        CacheLayout::uniform(self.cfg.num_layers(), LayerKvShape::heads(self.kv_heads, self.cfg.head_dim))
+        CacheLayout::uniform(self.cfg.num_layers(), LayerKvShape::heads(self.cfg.num_kv_heads, self.cfg.head_dim))
     }
 
     /// The infallible entry point has no way to report a device error; the engine calls
@@ -266,7 +266,7 @@ impl<R: Runtime> LanguageModel for DeviceLlama<R> {
     }
 
     fn try_forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
-        self.lock().forward(&self.cfg, self.heads, self.kv_heads, tokens, rows, kv, logit_rows)
+        self.lock().forward(&self.cfg, tokens, rows, kv, logit_rows)
     }
 
     fn device_kv(&self) -> Option<&dyn DeviceKv> {
@@ -284,7 +284,7 @@ impl<R: Runtime> DeviceKv for DeviceLlama<R> {
             return Err(invalid(format!("the device KV pool is already allocated ({} blocks of {}, {:?})", p.num_blocks, p.block_size, p.storage)));
         }
         let layers = self.cfg.num_layers();
-        let pool = DeviceKvPool::new(&st.gpu, layers, num_blocks, block_size, self.kv_heads, self.cfg.head_dim, storage)?;
+        let pool = DeviceKvPool::new(&st.gpu, layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim, storage)?;
         st.gpu.synchronize()?;
         st.pool = Some(pool);
         Ok(())

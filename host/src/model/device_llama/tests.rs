@@ -197,10 +197,8 @@ fn worst_error<R: Runtime>(gpu: Kernels<R>, tied: bool, w: Weights, storage: KvS
             while tables[s].len() < (start + count).div_ceil(BS) {
                 tables[s].push(next.next().unwrap());
             }
-            for p in start..start + count {
-                tokens.push(prompts[s][p]);
-                rows.push(BatchRow { seq: s, pos: p });
-            }
+            tokens.extend_from_slice(&prompts[s][start..start + count]);
+            rows.extend((start..start + count).map(|pos| BatchRow { seq: s, pos }));
             logit_rows.push(rows.len() - 1);
         }
         let want = cpu.forward(&tokens, &rows, &mut host, &logit_rows);
