@@ -49,6 +49,8 @@ fn onto_sim(m: LoadedModel) -> Result<LoadedModel, String> {
     crate::model::device_llama::place_on_device(m, gpu).map_err(|e| format!("--device sim: {e}"))
 }
 
+// Without the `cuda` feature only `Unavailable` is ever built.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 enum Placed {
     Moved(LoadedModel),
     /// The device could not be opened; the model is given back unchanged.
