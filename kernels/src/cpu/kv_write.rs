@@ -52,7 +52,8 @@ mod tests {
         let (mut kb, mut vb) = (vec![0u16; 8], vec![0u16; 8]);
         kv_write_bf16(&k, &v, &[3, 1], 2, &mut kb, &mut vb);
         assert_eq!(half::bf16::from_bits(kb[7]).to_f32(), 1.0);
-        let (mut k8, mut v8, mut ks, mut vs) = (vec![0u8; 8], vec![0u8; 8], vec![0.0; 4], vec![0.0; 4]);
+        // One scale per (pool row, kv head): 4 rows x 2 heads.
+        let (mut k8, mut v8, mut ks, mut vs) = (vec![0u8; 8], vec![0u8; 8], vec![0.0; 8], vec![0.0; 8]);
         kv_write_fp8(&k, &v, &[3, 1], 2, 1, &mut k8, &mut v8, &mut ks, &mut vs);
         assert_eq!(E4M3_TO_F32[k8[7] as usize] * ks[7], 1.0);
         assert_eq!(E4M3_TO_F32[k8[3] as usize] * ks[3], 3.0);

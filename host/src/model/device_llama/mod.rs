@@ -148,7 +148,11 @@ fn step_inputs(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], block_size:
     let mut flat = vec![0i32; n * max_blocks];
     for (i, r) in rows.iter().enumerate() {
         let need = r.pos / block_size + 1;
+        // Attention reads every block up to the row's own: all must be inside the pool.
         for (dst, &b) in flat[i * max_blocks..i * max_blocks + need].iter_mut().zip(&tables[r.seq]) {
+            if b as usize >= num_blocks {
+                return Err(invalid(format!("block {b} is outside the device pool of {num_blocks}")));
+            }
             *dst = b as i32;
         }
     }
@@ -342,5 +346,8 @@ mod step_tests {
         assert!(step_inputs(&c, &[1], &[BatchRow { seq: 1, pos: 0 }], 2, &t, 1, &[0]).unwrap_err().to_string().contains("no block table"));
         assert!(step_inputs(&c, &[1], &[BatchRow { seq: 0, pos: 2 }], 2, &t, 1, &[0]).unwrap_err().to_string().contains("past its"));
         assert!(step_inputs(&c, &[1], &row, 2, &[vec![3]], 1, &[0]).unwrap_err().to_string().contains("outside the device pool"));
+        // An earlier block of the table (read by attention, not written) is checked too.
+        let late = [BatchRow { seq: 0, pos: 2 }];
+        assert!(step_inputs(&c, &[1], &late, 2, &[vec![7, 0]], 1, &[0]).unwrap_err().to_string().contains("block 7 is outside"));
     }
 }
