@@ -8,9 +8,11 @@
 #      INT4 compressed-tensors when present under models/), which compiles and loads every kernel;
 #   4. prints INT4 GEMV achieved bandwidth as a fraction of the GPU's peak and SmolLM2-135M-shaped
 #      decode tok/s at 1 and 64 streams (bf16 cuBLAS and INT4), from kernels/examples/gpu_bench.rs.
-# What it does NOT do: the engine's model forward does not run on the GPU yet (docs/cuda.md), so
-# step 3 measures the CPU engine with the GPU selected, and step 4's decode figures are a GPU
-# forward of the real model's shapes with random weights, not the served model.
+#   5. the device Llama forward (DeviceLlama on CUDA) against transformers' SmolLM2 logits and
+#      greedy continuations through the engine (tests/device_smollm2.rs).
+# Step 3 now serves through the device forward (a single-device Llama with --device cuda:0 runs
+# DeviceLlama, K/V in device memory); step 4's decode figures are a GPU forward of the real
+# model's shapes with random weights.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -60,7 +62,11 @@ log "GPU figures"
 step 180 "$CARGO_TARGET_DIR/release/examples/gpu_bench" | tee "$CARGO_TARGET_DIR/gpu-check-bench.log"
 sed 's/^/FIGURE /' "$CARGO_TARGET_DIR/gpu-check-bench.log"
 
-log "SmolLM2 with --device cuda:0 (engine forward on CPU; see header)"
+log "SmolLM2 device forward vs transformers (CUDA)"
+step 240 cargo test --release -p wasmserve --test device_smollm2 cuda -- --nocapture --test-threads=1 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-device-llama.log"
+grep -E "max \|logit|tokens agree|through the engine|prefilled" "$CARGO_TARGET_DIR/gpu-check-device-llama.log" | sed 's/^/FIGURE device-llama /' || true
+
+log "SmolLM2 with --device cuda:0 (engine with the device forward)"
 # bf16 / INT4 checkpoints: pass their paths (e.g. made with bench/quant/gguf_to_hf.py and
 # `wasmserve quantize`); the default Q4_1 GGUF comes from scripts/fetch-default-model.
 [ -e models/SmolLM2-135M-Instruct.Q4_1.gguf ] || step 120 scripts/fetch-default-model

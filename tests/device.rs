@@ -60,3 +60,40 @@ fn bad_device_strings_are_rejected_by_the_parser() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("expected cpu, auto or cuda:N"), "{err}");
 }
+
+/// A running server on `--device sim` (the device forward on the CUDA-kernel simulator) answers
+/// a completion with the same greedy text as `--device cpu`.
+#[test]
+fn serve_on_the_simulator_answers_like_the_cpu() {
+    use std::io::{Read, Write};
+    if kernels::sim::SimGpu::sim().is_err() && std::env::var_os("WASMSERVE_REQUIRE_SIM").is_none() {
+        eprintln!("SKIPPED serve_on_the_simulator_answers_like_the_cpu: the simulator was not built");
+        return;
+    }
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+    let complete = |device: &str| -> String {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_wasmserve"))
+            .args(["--device", device, "serve", "--model", model.to_str().unwrap(), "--port", &port.to_string(), "--kv-cache-memory", "4MiB"])
+            .env_remove("WASMSERVE_DEVICE")
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start wasmserve serve");
+        let body = r#"{"model":"tiny_llama","prompt":"hello world","max_tokens":6,"temperature":0}"#;
+        let mut answer = String::new();
+        for _ in 0..100 {
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+                s.read_to_string(&mut answer).unwrap();
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let json = answer.split("\r\n\r\n").nth(1).unwrap_or_else(|| panic!("--device {device}: no HTTP answer: {answer:?}"));
+        let v: serde_json::Value = serde_json::from_str(json.trim()).unwrap_or_else(|e| panic!("--device {device}: {e}: {json:?}"));
+        v["choices"][0]["text"].as_str().unwrap_or_else(|| panic!("--device {device}: {v}")).to_string()
+    };
+    assert_eq!(complete("sim"), complete("cpu"));
+}

@@ -16,7 +16,8 @@ use wasmserve::sampling::SamplingParams;
 #[command(name = "wasmserve", version, about = "LLM inference server with Wasm component plugins")]
 struct Cli {
     /// Compute device: `cpu`, `cuda:0[,1..]` or `auto` (CUDA device 0 if usable, else the CPU,
-    /// saying why). An unusable explicit CUDA device is an error (docs/cuda.md).
+    /// saying why). An unusable explicit CUDA device is an error (docs/cuda.md). `sim` runs the
+    /// device forward on the CUDA-kernel simulator: for development and tests only (slow).
     #[arg(long, global = true, env = "WASMSERVE_DEVICE", default_value = "cpu", value_parser = wasmserve::backend::DeviceSpec::parse)]
     device: wasmserve::backend::DeviceSpec,
     #[command(subcommand)]
@@ -142,15 +143,16 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let selected = wasmserve::backend::select(&cli.device).map_err(anyhow::Error::msg)?;
     tracing::info!(device = %cli.device, backends = %selected.describe(), "compute device");
-    if cli.device != wasmserve::backend::DeviceSpec::Cpu && selected.fallback_reason.is_none() {
-        // The device is open and its kernels compiled; the engine's forward pass does not call
-        // the Backend trait yet (docs/cuda.md), so say so rather than imply GPU decoding.
-        tracing::warn!("the engine's model forward still runs on the CPU; the CUDA backend serves kernel-level operations only");
+    let on_device = cli.device != wasmserve::backend::DeviceSpec::Cpu && selected.fallback_reason.is_none();
+    if on_device && !matches!(cli.command, Command::Serve(_) | Command::Bench(BenchCommand::Engine(_))) {
+        // Only the engine drives the device forward (its K/V live in the engine's device pool);
+        // single-request commands use a contiguous host cache, so say so rather than imply GPU work.
+        tracing::warn!("this command's forward runs on the CPU; `serve` and `bench engine` run a Llama model's forward on the device");
     }
     match cli.command {
         Command::Generate(args) => run_generate(args),
-        Command::Serve(args) => wasmserve::server::run(args),
-        Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args),
+        Command::Serve(args) => wasmserve::server::run_on(args, &cli.device),
+        Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args, &cli.device),
         Command::Bench(BenchCommand::Perplexity(args)) => wasmserve::perplexity::run(args),
         Command::Bench(BenchCommand::Decode(args)) => wasmserve::decode_bench::run(args),
         Command::Bench(BenchCommand::Moe(args)) => wasmserve::moe_bench::run(args),
@@ -218,8 +220,8 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-fn run_bench_engine(a: BenchEngineArgs) -> Result<()> {
-    let model = std::sync::Arc::new(a.model.load()?);
+fn run_bench_engine(a: BenchEngineArgs, device: &wasmserve::backend::DeviceSpec) -> Result<()> {
+    let model = std::sync::Arc::new(wasmserve::backend::place_model(a.model.load()?, device).map_err(anyhow::Error::msg)?);
     let max_streams = a.concurrency.iter().copied().max().unwrap_or(1);
     let cfg = wasmserve::engine::EngineConfig {
         max_num_seqs: max_streams.max(64),

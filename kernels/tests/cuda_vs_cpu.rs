@@ -94,6 +94,8 @@ on_every_runtime!(
     device_kv_pool_writes_and_attends_like_the_cpu_reference,
     dequant_kernels_match_cpu_bit_for_bit,
     matmul_quant_matches_cpu_on_both_sides_of_the_threshold,
+    gathers_and_bf16_narrowing_match_cpu,
+    kv_batch_writes_and_block_copies_match_cpu,
 );
 
 fn lcg(seed: u64) -> impl FnMut() -> u32 {
@@ -423,4 +425,62 @@ fn dequant_kernels_match_cpu_bit_for_bit<R: Runtime>(g: &Kernels<R>, _t: &Tol) {
 /// (dequant + bf16 GEMM, held to the bf16 bound, which is the same on every runtime).
 fn matmul_quant_matches_cpu_on_both_sides_of_the_threshold<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     prefill_gemm::matmul_quant_matches_cpu(g, t.gemv);
+}
+
+fn gathers_and_bf16_narrowing_match_cpu<R: Runtime>(g: &Kernels<R>, _t: &Tol) {
+    let (rows, d, n) = (37, 48, 9);
+    let table = uniform(rows * d, 3, -3.0, 3.0);
+    let ids: Vec<i32> = (0..n).map(|i| (i * 11 % rows) as i32).collect();
+    let mut want = vec![0.0; n * d];
+    cpu::gather::gather_rows(&table, &ids, d, &mut want);
+    let (dt, di) = (g.upload(&table).unwrap(), g.upload(&ids).unwrap());
+    let mut out = g.zeros::<f32>(n * d).unwrap();
+    g.gather_rows_f32(&dt, &di, &mut out, n, d).unwrap();
+    assert_eq!(g.download(&out).unwrap(), want, "gather_rows_f32 is a copy");
+    // Ties and NaN-free random values: round to nearest even, bit for bit.
+    let narrow = cpu::gather::narrow_bf16(&table);
+    let mut db = g.zeros::<u16>(table.len()).unwrap();
+    g.narrow_bf16(&dt, &mut db, table.len()).unwrap();
+    assert_eq!(g.download(&db).unwrap(), narrow, "narrow_bf16");
+    cpu::gather::gather_rows_bf16(&narrow, &ids, d, &mut want);
+    g.gather_rows_bf16(&db, &di, &mut out, n, d).unwrap();
+    assert_eq!(g.download(&out).unwrap(), want, "gather_rows_bf16 widens exactly");
+    assert!(g.gather_rows_f32(&dt, &di, &mut out, n + 1, d).is_err(), "too few ids is an error");
+}
+
+fn kv_batch_writes_and_block_copies_match_cpu<R: Runtime>(g: &Kernels<R>, _t: &Tol) {
+    let (kvh, hd, bs, blocks, n) = (2, 32, 4, 5, 7);
+    let w = kvh * hd;
+    let rows = blocks * bs;
+    // Values spanning magnitudes per head, so FP8 scales differ per (row, head).
+    let k: Vec<f32> = uniform(n * w, 11, -1.0, 1.0).iter().enumerate().map(|(i, v)| v * (1 + i / hd % 5) as f32).collect();
+    let v = uniform(n * w, 12, -4.0, 4.0);
+    let slots: Vec<i32> = [17, 2, 3, 8, 0, 19, 9].to_vec();
+    let (dk, dv, ds) = (g.upload(&k).unwrap(), g.upload(&v).unwrap(), g.upload(&slots).unwrap());
+    let (mut kc, mut vc) = (vec![0f32; rows * w], vec![0f32; rows * w]);
+    cpu::kv_write::kv_write_f32(&k, &v, &slots, w, &mut kc, &mut vc);
+    let (mut gk, mut gv) = (g.zeros::<f32>(rows * w).unwrap(), g.zeros::<f32>(rows * w).unwrap());
+    g.kv_write_f32(&dk, &dv, &ds, &mut gk, &mut gv, n, w).unwrap();
+    assert_eq!((g.download(&gk).unwrap(), g.download(&gv).unwrap()), (kc.clone(), vc.clone()), "kv_write_f32");
+    // Copy block 4's first 3 slots into block 1 (copy-on-write), both sides.
+    kc.copy_within(4 * bs * w..(4 * bs + 3) * w, bs * w);
+    g.copy_span_f32(&mut gk, 4 * bs * w, bs * w, 3 * w).unwrap();
+    assert_eq!(g.download(&gk).unwrap(), kc, "copy_span_f32");
+    assert!(g.copy_span_f32(&mut gk, 0, 2, 4).is_err(), "overlapping spans are refused");
+
+    let (mut kb, mut vb) = (vec![0u16; rows * w], vec![0u16; rows * w]);
+    cpu::kv_write::kv_write_bf16(&k, &v, &slots, w, &mut kb, &mut vb);
+    let (mut gkb, mut gvb) = (g.zeros::<u16>(rows * w).unwrap(), g.zeros::<u16>(rows * w).unwrap());
+    g.kv_write_bf16(&dk, &dv, &ds, &mut gkb, &mut gvb, n, w).unwrap();
+    assert_eq!((g.download(&gkb).unwrap(), g.download(&gvb).unwrap()), (kb, vb), "kv_write_bf16");
+
+    let (mut k8, mut v8, mut ks, mut vs) = (vec![0u8; rows * w], vec![0u8; rows * w], vec![0f32; rows * kvh], vec![0f32; rows * kvh]);
+    cpu::kv_write::kv_write_fp8(&k, &v, &slots, kvh, hd, &mut k8, &mut v8, &mut ks, &mut vs);
+    let (mut gk8, mut gv8) = (g.zeros::<u8>(rows * w).unwrap(), g.zeros::<u8>(rows * w).unwrap());
+    let (mut gks, mut gvs) = (g.zeros::<f32>(rows * kvh).unwrap(), g.zeros::<f32>(rows * kvh).unwrap());
+    g.kv_write_fp8(&dk, &dv, &ds, &mut gk8, &mut gv8, &mut gks, &mut gvs, n, kvh, hd).unwrap();
+    // Same amax, same division, same nearest-code search: identical codes and scales.
+    assert_eq!((g.download(&gks).unwrap(), g.download(&gvs).unwrap()), (ks, vs), "kv_write_fp8 scales");
+    assert_eq!((g.download(&gk8).unwrap(), g.download(&gv8).unwrap()), (k8, v8), "kv_write_fp8 codes");
+    assert!(g.kv_write_f32(&dk, &dv, &ds, &mut gk, &mut gv, n + 1, w).is_err(), "more rows than slots is an error");
 }

@@ -15,6 +15,10 @@ pub enum DeviceSpec {
     /// CUDA device ordinals (several: one per tensor-/expert-parallel rank on this node).
     Cuda(Vec<usize>),
     Auto,
+    /// Development and tests only: the model's device forward on the CPU simulator of the CUDA
+    /// kernels (`kernels::sim`, the real `.cu` sources compiled for the host). Orders of magnitude
+    /// slower than the CPU path; it exists to exercise the device path end to end without a GPU.
+    Sim,
 }
 
 impl DeviceSpec {
@@ -24,9 +28,10 @@ impl DeviceSpec {
             "cpu" => return Ok(DeviceSpec::Cpu),
             "auto" => return Ok(DeviceSpec::Auto),
             "cuda" => return Ok(DeviceSpec::Cuda(vec![0])),
+            "sim" => return Ok(DeviceSpec::Sim),
             _ => {}
         }
-        let list = s.strip_prefix("cuda:").ok_or_else(|| format!("unknown device {s:?}: expected cpu, auto or cuda:N[,M...]"))?;
+        let list = s.strip_prefix("cuda:").ok_or_else(|| format!("unknown device {s:?}: expected cpu, auto or cuda:N[,M...] (or sim: the kernel simulator, for development)"))?;
         let mut ords = Vec::new();
         for part in list.split(',') {
             let part = part.trim().trim_start_matches("cuda:");
@@ -45,6 +50,7 @@ impl fmt::Display for DeviceSpec {
         match self {
             DeviceSpec::Cpu => write!(f, "cpu"),
             DeviceSpec::Auto => write!(f, "auto"),
+            DeviceSpec::Sim => write!(f, "sim"),
             DeviceSpec::Cuda(o) => write!(f, "cuda:{}", o.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")),
         }
     }
@@ -66,7 +72,9 @@ impl Selected {
 /// Opens the backends `spec` asks for.
 pub fn select(spec: &DeviceSpec) -> Result<Selected, String> {
     match spec {
-        DeviceSpec::Cpu => Ok(Selected { backends: vec![Box::new(CpuBackend::new())], fallback_reason: None }),
+        // The simulator runs the model's forward only (backend::placement); kernel-level backend
+        // operations stay on the CPU.
+        DeviceSpec::Cpu | DeviceSpec::Sim => Ok(Selected { backends: vec![Box::new(CpuBackend::new())], fallback_reason: None }),
         DeviceSpec::Cuda(ords) => {
             let mut backends: Vec<Box<dyn Backend>> = Vec::new();
             for &o in ords {
@@ -103,6 +111,8 @@ mod tests {
     fn parses_device_lists_and_rejects_junk() {
         assert_eq!(DeviceSpec::parse("cpu").unwrap(), DeviceSpec::Cpu);
         assert_eq!(DeviceSpec::parse("auto").unwrap(), DeviceSpec::Auto);
+        assert_eq!(DeviceSpec::parse("sim").unwrap(), DeviceSpec::Sim);
+        assert_eq!(DeviceSpec::Sim.to_string(), "sim");
         assert_eq!(DeviceSpec::parse("cuda").unwrap(), DeviceSpec::Cuda(vec![0]));
         assert_eq!(DeviceSpec::parse("cuda:0").unwrap(), DeviceSpec::Cuda(vec![0]));
         assert_eq!(DeviceSpec::parse("cuda:0,1,3").unwrap(), DeviceSpec::Cuda(vec![0, 1, 3]));

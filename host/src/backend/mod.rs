@@ -1,21 +1,23 @@
 //! Compute backends: the operations a decoder step needs, implemented on the CPU (the existing
 //! `kernels::cpu` kernels) and on CUDA (`kernels::cuda`), selected at run time with `--device`.
 //!
-//! The trait works on host slices, the level the engine computes at today: the CUDA backend keeps
-//! weights resident on the device (uploaded once by [`Backend::load_weight`]) and moves
-//! activations per call. That makes every GPU kernel reachable and testable against the CPU
-//! through one interface; a device-resident activation path for the engine is the next step
-//! (docs/cuda.md).
+//! The trait works on host slices: the CUDA backend keeps weights resident on the device (uploaded
+//! once by [`Backend::load_weight`]) and moves activations per call, which makes every GPU kernel
+//! reachable and testable against the CPU through one interface. The engine's device-resident
+//! forward is `model::device_llama` (weights, activations and K/V on the device), chosen by
+//! [`placement::place_model`] (docs/cuda.md).
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod device;
+pub mod placement;
 
 pub use kernels::cpu::attention::{KvBlocks, PagedGeometry};
 
 pub use device::{select, DeviceSpec, Selected};
+pub use placement::place_model;
 
 /// Why a backend operation failed (bad shapes, device errors).
 #[derive(Debug, thiserror::Error)]

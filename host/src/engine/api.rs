@@ -108,5 +108,7 @@ pub struct EngineStats {
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
     pub preemptions_total: u64,
+    /// Forward passes that failed (device errors); their batches' requests got an error.
+    pub forward_errors_total: u64,
     pub steps_total: u64,
 }

@@ -11,7 +11,7 @@ use std::hash::{Hash, Hasher};
 
 use kernels::cpu::fp8::quantize_e4m3;
 
-use crate::model::kv::{CacheLayout, KvRow, LayerKvShape};
+use crate::model::kv::{BlockCopy, CacheLayout, KvRow, LayerKvShape};
 use super::recurrent_slots::RecurrentSlots;
 
 pub type BlockId = u32;
@@ -140,6 +140,10 @@ pub struct BlockPool {
     pub cache_hits: u64,
     /// Fixed-size recurrent states lent to running sequences (empty for models without any).
     pub recurrent: RecurrentSlots,
+    /// True when K/V live in the model's device pool: the host keeps block bookkeeping only.
+    external: bool,
+    /// Copy-on-write copies the device pool must apply before the next forward (external only).
+    pending_copies: Vec<BlockCopy>,
 }
 
 impl BlockPool {
@@ -158,7 +162,28 @@ impl BlockPool {
             cache_queries: 0,
             cache_hits: 0,
             recurrent: RecurrentSlots::none(),
+            external: false,
+            pending_copies: Vec::new(),
         }
+    }
+
+    /// A pool whose K/V storage is the model's (on a device, under the same block ids): the
+    /// host allocates no K/V memory, only the block bookkeeping (refcounts, prefix cache), and
+    /// records copy-on-write copies for the model to apply ([`Self::take_pending_copies`]).
+    pub fn new_external(shape: PoolShape, num_blocks: usize) -> Self {
+        let mut p = Self::new(PoolShape { layers: vec![None; shape.layers.len()], block_size: shape.block_size }, num_blocks, KvDtype::F32);
+        p.shape = shape;
+        p.external = true;
+        p
+    }
+
+    pub fn is_external(&self) -> bool {
+        self.external
+    }
+
+    /// The copies recorded since the last call (always empty for a host-storage pool).
+    pub fn take_pending_copies(&mut self) -> Vec<BlockCopy> {
+        std::mem::take(&mut self.pending_copies)
     }
 
     /// Adds the recurrent-state slots sequences take beside their blocks.
@@ -249,7 +274,7 @@ impl BlockPool {
     }
 
     fn layer(&self, layer: usize) -> &LayerStore {
-        self.stores[layer].as_ref().unwrap_or_else(|| panic!("layer {layer} keeps no per-token cache"))
+        self.stores[layer].as_ref().unwrap_or_else(|| panic!("layer {layer} keeps no per-token cache on the host"))
     }
 
     pub fn write(&mut self, layer: usize, block: BlockId, slot: usize, k: &[f32], v: &[f32]) {
@@ -273,6 +298,10 @@ impl BlockPool {
 
     /// Copies the first `slots` positions of every layer of `src` into `dst` (copy-on-write).
     pub fn copy_block(&mut self, src: BlockId, dst: BlockId, slots: usize) {
+        if self.external {
+            self.pending_copies.push(BlockCopy { src, dst, slots });
+            return;
+        }
         let (s, d) = (self.slot_index(src, 0), self.slot_index(dst, 0));
         for st in self.stores.iter_mut().flatten() {
             let LayerKvShape { key_width, value_width, groups } = st.shape;

@@ -12,6 +12,8 @@ use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineEvent, EngineRequest, EngineStats, RequestId, SubmitError, TokenLogprob};
+use kernels::gpu::kv_pool::KvStorage;
+
 use super::block_pool::{BlockPool, KvDtype, PoolShape};
 use super::fair_share::SlotShares;
 use super::paged_kv::PagedKv;
@@ -115,7 +117,16 @@ pub struct EngineCore {
 }
 
 impl EngineCore {
-    pub fn new(model: Arc<LoadedModel>, mut cfg: EngineConfig) -> Self {
+    /// [`Self::try_new`] for models that cannot fail to set up (CPU models); panics with the
+    /// reason otherwise (servers use `try_new`).
+    pub fn new(model: Arc<LoadedModel>, cfg: EngineConfig) -> Self {
+        Self::try_new(model, cfg).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Sizes the KV pool and allocates it: on the host, or, for a model keeping K/V on a device
+    /// (`LanguageModel::device_kv`), in the model's device pool with host-side bookkeeping only.
+    /// Fails when the device pool cannot be allocated.
+    pub fn try_new(model: Arc<LoadedModel>, mut cfg: EngineConfig) -> Result<Self, String> {
         let mc = model.config();
         let layout = model.model.cache_layout();
         let shape = PoolShape::new(&layout, cfg.block_size);
@@ -137,8 +148,19 @@ impl EngineCore {
             max_model_len,
             "KV cache pool allocated"
         );
-        let pool = BlockPool::new(shape, num_blocks, cfg.kv_dtype).with_recurrent(slots);
-        Self { model, cfg, pool, max_model_len, requests: HashMap::new(), waiting: Vec::new(), running: Vec::new(), arrivals: 0, stats: EngineStats::default(), token_bytes: None, deferred_last: HashSet::new() }
+        let pool = match model.model.device_kv() {
+            Some(dev) => {
+                let storage = match cfg.kv_dtype {
+                    KvDtype::F32 => KvStorage::F32,
+                    KvDtype::Fp8E4m3 => KvStorage::Fp8,
+                };
+                dev.allocate(num_blocks, cfg.block_size, storage).map_err(|e| format!("cannot allocate the device KV pool ({num_blocks} blocks of {}): {e}", cfg.block_size))?;
+                tracing::info!(blocks = num_blocks, "K/V live in the device pool; the host keeps block tables only");
+                BlockPool::new_external(shape, num_blocks).with_recurrent(slots)
+            }
+            None => BlockPool::new(shape, num_blocks, cfg.kv_dtype).with_recurrent(slots),
+        };
+        Ok(Self { model, cfg, pool, max_model_len, requests: HashMap::new(), waiting: Vec::new(), running: Vec::new(), arrivals: 0, stats: EngineStats::default(), token_bytes: None, deferred_last: HashSet::new() })
     }
 
     pub fn max_model_len(&self) -> usize {
@@ -405,8 +427,24 @@ impl EngineCore {
         }
         self.stats.steps_total += 1;
         let logits = {
-            let mut kv = PagedKv { pool: &mut self.pool, tables, slots };
-            self.model.model.forward(&tokens, &rows, &mut kv, &logit_rows)
+            let copies = self.pool.take_pending_copies();
+            let mut kv = PagedKv { pool: &mut self.pool, tables, slots, copies };
+            self.model.model.try_forward(&tokens, &rows, &mut kv, &logit_rows)
+        };
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                // A device failure fails this batch's requests, not the server: later requests
+                // get their own try (a broken device keeps failing them, each with the reason).
+                tracing::error!(error = %e, rows = plan.len(), tokens = tokens.len(), "forward pass failed; failing the batch's requests");
+                self.stats.forward_errors_total += 1;
+                let mut ids: Vec<RequestId> = plan.iter().map(|&(i, _)| self.running[i].request).collect();
+                ids.dedup();
+                for id in ids {
+                    self.fail_request(id, &format!("the model's forward pass failed: {e}"));
+                }
+                return;
+            }
         };
         for &(i, chunk) in plan {
             let s = &mut self.running[i];

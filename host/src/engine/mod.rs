@@ -73,9 +73,15 @@ impl Drop for RequestStream {
 
 impl Engine {
     /// Starts the engine thread. The KV pool is allocated here, before the first request.
+    /// Panics if a device model's pool cannot be allocated; servers use [`Engine::try_start`].
     pub fn start(model: Arc<LoadedModel>, cfg: EngineConfig) -> Engine {
+        Self::try_start(model, cfg).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Engine::start`], with a device KV pool that cannot be allocated as an error.
+    pub fn try_start(model: Arc<LoadedModel>, cfg: EngineConfig) -> Result<Engine, String> {
         let max_waiting = cfg.max_waiting;
-        let mut core = EngineCore::new(model.clone(), cfg.clone());
+        let mut core = EngineCore::try_new(model.clone(), cfg.clone())?;
         let (tx, rx) = mpsc::channel::<Command>();
         let shared = Arc::new(Shared {
             commands: Mutex::new(tx),
@@ -95,7 +101,7 @@ impl Engine {
             .spawn(move || run_loop(&mut core, rx, &sh))
             .expect("spawning the engine thread");
         *shared.thread.lock().unwrap() = Some(handle);
-        Engine { shared, model }
+        Ok(Engine { shared, model })
     }
 
     pub fn model(&self) -> &Arc<LoadedModel> {

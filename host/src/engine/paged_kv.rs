@@ -4,13 +4,15 @@
 use super::block_pool::{BlockId, BlockPool};
 use super::recurrent_slots::SlotId;
 use crate::model::kda::state::{KdaState, RecurrentStates};
-use crate::model::kv::{KvCache, KvRow};
+use crate::model::kv::{BlockCopy, KvCache, KvRow, PagedView};
 
 pub struct PagedKv<'a> {
     pub pool: &'a mut BlockPool,
     pub tables: Vec<Vec<BlockId>>,
     /// Per batch sequence, its recurrent-state slot (`None` for models without one).
     pub slots: Vec<Option<SlotId>>,
+    /// Copy-on-write copies a device pool applies before this batch (see `BlockPool::new_external`).
+    pub copies: Vec<BlockCopy>,
 }
 
 impl PagedKv<'_> {
@@ -34,6 +36,10 @@ impl KvCache for PagedKv<'_> {
     fn value(&self, layer: usize, seq: usize, pos: usize) -> KvRow<'_> {
         let (b, slot) = self.locate(seq, pos);
         self.pool.value(layer, b, slot)
+    }
+
+    fn paged_view(&self) -> Option<PagedView<'_>> {
+        Some(PagedView { block_size: self.pool.shape().block_size, tables: &self.tables, copies: &self.copies })
     }
 
     fn recurrent(&mut self) -> Option<&mut dyn RecurrentStates> {

@@ -123,6 +123,24 @@ impl KvRow<'_> {
     }
 }
 
+/// A copy of the first `slots` positions of block `src` into block `dst` (copy-on-write of a
+/// shared partial block) that a pool keeping K/V elsewhere (on a device) must apply before the
+/// batch's writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: u32,
+    pub dst: u32,
+    pub slots: usize,
+}
+
+/// The paged pool's addressing, for models whose K/V live in their own (device) pool under the
+/// same block ids: batch sequence `s`'s position `p` is in block `tables[s][p / block_size]`.
+pub struct PagedView<'a> {
+    pub block_size: usize,
+    pub tables: &'a [Vec<u32>],
+    pub copies: &'a [BlockCopy],
+}
+
 /// `Send + Sync` so tensor-parallel ranks (threads) can share one cache behind a lock.
 pub trait KvCache: Send + Sync {
     /// Stores this token's keys and values (the layer's `LayerKvShape` widths) for `layer`.
@@ -134,6 +152,10 @@ pub trait KvCache: Send + Sync {
     /// the cache by whoever owns the sequences; `None` for a cache that holds none (models
     /// without recurrent layers never ask).
     fn recurrent(&mut self) -> Option<&mut dyn RecurrentStates> {
+        None
+    }
+    /// Block size and block tables when the cache is paged (`None` for contiguous caches).
+    fn paged_view(&self) -> Option<PagedView<'_>> {
         None
     }
 }

@@ -27,16 +27,17 @@ use super::linear::Linear;
 use super::source::WeightSource;
 use super::tensor::Tensor;
 
-struct Layer {
-    attn_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+/// Fields are visible to the sibling `device_llama`, which uploads these same weights.
+pub(super) struct Layer {
+    pub(super) attn_norm: Tensor,
+    pub(super) q: Linear,
+    pub(super) k: Linear,
+    pub(super) v: Linear,
+    pub(super) o: Linear,
+    pub(super) ffn_norm: Tensor,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
 }
 
 /// Which tensor-parallel part of the model an instance holds.
@@ -56,20 +57,20 @@ impl TpRank {
 pub type SharedKv<'a> = RwLock<&'a mut dyn KvCache>;
 
 pub struct LlamaModel {
-    cfg: ModelConfig,
-    tp: TpRank,
+    pub(super) cfg: ModelConfig,
+    pub(super) tp: TpRank,
     /// Attention and key/value heads this rank computes.
-    heads: usize,
-    kv_heads: usize,
+    pub(super) heads: usize,
+    pub(super) kv_heads: usize,
     /// The vocabulary rows of the embedding (and untied output projection) this rank holds.
-    vocab: std::ops::Range<usize>,
+    pub(super) vocab: std::ops::Range<usize>,
     /// This rank's vocabulary rows of the embedding matrix.
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: Tensor,
+    pub(super) embed: Tensor,
+    pub(super) layers: Vec<Layer>,
+    pub(super) norm: Tensor,
     /// `None` when the output projection is tied to the embedding matrix.
-    lm_head: Option<Linear>,
-    rope: Rope,
+    pub(super) lm_head: Option<Linear>,
+    pub(super) rope: Rope,
 }
 
 impl LlamaModel {
@@ -173,6 +174,10 @@ impl LanguageModel for LlamaModel {
     /// Single-device forward. A rank of a larger group runs only through
     /// [`LlamaModel::forward_rank`] (the `mesh::TensorParallel` wrapper does that), since it
     /// needs its peers to produce anything.
+    fn as_llama(&self) -> Option<&LlamaModel> {
+        Some(self)
+    }
+
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         assert_eq!(self.tp.size, 1, "LlamaModel::forward on one tensor-parallel rank; use mesh::TensorParallel");
         let comm = LocalCollective::group(1).pop().expect("one rank");

@@ -3,6 +3,7 @@
 pub mod config;
 pub mod decoder;
 pub mod deepseek;
+pub mod device_llama;
 pub mod error;
 pub mod ggml;
 pub mod gguf;
@@ -44,6 +45,24 @@ pub trait LanguageModel: Send + Sync {
     /// run (earlier, or earlier in this batch) all positions before it of the same sequence.
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32>;
 
+    /// [`Self::forward`] for models that can fail at run time (a device model: driver errors,
+    /// a cache it cannot use); the engine calls this one and fails the batch's requests on an
+    /// error instead of panicking. CPU models never fail here.
+    fn try_forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
+        Ok(self.forward(tokens, rows, kv, logit_rows))
+    }
+
+    /// The model's own device-resident K/V pool, for models that keep K/V on a device: the engine
+    /// then sizes it (`DeviceKv::allocate`) and keeps only block bookkeeping on the host.
+    fn device_kv(&self) -> Option<&dyn DeviceKv> {
+        None
+    }
+
+    /// The single-device Llama model behind this one, if it is one (to move it onto a device).
+    fn as_llama(&self) -> Option<&LlamaModel> {
+        None
+    }
+
     /// A fresh (no tokens yet) recurrent state for one sequence, for models with linear-attention
     /// layers (`cache_layout().recurrent_bytes_per_seq > 0`); their `forward` reads the batch's
     /// states from `KvCache::recurrent`.
@@ -56,6 +75,21 @@ pub trait LanguageModel: Send + Sync {
     fn contiguous_cache(&self, num_seqs: usize) -> kv::ContiguousKvCache {
         kv::ContiguousKvCache::for_layout(&self.cache_layout(), num_seqs).with_recurrent(self.new_recurrent_state())
     }
+}
+
+/// Why a forward pass failed (device models only; see [`LanguageModel::try_forward`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("device error in the forward pass: {0}")]
+    Device(#[from] kernels::cuda::CudaError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A device K/V pool a model owns, addressed by the engine's block ids.
+pub trait DeviceKv: Send + Sync {
+    /// Allocates (once) `num_blocks` blocks of `block_size` positions for every layer.
+    fn allocate(&self, num_blocks: usize, block_size: usize, storage: kernels::gpu::kv_pool::KvStorage) -> Result<(), ForwardError>;
 }
 
 /// Builds the architecture `cfg` names from a checkpoint's weights.

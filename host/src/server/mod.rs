@@ -145,8 +145,14 @@ impl ServeArgs {
     }
 }
 
-/// Loads the model, starts the engine and serves until a shutdown signal.
+/// Loads the model, starts the engine and serves until a shutdown signal (forward on the CPU).
 pub fn run(args: ServeArgs) -> Result<()> {
+    run_on(args, &crate::backend::DeviceSpec::Cpu)
+}
+
+/// [`run`] with the model's forward placed by `--device` (`backend::place_model`: a Llama on a
+/// CUDA device runs the device forward with its K/V in device memory).
+pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec) -> Result<()> {
     if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
     }
@@ -160,7 +166,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         Some(path) => Some(crate::tenancy::Tenancy::open(path, args.admin_key.as_deref(), args.key_secret.as_deref())?),
         None => None,
     };
-    let model = Arc::new(crate::model::load_tp(&args.model, args.tensor_parallel_size).with_context(|| format!("loading {}", args.model.display()))?);
+    let model = crate::model::load_tp(&args.model, args.tensor_parallel_size).with_context(|| format!("loading {}", args.model.display()))?;
+    let model = Arc::new(crate::backend::place_model(model, device).map_err(anyhow::Error::msg)?);
     let template: Option<Arc<dyn ChatTemplate>> = match model.tokenizer.chat_template.as_deref() {
         None => {
             tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");
@@ -176,7 +183,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     let name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
     let cfg = args.engine_config();
-    let engine = Engine::start(model, cfg);
+    let engine = Engine::try_start(model, cfg).map_err(anyhow::Error::msg)?;
     let mut state = ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes);
     state.tenancy = tenancy;
     let plugins = crate::plugins::registry::Registry::new(crate::plugins::Runtime::new(args.plugin_cache_dir.clone())?);

@@ -102,6 +102,11 @@ impl PackedRows {
         code_at(self.row_tail(r), self.bits, j)
     }
 
+    /// The `rows × stride` packed bytes (without slack), e.g. to upload to a device.
+    pub fn bytes(&self) -> &[u8] {
+        &self.data[..self.rows * self.stride]
+    }
+
     /// Bytes of packed codes (without slack), for bandwidth accounting.
     pub fn packed_bytes(&self) -> usize {
         self.rows * self.stride

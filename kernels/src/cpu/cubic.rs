@@ -147,6 +147,10 @@ impl AnyCubic {
     pub fn bits(&self) -> u32 {
         each!(self, m => m.packed.bits())
     }
+    /// The packed codes, group size and `[s, a]` per (row, group), to upload to a device.
+    pub fn parts(&self) -> (&PackedRows, usize, &[[f32; 2]]) {
+        each!(self, m => (&m.packed, m.group_size, &m.params[..]))
+    }
     pub fn rows(&self) -> usize {
         each!(self, m => m.rows())
     }

@@ -16,3 +16,5 @@ pub mod dequant;
 pub mod attention;
 pub mod sample;
 pub mod moe;
+pub mod gather;
+pub mod kv_write;

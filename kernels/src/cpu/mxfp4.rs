@@ -56,6 +56,11 @@ impl Mxfp4Matrix {
         self.packed.packed_bytes() + self.scales.len()
     }
 
+    /// The `rows × cols/2` code bytes and `rows × cols/32` E8M0 scales, to upload to a device.
+    pub fn parts(&self) -> (&[u8], &[u8]) {
+        (self.packed.bytes(), &self.scales)
+    }
+
     /// `out[n, rows] = x[n, cols] · Wᵀ`.
     pub fn matmul_t(&self, x: &[f32], out: &mut [f32], n: usize) {
         packed_matmul_t(self, x, out, n)

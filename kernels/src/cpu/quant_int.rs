@@ -41,6 +41,10 @@ impl IntMatrix {
     pub fn bits(&self) -> u32 {
         self.packed.bits()
     }
+    /// The packed codes, group size and `[scale, zero]` per (row, group), to upload to a device.
+    pub fn parts(&self) -> (&PackedRows, usize, &[[f32; 2]]) {
+        (&self.packed, self.group_size, &self.params)
+    }
 
     /// Row `r` dequantised to f32 (for tests and conversions; inference multiplies packed).
     pub fn dequantize_row(&self, r: usize) -> Vec<f32> {

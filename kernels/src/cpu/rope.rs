@@ -23,6 +23,11 @@ impl Rope {
         Self { inv_freq, rotary_dim }
     }
 
+    /// The inverse frequencies, as the device `rope_neox` kernel takes them.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     pub fn rotary_dim(&self) -> usize {
         self.rotary_dim
     }

@@ -395,6 +395,71 @@ impl<R: Runtime> Kernels<R> {
         self.go("moe_expert_gemv_bf16", Dims::new((rows.div_ceil(GEMV_WARPS) as u32, a as u32, 1), (GEMV_WARPS * 32) as u32), &args)
     }
 
+    /// `out[r] = src[rows[r]]` for `d`-wide f32 rows (embedding lookup, logit-row pick). Row ids
+    /// are the caller's (token ids checked against the vocabulary, batch rows in range).
+    pub fn gather_rows_f32(&self, src: &R::Buf<f32>, rows: &R::Buf<i32>, out: &mut R::Buf<f32>, n: usize, d: usize) -> Result<(), CudaError> {
+        check(rows.len() >= n && out.len() >= n * d && d > 0 && src.len() % d == 0, || format!("gather_rows: {} ids, out {}, src {} for n={n}, d={d}", rows.len(), out.len(), src.len()))?;
+        self.go("gather_rows_f32", Self::flat_dims(n * d), &[A::F32s(src), A::I32s(rows), A::F32s(out), A::I32(n as i32), A::I32(d as i32)])
+    }
+
+    /// As [`Self::gather_rows_f32`] from a bf16 table (widened to f32).
+    pub fn gather_rows_bf16(&self, src: &R::Buf<u16>, rows: &R::Buf<i32>, out: &mut R::Buf<f32>, n: usize, d: usize) -> Result<(), CudaError> {
+        check(rows.len() >= n && out.len() >= n * d && d > 0 && src.len() % d == 0, || format!("gather_rows_bf16: {} ids, out {}, src {} for n={n}, d={d}", rows.len(), out.len(), src.len()))?;
+        self.go("gather_rows_bf16", Self::flat_dims(n * d), &[A::U16s(src), A::I32s(rows), A::F32s(out), A::I32(n as i32), A::I32(d as i32)])
+    }
+
+    /// `out[..n] = bf16(x[..n])`, round to nearest even (the bf16 GEMM's activation input).
+    pub fn narrow_bf16(&self, x: &R::Buf<f32>, out: &mut R::Buf<u16>, n: usize) -> Result<(), CudaError> {
+        check(x.len() >= n && out.len() >= n && n <= i32::MAX as usize, || "narrow_bf16: buffer sizes".into())?;
+        self.go("narrow_bf16", Self::flat_dims(n), &[A::F32s(x), A::U16s(out), A::I32(n as i32)])
+    }
+
+    fn check_kv_write(k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, n: usize, width: usize, pool_rows: usize) -> Result<(), CudaError> {
+        check(n > 0 && slots.len() >= n && k.len() >= n * width && v.len() >= n * width && pool_rows > 0, || format!("kv_write: {n} rows of {width} into {pool_rows} pool rows"))
+    }
+
+    /// Stores `n` rows of keys and values (`width` each) at pool rows `slots` (each below the
+    /// pool's rows: the engine's block tables only hold its blocks).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write_f32(&self, k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, kc: &mut R::Buf<f32>, vc: &mut R::Buf<f32>, n: usize, width: usize) -> Result<(), CudaError> {
+        Self::check_kv_write(k, v, slots, n, width, kc.len().min(vc.len()) / width.max(1))?;
+        self.go("kv_write_f32", Self::flat_dims(n * width), &[A::F32s(k), A::F32s(v), A::I32s(slots), A::F32s(kc), A::F32s(vc), A::I32(n as i32), A::I32(width as i32)])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write_bf16(&self, k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, kc: &mut R::Buf<u16>, vc: &mut R::Buf<u16>, n: usize, width: usize) -> Result<(), CudaError> {
+        Self::check_kv_write(k, v, slots, n, width, kc.len().min(vc.len()) / width.max(1))?;
+        self.go("kv_write_bf16", Self::flat_dims(n * width), &[A::F32s(k), A::F32s(v), A::I32s(slots), A::U16s(kc), A::U16s(vc), A::I32(n as i32), A::I32(width as i32)])
+    }
+
+    /// FP8 E4M3 with one scale per (pool row, kv head), as the host block pool stores it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write_fp8(&self, k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, kc: &mut R::Buf<u8>, vc: &mut R::Buf<u8>, ks: &mut R::Buf<f32>, vs: &mut R::Buf<f32>, n: usize, kv_heads: usize, head_dim: usize) -> Result<(), CudaError> {
+        let width = kv_heads * head_dim;
+        Self::check_kv_write(k, v, slots, n, width, kc.len().min(vc.len()) / width.max(1))?;
+        check(ks.len() * head_dim >= kc.len() && vs.len() * head_dim >= vc.len(), || "kv_write_fp8: scale buffers".into())?;
+        let args = [A::F32s(k), A::F32s(v), A::I32s(slots), A::U8s(kc), A::U8s(vc), A::F32s(ks), A::F32s(vs), A::I32(n as i32), A::I32(kv_heads as i32), A::I32(head_dim as i32)];
+        self.go("kv_write_fp8", Dims::new((n as u32, kv_heads as u32, 2), 128), &args)
+    }
+
+    fn check_span(len: usize, src: usize, dst: usize, n: usize) -> Result<(), CudaError> {
+        check(src + n <= len && dst + n <= len && (src + n <= dst || dst + n <= src), || format!("copy_span: {n} from {src} to {dst} in {len}"))
+    }
+
+    /// `buf[dst..dst + n] = buf[src..src + n]` (non-overlapping spans).
+    pub fn copy_span_f32(&self, buf: &mut R::Buf<f32>, src: usize, dst: usize, n: usize) -> Result<(), CudaError> {
+        Self::check_span(buf.len(), src, dst, n)?;
+        self.go("copy_span_f32", Self::flat_dims(n), &[A::F32s(buf), A::I64(src as i64), A::I64(dst as i64), A::I64(n as i64)])
+    }
+    pub fn copy_span_u16(&self, buf: &mut R::Buf<u16>, src: usize, dst: usize, n: usize) -> Result<(), CudaError> {
+        Self::check_span(buf.len(), src, dst, n)?;
+        self.go("copy_span_u16", Self::flat_dims(n), &[A::U16s(buf), A::I64(src as i64), A::I64(dst as i64), A::I64(n as i64)])
+    }
+    pub fn copy_span_u8(&self, buf: &mut R::Buf<u8>, src: usize, dst: usize, n: usize) -> Result<(), CudaError> {
+        Self::check_span(buf.len(), src, dst, n)?;
+        self.go("copy_span_u8", Self::flat_dims(n), &[A::U8s(buf), A::I64(src as i64), A::I64(dst as i64), A::I64(n as i64)])
+    }
+
     /// Dense bf16 GEMM: `out[n, m] (f32) = x[n, k] (bf16) · W[m, k]ᵀ (bf16)`, f32 accumulation.
     pub fn gemm_bf16(&self, x: &R::Buf<u16>, w: &R::Buf<u16>, out: &mut R::Buf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
         check(x.len() >= n * k && w.len() >= m * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;

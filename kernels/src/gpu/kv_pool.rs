@@ -84,6 +84,53 @@ impl<R: Runtime> DeviceKvPool<R> {
         Ok(())
     }
 
+    /// Stores `n` rows of keys and values (`width()` each, f32 on the device) of `layer` at pool
+    /// rows `slots` (block · block_size + slot), narrowed on the device to the storage type.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_rows(&mut self, gpu: &Kernels<R>, layer: usize, k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, n: usize) -> Result<(), CudaError> {
+        let (w, kvh, hd) = (self.width(), self.kv_heads, self.head_dim);
+        match self.layers.get_mut(layer).ok_or_else(|| bad(format!("kv write: no layer {layer}")))? {
+            Layer::F32 { k: dk, v: dv } => gpu.kv_write_f32(k, v, slots, dk, dv, n, w),
+            Layer::Bf16 { k: dk, v: dv } => gpu.kv_write_bf16(k, v, slots, dk, dv, n, w),
+            Layer::Fp8 { k: dk, v: dv, ks, vs } => gpu.kv_write_fp8(k, v, slots, dk, dv, ks, vs, n, kvh, hd),
+        }
+    }
+
+    /// Copies the first `slots` positions of block `src` into block `dst` in every layer (the
+    /// host pool's copy-on-write of a shared partial block, done here because K/V live here).
+    pub fn copy_block(&mut self, gpu: &Kernels<R>, src: usize, dst: usize, slots: usize) -> Result<(), CudaError> {
+        if src >= self.num_blocks || dst >= self.num_blocks || slots > self.block_size {
+            return Err(bad(format!("kv copy: block {src} -> {dst}, {slots} slots, pool of {}", self.num_blocks)));
+        }
+        if slots == 0 || src == dst {
+            return Ok(());
+        }
+        let (w, kvh, bs) = (self.width(), self.kv_heads, self.block_size);
+        for layer in &mut self.layers {
+            match layer {
+                Layer::F32 { k, v } => {
+                    for buf in [k, v] {
+                        gpu.copy_span_f32(buf, src * bs * w, dst * bs * w, slots * w)?;
+                    }
+                }
+                Layer::Bf16 { k, v } => {
+                    for buf in [k, v] {
+                        gpu.copy_span_u16(buf, src * bs * w, dst * bs * w, slots * w)?;
+                    }
+                }
+                Layer::Fp8 { k, v, ks, vs } => {
+                    for buf in [k, v] {
+                        gpu.copy_span_u8(buf, src * bs * w, dst * bs * w, slots * w)?;
+                    }
+                    for buf in [ks, vs] {
+                        gpu.copy_span_f32(buf, src * bs * kvh, dst * bs * kvh, slots * kvh)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Decode attention over `layer`; `tables`/`lens` as in [`Kernels::paged_attention_f32`], whose
     /// ids must be below `num_blocks` (the host block pool hands out only those).
     #[allow(clippy::too_many_arguments)]

@@ -1,0 +1,428 @@
+//! `DeviceLlama` against `LlamaModel::forward` on the CPU: a tiny random Llama (2 layers, GQA,
+//! tied and untied head, dense and packed-quantized projections), mixed prefill + decode
+//! batches over several sequences through a paged pool with scattered block ids, a
+//! copy-on-write fork, f32/bf16/FP8 K/V. Generic over the runtime: the reference runtime here
+//! (CPU kernels), and the simulator (`.cu` sources) where it is available.
+
+use kernels::cpu::bitpack::PackedRows;
+use kernels::cpu::cubic::AnyCubic;
+use kernels::cpu::mxfp4::Mxfp4Matrix;
+use kernels::cpu::quant_int::IntMatrix;
+use kernels::cpu::rope::Rope;
+use kernels::gpu::kv_pool::KvStorage;
+use kernels::gpu::{Kernels, Runtime};
+
+use super::ref_runtime::RefRuntime;
+use super::DeviceLlama;
+use crate::model::config::ModelConfig;
+use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache, KvCache, KvRow, PagedView};
+use crate::model::linear::Linear;
+use crate::model::llama::{Layer, LlamaModel, TpRank};
+use crate::model::quant::IntLinear;
+use crate::model::tensor::Tensor;
+use crate::model::{DeviceKv as _, LanguageModel};
+
+const D: usize = 64;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HD: usize = 16;
+const INTER: usize = 96;
+const VOCAB: usize = 80;
+const LAYERS: usize = 2;
+const BS: usize = 4;
+const BLOCKS: usize = 40;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 33) as u32
+    }
+    /// Uniform in [-a, a), rounded to bf16 so dense weights are exact on both sides.
+    fn vals(&mut self, n: usize, a: f32) -> Vec<f32> {
+        (0..n).map(|_| half::bf16::from_f32((self.next() as f32 / (1u64 << 31) as f32 - 0.5) * 2.0 * a).to_f32()).collect()
+    }
+}
+
+fn cfg(tied: bool) -> ModelConfig {
+    let raw = serde_json::json!({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": D, "intermediate_size": INTER,
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": tied
+    });
+    ModelConfig::from_hf_config(std::path::Path::new("config.json"), &raw).unwrap()
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Weights {
+    Dense,
+    /// q/k/v/o INT4 (g32), gate/up Cubic 3-bit (g32), down MXFP4.
+    Packed,
+}
+
+fn dense(r: &mut Rng, rows: usize, cols: usize) -> Linear {
+    Linear::Dense(Tensor::owned(vec![rows, cols], r.vals(rows * cols, 0.6 / (cols as f32).sqrt() * 1.7)))
+}
+
+fn codes(r: &mut Rng, n: usize, bits: u32) -> Vec<u8> {
+    (0..n).map(|_| (r.next() % (1 << bits)) as u8).collect()
+}
+
+fn int4(r: &mut Rng, rows: usize, cols: usize) -> Linear {
+    let g = 32;
+    let groups = rows * cols / g;
+    let scale: Vec<f32> = r.vals(groups, 1.0).iter().map(|v| 0.02 + v.abs() * 0.03).collect();
+    let zero: Vec<f32> = (0..groups).map(|i| (7 + i % 3) as f32).collect();
+    Linear::Int(IntLinear::new(IntMatrix::new(PackedRows::from_codes(4, rows, cols, &codes(r, rows * cols, 4)), g, &scale, &zero), None))
+}
+
+fn cubic3(r: &mut Rng, rows: usize, cols: usize) -> Linear {
+    let g = 32;
+    let groups = rows * cols / g;
+    let s: Vec<f32> = r.vals(groups, 1.0).iter().map(|v| 0.05 + v.abs() * 0.05).collect();
+    let a = r.vals(groups, 0.3);
+    Linear::Cubic(AnyCubic::new(PackedRows::from_codes(3, rows, cols, &codes(r, rows * cols, 3)), g, &s, &a))
+}
+
+fn mxfp4(r: &mut Rng, rows: usize, cols: usize) -> Linear {
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| r.next() as u8).collect();
+    let scales: Vec<u8> = (0..rows * cols / 32).map(|i| 120 + (i % 3) as u8).collect();
+    Linear::Mxfp4(Mxfp4Matrix::new(rows, cols, &packed, &scales))
+}
+
+fn tiny_llama(tied: bool, w: Weights, seed: u64) -> LlamaModel {
+    let mut r = Rng(seed);
+    let cfg = cfg(tied);
+    let norm = |r: &mut Rng| Tensor::owned(vec![D], r.vals(D, 0.3).iter().map(|v| 1.0 + v).collect());
+    let layers = (0..LAYERS)
+        .map(|_| {
+            let lin = |r: &mut Rng, rows, cols, packed: fn(&mut Rng, usize, usize) -> Linear| if w == Weights::Packed { packed(r, rows, cols) } else { dense(r, rows, cols) };
+            Layer {
+                attn_norm: norm(&mut r),
+                q: lin(&mut r, HEADS * HD, D, int4),
+                k: lin(&mut r, KV_HEADS * HD, D, int4),
+                v: lin(&mut r, KV_HEADS * HD, D, int4),
+                o: lin(&mut r, D, HEADS * HD, int4),
+                ffn_norm: norm(&mut r),
+                gate: lin(&mut r, INTER, D, cubic3),
+                up: lin(&mut r, INTER, D, cubic3),
+                down: lin(&mut r, D, INTER, mxfp4),
+            }
+        })
+        .collect();
+    let embed = Tensor::owned(vec![VOCAB, D], r.vals(VOCAB * D, 1.0));
+    let lm_head = (!tied).then(|| dense(&mut r, VOCAB, D));
+    LlamaModel {
+        rope: Rope::new(HD, cfg.rope_theta),
+        cfg,
+        tp: TpRank::SINGLE,
+        heads: HEADS,
+        kv_heads: KV_HEADS,
+        vocab: 0..VOCAB,
+        embed,
+        layers,
+        norm: Tensor::owned(vec![D], vec![1.0; D]),
+        lm_head,
+    }
+}
+
+/// The paged addressing a device model reads; it never asks for host K/V rows.
+struct Tables {
+    tables: Vec<Vec<u32>>,
+    copies: Vec<BlockCopy>,
+}
+
+impl KvCache for Tables {
+    fn write(&mut self, _: usize, _: usize, _: usize, _: &[f32], _: &[f32]) {
+        unreachable!("a device model keeps K/V in its own pool")
+    }
+    fn key(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
+        unreachable!("a device model keeps K/V in its own pool")
+    }
+    fn value(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
+        unreachable!("a device model keeps K/V in its own pool")
+    }
+    fn paged_view(&self) -> Option<PagedView<'_>> {
+        Some(PagedView { block_size: BS, tables: &self.tables, copies: &self.copies })
+    }
+}
+
+/// One batch: (sequence, first position, tokens) chunks.
+type Step = Vec<(usize, usize, usize)>;
+
+/// Runs `steps` through both models and returns the worst logit error relative to the largest
+/// reference logit of its row.
+fn worst_error<R: Runtime>(gpu: Kernels<R>, tied: bool, w: Weights, storage: KvStorage) -> f32 {
+    let cpu = tiny_llama(tied, w, 7);
+    let dev = DeviceLlama::from_llama(&cpu, gpu).unwrap();
+    dev.allocate(BLOCKS, BS, storage).unwrap();
+    let mut rng = Rng(99);
+    // Sequence 3 forks sequence 0 after its 6-token prompt (same prompt), then decodes on its own.
+    let mut prompts: Vec<Vec<u32>> = (0..4).map(|_| (0..16).map(|_| rng.next() % VOCAB as u32).collect()).collect();
+    let shared: Vec<u32> = prompts[0][..6].to_vec();
+    prompts[3][..6].copy_from_slice(&shared);
+    // Scattered block ids, never shared except seq 3's full first block (a prefix hit).
+    let mut ids: Vec<u32> = (0..BLOCKS as u32).rev().collect();
+    for i in 0..ids.len() {
+        ids.swap(i, (i * 7 + 3) % BLOCKS);
+    }
+    let mut next = ids.into_iter();
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 4];
+    let steps: Vec<Step> = vec![
+        vec![(0, 0, 6), (1, 0, 3)],
+        vec![(1, 3, 4), (2, 0, 5), (0, 6, 1)],
+        // Seq 3 joins with seq 0's first 6 positions: block 0 shared, block 1 copied (2 slots).
+        vec![(3, 6, 1), (0, 7, 1), (2, 5, 8), (1, 7, 1)],
+        vec![(0, 8, 1), (1, 8, 1), (3, 7, 1), (2, 13, 0)],
+        vec![(3, 8, 1)],
+    ];
+    let mut host = ContiguousKvCache::new(LAYERS, KV_HEADS * HD, 4);
+    // The CPU reference computes seq 3's shared prefix itself (same tokens, same K/V).
+    let pre: Vec<BatchRow> = (0..6).map(|p| BatchRow { seq: 3, pos: p }).collect();
+    cpu.forward(&prompts[3][..6], &pre, &mut host, &[]);
+    let mut worst = 0.0f32;
+    for step in steps {
+        let mut copies = Vec::new();
+        let (mut tokens, mut rows, mut logit_rows) = (Vec::new(), Vec::new(), Vec::new());
+        for &(s, start, count) in &step {
+            if count == 0 {
+                continue;
+            }
+            if s == 3 && tables[3].is_empty() {
+                let shared = tables[0][0];
+                let copy = next.next().unwrap();
+                copies.push(BlockCopy { src: tables[0][1], dst: copy, slots: 6 % BS });
+                tables[3] = vec![shared, copy];
+            }
+            while tables[s].len() < (start + count).div_ceil(BS) {
+                tables[s].push(next.next().unwrap());
+            }
+            tokens.extend_from_slice(&prompts[s][start..start + count]);
+            rows.extend((start..start + count).map(|pos| BatchRow { seq: s, pos }));
+            logit_rows.push(rows.len() - 1);
+        }
+        let want = cpu.forward(&tokens, &rows, &mut host, &logit_rows);
+        let got = dev.try_forward(&tokens, &rows, &mut Tables { tables: tables.clone(), copies }, &logit_rows).unwrap();
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.chunks(VOCAB).zip(want.chunks(VOCAB)) {
+            let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+            let err = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale;
+            worst = worst.max(err);
+        }
+    }
+    worst
+}
+
+/// Dense weights: the only device-side rounding is the bf16 activations entering the GEMMs
+/// (2^-9 relative per element): about 1e-3 to 3e-3 of the largest logit here, bf16 K/V adds
+/// little. (Skipping the fork's block copy, for instance, gives 6e-2.)
+#[test]
+fn reference_runtime_matches_the_cpu_llama_dense_tied_and_untied() {
+    for tied in [true, false] {
+        for (storage, tol) in [(KvStorage::F32, 1e-2), (KvStorage::Bf16, 1e-2)] {
+            let e = worst_error(Kernels::new(RefRuntime), tied, Weights::Dense, storage);
+            eprintln!("dense tied={tied} {storage:?}: worst relative logit error {e:.2e}");
+            assert!(e < tol, "tied={tied} {storage:?}: {e}");
+        }
+    }
+}
+
+/// Packed weights multiply f32 activations on both sides (only summation order differs); the
+/// output projection is a bf16 GEMM either way (dense lm_head, or the tied embedding), so its
+/// activation rounding bounds the error, plus FP8 K/V's 3 mantissa bits.
+#[test]
+fn reference_runtime_matches_the_cpu_llama_with_packed_weights_and_fp8_kv() {
+    let e = worst_error(Kernels::new(RefRuntime), false, Weights::Packed, KvStorage::F32);
+    eprintln!("packed f32 KV: {e:.2e}");
+    assert!(e < 1e-2, "{e}");
+    let e = worst_error(Kernels::new(RefRuntime), true, Weights::Packed, KvStorage::Fp8);
+    eprintln!("packed FP8 KV: {e:.2e}");
+    assert!(e < 0.15, "{e}");
+}
+
+#[test]
+fn a_contiguous_cache_or_a_missing_pool_is_an_error() {
+    let cpu = tiny_llama(true, Weights::Dense, 1);
+    let dev = DeviceLlama::from_llama(&cpu, Kernels::new(RefRuntime)).unwrap();
+    let mut host = ContiguousKvCache::new(LAYERS, KV_HEADS * HD, 1);
+    let row = [BatchRow { seq: 0, pos: 0 }];
+    let e = dev.try_forward(&[1], &row, &mut host, &[0]).unwrap_err();
+    assert!(e.to_string().contains("paged KV cache"), "{e}");
+    let e = dev.try_forward(&[1], &row, &mut Tables { tables: vec![vec![0]], copies: vec![] }, &[0]).unwrap_err();
+    assert!(e.to_string().contains("not allocated"), "{e}");
+    dev.allocate(4, BS, KvStorage::F32).unwrap();
+    assert!(dev.allocate(8, BS, KvStorage::F32).is_err(), "a second, different pool is refused");
+    let e = dev.try_forward(&[1], &row, &mut Tables { tables: vec![vec![9]], copies: vec![] }, &[0]).unwrap_err();
+    assert!(e.to_string().contains("outside the device pool"), "{e}");
+}
+
+/// The tiny bf16 checkpoint of tests/reference/tiny_llama (made with transformers).
+fn tiny_checkpoint() -> (crate::model::LoadedModel, serde_json::Value) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+    let reference = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    (crate::model::load(&dir).unwrap(), reference)
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Through `place_on_device`, every position's logits against transformers' (f32 compute from the
+/// same bf16 weights). The device path rounds GEMM activations to bf16, so the bound is that
+/// rounding's (about 2^-9 relative per input, accumulated over two layers), not the CPU's 2e-4.
+#[test]
+fn device_llama_matches_transformers_on_the_tiny_checkpoint() {
+    matches_transformers_on_the_tiny_checkpoint(Kernels::new(RefRuntime));
+}
+
+fn matches_transformers_on_the_tiny_checkpoint<R: Runtime + 'static>(gpu: Kernels<R>) {
+    let (m, reference) = tiny_checkpoint();
+    let m = super::place_on_device(m, gpu).unwrap();
+    let dev = m.model.device_kv().expect("a Llama is placed on the device");
+    dev.allocate(16, BS, KvStorage::F32).unwrap();
+    let vocab = m.config().vocab_size;
+    let mut worst = 0.0f32;
+    for (c, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let toks = ids(&case["ids"]);
+        let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+        let all: Vec<usize> = (0..toks.len()).collect();
+        // Each case in its own blocks (4 cases x at most 4 blocks of 4).
+        let table: Vec<u32> = (0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 4 + b).collect();
+        let got = m.model.try_forward(&toks, &rows, &mut Tables { tables: vec![table], copies: vec![] }, &all).unwrap();
+        for (p, want) in case["logits"].as_array().unwrap().iter().enumerate() {
+            for (v, w) in want.as_array().unwrap().iter().enumerate() {
+                worst = worst.max((got[p * vocab + v] - w.as_f64().unwrap() as f32).abs());
+            }
+        }
+    }
+    eprintln!("tiny checkpoint, device forward vs transformers: max |logit difference| {worst:.2e}");
+    assert!(worst < 2e-2, "{worst}");
+}
+
+/// The engine serving through the device path: K/V only in the device pool (the host pool holds
+/// none), greedy continuations equal to transformers'.
+#[test]
+fn engine_serves_the_device_model_with_kv_in_the_device_pool() {
+    engine_serves_with_kv_in_the_device_pool(Kernels::new(RefRuntime));
+}
+
+fn engine_serves_with_kv_in_the_device_pool<R: Runtime + 'static>(gpu: Kernels<R>) {
+    use crate::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
+    use crate::sampling::SamplingParams;
+    let (m, reference) = tiny_checkpoint();
+    let m = std::sync::Arc::new(super::place_on_device(m, gpu).unwrap());
+    let cfg = EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, max_num_batched_tokens: 7, ..Default::default() };
+    let mut core = EngineCore::try_new(m, cfg).unwrap();
+    assert!(core.pool().is_external(), "no host K/V for a device model");
+    let mut rxs = Vec::new();
+    for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        // n = 2 on the first case: the second choice forks the prompt's blocks, copying the
+        // partial last one on the device (copy-on-write through the paged view).
+        let n = if i == 0 { 2 } else { 1 };
+        let req = EngineRequest { prompt_ids: ids(&case["ids"]), sampling: SamplingParams::greedy(), max_tokens: 12, ignore_eos: true, n, ..Default::default() };
+        core.add_request(i as u64 + 1, req, tx).unwrap();
+        rxs.push((rx, ids(&case["greedy_ids"])));
+    }
+    while core.step() {}
+    for (mut rx, want) in rxs {
+        let mut got: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                EngineEvent::Token { index, token, .. } => got.entry(index).or_default().push(token),
+                EngineEvent::Error(e) => panic!("engine error: {e}"),
+                _ => {}
+            }
+        }
+        for (index, toks) in got {
+            assert_eq!(toks, want, "greedy continuation {index} through the device path");
+        }
+    }
+    assert_eq!(core.pool().unreferenced(), core.pool().num_blocks(), "every block released");
+}
+
+/// A model whose forward fails (as a device error would).
+struct Failing(crate::model::config::ModelConfig);
+
+impl LanguageModel for Failing {
+    fn config(&self) -> &crate::model::config::ModelConfig {
+        &self.0
+    }
+    fn cache_layout(&self) -> crate::model::kv::CacheLayout {
+        crate::model::kv::CacheLayout::uniform(self.0.num_layers(), crate::model::kv::LayerKvShape::heads(self.0.num_kv_heads, self.0.head_dim))
+    }
+    fn forward(&self, _: &[u32], _: &[BatchRow], _: &mut dyn KvCache, _: &[usize]) -> Vec<f32> {
+        unreachable!("the engine calls try_forward")
+    }
+    fn try_forward(&self, _: &[u32], _: &[BatchRow], _: &mut dyn KvCache, _: &[usize]) -> Result<Vec<f32>, crate::model::ForwardError> {
+        Err(crate::model::ForwardError::Invalid("injected device failure".into()))
+    }
+}
+
+/// A failing forward fails the batch's requests with the reason and frees their blocks; the
+/// engine keeps running.
+#[test]
+fn a_failed_forward_fails_the_requests_not_the_engine() {
+    use crate::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
+    let (m, _) = tiny_checkpoint();
+    let m = std::sync::Arc::new(crate::model::LoadedModel { model: Box::new(Failing(m.config().clone())), ..m });
+    let mut core = EngineCore::try_new(m, EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, ..Default::default() }).unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    core.add_request(1, EngineRequest { prompt_ids: vec![1, 5, 9], max_tokens: 4, ..Default::default() }, tx).unwrap();
+    while core.step() {}
+    match rx.try_recv() {
+        Ok(EngineEvent::Error(e)) => assert!(e.contains("forward pass failed") && e.contains("injected device failure"), "{e}"),
+        other => panic!("expected an error event, got {other:?}"),
+    }
+    assert_eq!(core.stats().forward_errors_total, 1);
+    assert!(!core.has_work());
+    assert_eq!(core.pool().unreferenced(), core.pool().num_blocks());
+}
+
+/// The same checks on the CPU simulator, which runs the real `.cu` sources (kernels/sim): the
+/// device forward's kernels, launch geometry and composition as a GPU would run them.
+mod sim {
+    use super::*;
+    use kernels::sim::SimGpu;
+
+    fn sim(test: &str) -> Option<SimGpu> {
+        match SimGpu::sim() {
+            Ok(g) => Some(g),
+            Err(e) if std::env::var_os("WASMSERVE_REQUIRE_SIM").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
+            Err(e) => {
+                eprintln!("SKIPPED {test}: {e}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn matches_the_cpu_llama_dense_packed_and_every_kv_storage() {
+        let cases = [
+            (true, Weights::Dense, KvStorage::F32, 1e-2),
+            (false, Weights::Dense, KvStorage::Bf16, 1e-2),
+            (false, Weights::Packed, KvStorage::F32, 1e-2),
+            (true, Weights::Packed, KvStorage::Fp8, 0.15),
+        ];
+        for (tied, w, storage, tol) in cases {
+            let Some(g) = sim("sim::matches_the_cpu_llama") else { return };
+            let e = worst_error(g, tied, w, storage);
+            eprintln!("sim: tied={tied} {w:?} {storage:?}: worst relative logit error {e:.2e}");
+            assert!(e < tol, "tied={tied} {w:?} {storage:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn matches_transformers_on_the_tiny_checkpoint() {
+        if let Some(g) = sim("sim::matches_transformers_on_the_tiny_checkpoint") {
+            super::matches_transformers_on_the_tiny_checkpoint(g);
+        }
+    }
+
+    #[test]
+    fn engine_serves_with_kv_in_the_device_pool() {
+        if let Some(g) = sim("sim::engine_serves_with_kv_in_the_device_pool") {
+            super::engine_serves_with_kv_in_the_device_pool(g);
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! Uploading a loaded Llama's weights to a device, once, in the formats the device kernels
+//! multiply: dense weights as bf16 (cuBLAS-style `gemm_bf16`), pack-quantized INT, Cubic and
+//! MXFP4 kept packed (their GEMV kernels).
+//!
+//! Precision: dense weights are narrowed f32 -> bf16. The default checkpoints are bf16, so for
+//! them this is exact (the loader widened bf16 to f32); an f32 checkpoint loses the low mantissa
+//! bits, which is what any bf16 serving engine does. Activations entering the bf16 GEMM are
+//! rounded to bf16 as well (as transformers in bf16 does); everything else (norms, RoPE,
+//! attention, residual) stays f32.
+
+use kernels::cpu::bitpack::PackedRows;
+use kernels::gpu::{DevGrouped, DevMxfp4, Kernels, Runtime};
+
+use crate::model::linear::Linear;
+use crate::model::ForwardError;
+
+/// One linear layer's weight on the device.
+pub enum DevLinear<R: Runtime> {
+    Bf16 { w: R::Buf<u16>, rows: usize, cols: usize },
+    Int(DevGrouped<R>),
+    Cubic(DevGrouped<R>),
+    Mxfp4(DevMxfp4<R>),
+}
+
+/// Host-side parts of a weight in one device format, possibly several layers' rows stacked (the
+/// fused gate+up projection that `silu_mul` reads as `[tokens, 2 · intermediate]`).
+enum Parts {
+    Bf16 { rows: usize, cols: usize, data: Vec<u16> },
+    Grouped { cubic: bool, bits: u32, rows: usize, cols: usize, stride: usize, bytes: Vec<u8>, group_size: usize, p0: Vec<f32>, p1: Vec<f32> },
+    Mxfp4 { rows: usize, cols: usize, packed: Vec<u8>, scales: Vec<u8> },
+}
+
+fn grouped(cubic: bool, packed: &PackedRows, group_size: usize, params: &[[f32; 2]]) -> Parts {
+    Parts::Grouped {
+        cubic,
+        bits: packed.bits(),
+        rows: packed.rows(),
+        cols: packed.cols(),
+        stride: packed.stride(),
+        bytes: packed.bytes().to_vec(),
+        group_size,
+        p0: params.iter().map(|p| p[0]).collect(),
+        p1: params.iter().map(|p| p[1]).collect(),
+    }
+}
+
+fn parts(name: &str, l: &Linear) -> Result<Parts, ForwardError> {
+    Ok(match l {
+        Linear::Dense(t) => Parts::Bf16 { rows: t.shape[0], cols: t.shape[1], data: kernels::cpu::gather::narrow_bf16(t.as_slice()) },
+        Linear::Int(q) => {
+            if q.perm.is_some() {
+                // The device GEMV reads input features in order; act-order checkpoints would need
+                // a gather of x per layer first.
+                return Err(ForwardError::Invalid(format!("{name}: activation-ordered (g_idx) INT weights are not supported by the device forward yet")));
+            }
+            let (p, g, params) = q.w.parts();
+            grouped(false, p, g, params)
+        }
+        Linear::Cubic(c) => {
+            let (p, g, params) = c.parts();
+            grouped(true, p, g, params)
+        }
+        Linear::Mxfp4(m) => {
+            let (packed, scales) = m.parts();
+            Parts::Mxfp4 { rows: m.rows(), cols: m.cols(), packed: packed.to_vec(), scales: scales.to_vec() }
+        }
+    })
+}
+
+/// `a`'s rows then `b`'s, when both are in the same format and layout.
+fn stack(name: &str, a: Parts, b: Parts) -> Result<Parts, ForwardError> {
+    let mismatch = || ForwardError::Invalid(format!("{name}: gate and up projections are stored in different formats or layouts; the device forward fuses them"));
+    Ok(match (a, b) {
+        (Parts::Bf16 { rows, cols, mut data }, Parts::Bf16 { rows: r2, cols: c2, data: d2 }) if cols == c2 => {
+            data.extend(d2);
+            Parts::Bf16 { rows: rows + r2, cols, data }
+        }
+        (
+            Parts::Grouped { cubic, bits, rows, cols, stride, mut bytes, group_size, mut p0, mut p1 },
+            Parts::Grouped { cubic: c2, bits: b2, rows: r2, cols: k2, stride: s2, bytes: y2, group_size: g2, p0: q0, p1: q1 },
+        ) if cubic == c2 && bits == b2 && cols == k2 && stride == s2 && group_size == g2 => {
+            bytes.extend(y2);
+            p0.extend(q0);
+            p1.extend(q1);
+            Parts::Grouped { cubic, bits, rows: rows + r2, cols, stride, bytes, group_size, p0, p1 }
+        }
+        (Parts::Mxfp4 { rows, cols, mut packed, mut scales }, Parts::Mxfp4 { rows: r2, cols: c2, packed: p2, scales: s2 }) if cols == c2 => {
+            packed.extend(p2);
+            scales.extend(s2);
+            Parts::Mxfp4 { rows: rows + r2, cols, packed, scales }
+        }
+        _ => return Err(mismatch()),
+    })
+}
+
+fn upload<R: Runtime>(gpu: &Kernels<R>, p: Parts) -> Result<DevLinear<R>, ForwardError> {
+    Ok(match p {
+        Parts::Bf16 { rows, cols, data } => DevLinear::Bf16 { w: gpu.upload(&data)?, rows, cols },
+        Parts::Grouped { cubic, bits, rows, cols, stride, bytes, group_size, p0, p1 } => {
+            let g = gpu.upload_grouped(gpu.upload_packed(bits, rows, cols, stride, &bytes)?, group_size, &p0, &p1)?;
+            if cubic { DevLinear::Cubic(g) } else { DevLinear::Int(g) }
+        }
+        Parts::Mxfp4 { rows, cols, packed, scales } => DevLinear::Mxfp4(gpu.upload_mxfp4(rows, cols, &packed, &scales)?),
+    })
+}
+
+impl<R: Runtime> DevLinear<R> {
+    pub fn upload(gpu: &Kernels<R>, name: &str, l: &Linear) -> Result<Self, ForwardError> {
+        upload(gpu, parts(name, l)?)
+    }
+
+    /// `a` and `b` stacked by rows into one weight (one GEMM for both).
+    pub fn upload_stacked(gpu: &Kernels<R>, name: &str, a: &Linear, b: &Linear) -> Result<Self, ForwardError> {
+        upload(gpu, stack(name, parts(name, a)?, parts(name, b)?)?)
+    }
+
+    /// `out[n, rows] = x[n, cols] · Wᵀ`; `xb` is scratch for the bf16 copy of `x` (at least
+    /// `n · cols`), used by dense weights only.
+    pub fn forward(&self, gpu: &Kernels<R>, x: &R::Buf<f32>, xb: &mut R::Buf<u16>, out: &mut R::Buf<f32>, n: usize) -> Result<(), ForwardError> {
+        match self {
+            DevLinear::Bf16 { w, rows, cols } => {
+                gpu.narrow_bf16(x, xb, n * cols)?;
+                gpu.gemm_bf16(xb, w, out, n, *cols, *rows)?
+            }
+            DevLinear::Int(g) => gpu.int_gemv(g, x, out, n)?,
+            DevLinear::Cubic(g) => gpu.cubic_gemv(g, x, out, n)?,
+            DevLinear::Mxfp4(m) => gpu.mxfp4_gemv(m, x, out, n)?,
+        }
+        Ok(())
+    }
+}
