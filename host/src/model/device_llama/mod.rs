@@ -15,6 +15,7 @@ mod tests;
 
 use std::sync::Mutex;
 
+use kernels::gpu::kernels::GemmScratch;
 use kernels::gpu::kv_pool::{DeviceKvPool, KvStorage};
 use kernels::gpu::{Kernels, Runtime};
 
@@ -46,6 +47,10 @@ struct DeviceState<R: Runtime> {
     lm_head: Option<DevLinear<R>>,
     inv_freq: R::Buf<f32>,
     pool: Option<DeviceKvPool<R>>,
+    /// The GEMMs' scratch: `weight` is the prefill path's bf16 copy of one quantized weight, sized
+    /// for the largest (one element for a dense model) and allocated once; `x`, the bf16
+    /// activations, is sized per step.
+    scratch: GemmScratch<R>,
 }
 
 /// One whole model on one device (no tensor-parallel shard), so its heads are the config's.
@@ -95,7 +100,9 @@ impl<R: Runtime> DeviceLlama<R> {
         gpu.synchronize()?;
         let describe = gpu.describe();
         tracing::info!(device = %describe, layers = layers.len(), tied = lm_head.is_none(), "Llama weights uploaded to the device");
-        let state = DeviceState { gpu, embed, layers, norm, lm_head, inv_freq, pool: None };
+        let largest = layers.iter().flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate_up, &l.down]).chain(lm_head.as_ref()).map(DevLinear::dequant_elements).max().unwrap_or(0);
+        let scratch = gpu.gemm_scratch(largest, 1)?;
+        let state = DeviceState { gpu, embed, layers, norm, lm_head, inv_freq, pool: None, scratch };
         Ok(Self { cfg, describe, state: Mutex::new(state) })
     }
 
@@ -171,7 +178,7 @@ impl<R: Runtime> DeviceState<R> {
     fn forward(&mut self, cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], kv: &dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
         let (heads, kv_heads) = (cfg.num_heads, cfg.num_kv_heads);
         let view = kv.paged_view().ok_or_else(|| invalid("the device forward needs the engine's paged KV cache (its K/V live in the device pool); contiguous caches are not supported".into()))?;
-        let Self { gpu, embed, layers, norm, lm_head, inv_freq, pool } = self;
+        let Self { gpu, embed, layers, norm, lm_head, inv_freq, pool, scratch } = self;
         let pool = pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
         if pool.block_size != view.block_size {
             return Err(invalid(format!("block size {} in the batch, {} in the device pool", view.block_size, pool.block_size)));
@@ -196,7 +203,7 @@ impl<R: Runtime> DeviceState<R> {
         let mut delta = gpu.zeros::<f32>(n * d)?;
         let mut gate_up = gpu.zeros::<f32>(n * 2 * inter)?;
         let mut act = gpu.zeros::<f32>(n * inter)?;
-        let mut xb = gpu.zeros::<u16>(n * d.max(qw).max(inter))?;
+        scratch.x = gpu.zeros::<u16>(n * d.max(qw).max(inter))?;
         let scale = 1.0 / (hd as f32).sqrt();
 
         gpu.gather_rows_bf16(embed, &ids, &mut hidden, n, d)?;
@@ -204,20 +211,20 @@ impl<R: Runtime> DeviceState<R> {
         gpu.rms_norm(&hidden, &first.attn_norm, &mut normed, n, eps)?;
         let last = layers.len() - 1;
         for (li, l) in layers.iter().enumerate() {
-            l.q.forward(gpu, &normed, &mut xb, &mut q, n)?;
-            l.k.forward(gpu, &normed, &mut xb, &mut k, n)?;
-            l.v.forward(gpu, &normed, &mut xb, &mut v, n)?;
+            l.q.forward(gpu, &normed, scratch, &mut q, n)?;
+            l.k.forward(gpu, &normed, scratch, &mut k, n)?;
+            l.v.forward(gpu, &normed, scratch, &mut v, n)?;
             gpu.rope(&mut q, &positions, inv_freq, n, heads, hd)?;
             gpu.rope(&mut k, &positions, inv_freq, n, kv_heads, hd)?;
             // Every row's K/V first, then attention: a prefill row reads the rows before it
             // in this same batch.
             pool.write_rows(gpu, li, &k, &v, &slots, n)?;
             pool.attention(gpu, li, heads, inp.max_blocks, &q, &tables, &lens, scale, &mut attn)?;
-            l.o.forward(gpu, &attn, &mut xb, &mut delta, n)?;
+            l.o.forward(gpu, &attn, scratch, &mut delta, n)?;
             gpu.add_rms_norm(&mut hidden, &delta, &l.ffn_norm, &mut normed, n, eps)?;
-            l.gate_up.forward(gpu, &normed, &mut xb, &mut gate_up, n)?;
+            l.gate_up.forward(gpu, &normed, scratch, &mut gate_up, n)?;
             gpu.silu_mul(&gate_up, &mut act, n, inter)?;
-            l.down.forward(gpu, &act, &mut xb, &mut delta, n)?;
+            l.down.forward(gpu, &act, scratch, &mut delta, n)?;
             if li < last {
                 gpu.add_rms_norm(&mut hidden, &delta, &layers[li + 1].attn_norm, &mut normed, n, eps)?;
             }
@@ -236,12 +243,11 @@ impl<R: Runtime> DeviceState<R> {
         gpu.add_rms_norm(&mut hm, &dm, norm, &mut ym, m, eps)?;
         let vocab = cfg.vocab_size;
         let mut logits = gpu.zeros::<f32>(m * vocab)?;
-        let mut yb = gpu.zeros::<u16>(m * d)?;
         match lm_head {
-            Some(h) => h.forward(gpu, &ym, &mut yb, &mut logits, m)?,
+            Some(h) => h.forward(gpu, &ym, scratch, &mut logits, m)?,
             None => {
-                gpu.narrow_bf16(&ym, &mut yb, m * d)?;
-                gpu.gemm_bf16(&yb, embed, &mut logits, m, d, vocab)?;
+                gpu.narrow_bf16(&ym, &mut scratch.x, m * d)?;
+                gpu.gemm_bf16(&scratch.x, embed, &mut logits, m, d, vocab)?;
             }
         }
         let mut out = gpu.download(&logits)?;

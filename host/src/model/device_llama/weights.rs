@@ -1,6 +1,7 @@
 //! Uploading a loaded Llama's weights to a device, once, in the formats the device kernels
 //! multiply: dense weights as bf16 (cuBLAS-style `gemm_bf16`), pack-quantized INT, Cubic and
-//! MXFP4 kept packed (their GEMV kernels).
+//! MXFP4 kept packed: their GEMV kernels for decode-sized batches, dequantise + bf16 GEMM above
+//! `kernels::gpu::kernels::GEMM_MIN_TOKENS` tokens (`Kernels::matmul_quant`).
 //!
 //! Precision: dense weights are narrowed f32 -> bf16. The default checkpoints are bf16, so for
 //! them this is exact (the loader widened bf16 to f32); an f32 checkpoint loses the low mantissa
@@ -9,6 +10,7 @@
 //! attention, residual) stays f32.
 
 use kernels::cpu::bitpack::PackedRows;
+use kernels::gpu::kernels::{GemmScratch, QuantWeight};
 use kernels::gpu::{DevGrouped, DevMxfp4, Kernels, Runtime};
 
 use crate::model::linear::Linear;
@@ -114,18 +116,32 @@ impl<R: Runtime> DevLinear<R> {
         upload(gpu, stack(name, parts(name, a)?, parts(name, b)?)?)
     }
 
-    /// `out[n, rows] = x[n, cols] · Wᵀ`; `xb` is scratch for the bf16 copy of `x` (at least
-    /// `n · cols`), used by dense weights only.
-    pub fn forward(&self, gpu: &Kernels<R>, x: &R::Buf<f32>, xb: &mut R::Buf<u16>, out: &mut R::Buf<f32>, n: usize) -> Result<(), ForwardError> {
+    /// Elements of the bf16 copy the prefill GEMM dequantises this weight into (0 for dense
+    /// weights, which are bf16 already).
+    pub fn dequant_elements(&self) -> usize {
         match self {
-            DevLinear::Bf16 { w, rows, cols } => {
-                gpu.narrow_bf16(x, xb, n * cols)?;
-                gpu.gemm_bf16(xb, w, out, n, *cols, *rows)?
-            }
-            DevLinear::Int(g) => gpu.int_gemv(g, x, out, n)?,
-            DevLinear::Cubic(g) => gpu.cubic_gemv(g, x, out, n)?,
-            DevLinear::Mxfp4(m) => gpu.mxfp4_gemv(m, x, out, n)?,
+            DevLinear::Bf16 { .. } => 0,
+            DevLinear::Int(g) | DevLinear::Cubic(g) => g.packed.rows * g.packed.cols,
+            DevLinear::Mxfp4(m) => m.rows * m.cols,
         }
+    }
+
+    /// `out[n, rows] = x[n, cols] · Wᵀ`. `scratch.x` holds the bf16 copy of `x` (at least
+    /// `n · cols`) for dense weights and the prefill GEMM; `scratch.weight` the dequantised
+    /// weight (at least [`Self::dequant_elements`]) when `n` is above the GEMV range.
+    pub fn forward(&self, gpu: &Kernels<R>, x: &R::Buf<f32>, scratch: &mut GemmScratch<R>, out: &mut R::Buf<f32>, n: usize) -> Result<(), ForwardError> {
+        let quant = match self {
+            DevLinear::Bf16 { w, rows, cols } => {
+                gpu.narrow_bf16(x, &mut scratch.x, n * cols)?;
+                gpu.gemm_bf16(&scratch.x, w, out, n, *cols, *rows)?;
+                return Ok(());
+            }
+            DevLinear::Int(g) => QuantWeight::Int(g),
+            DevLinear::Cubic(g) => QuantWeight::Cubic(g),
+            DevLinear::Mxfp4(m) => QuantWeight::Mxfp4(m),
+        };
+        let path = gpu.matmul_quant(quant, x, out, n, scratch)?;
+        tracing::trace!(n, ?path, "quantized matmul");
         Ok(())
     }
 }
