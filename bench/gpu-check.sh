@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The prepared check for a machine with one NVIDIA GPU (issue #9). Under 8 minutes on an H100/H200
 # with the release target prebuilt; prints every figure on its own line (grep for "FIGURE").
-#   1. builds with the `cuda` feature (the default) and the GPU benchmark example;
+# Two ways to get the binaries: `cargo` here (a GPU machine with a Rust toolchain), or the bundle
+# bench/gpu-bundle builds on the dev machine (.gpu-bundle/, or $WASMSERVE_GPU_BUNDLE), for a GPU
+# machine with neither a toolchain nor a network. Without the real model (no network), the model
+# steps use a random-weight checkpoint of SmolLM2-135M's shapes that bench/make_random_smollm2.py
+# writes with transformers, and compare our device forward with transformers' logits on it.
+#   1. builds with the `cuda` feature (the default) and the GPU benchmark example (or unpacks them);
 #   2. runs every GPU-vs-CPU kernel comparison with WASMSERVE_REQUIRE_GPU=1 (a missing or unusable
 #      GPU fails instead of skipping) and the NVRTC compile tests;
 #   3. opens cuda:0 through the server's --device path with the SmolLM2 checkpoints (bf16 and
@@ -22,7 +27,8 @@ log() { echo "== $*" >&2; }
 figure() { echo "FIGURE $*"; }
 step() { # step <seconds> <command...>: a hung step fails the script instead of eating the budget
   local limit="$1"; shift
-  timeout --kill-after=10 "$limit" "$@"
+  # Through bash so that the t_* functions below (exported) can be steps too.
+  timeout --kill-after=10 "$limit" bash -c '"$@"' step "$@"
 }
 start=$(date +%s)
 
@@ -46,34 +52,79 @@ echo "NVRTC from: ${nvrtc_dir:-ldconfig or .venv-nvrtc}" >&2
 for d in $(python3 -c 'import site,glob;print(" ".join(glob.glob(site.getsitepackages()[0]+"/nvidia/*/lib")))' 2>/dev/null || true); do
   export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
 done
+# cudarc (built against CUDA 12.8) asks for libnvrtc.so / libcublas.so unversioned or with major
+# version 12; a CUDA 13 install may only ship libX.so.13: link the unversioned names to what is there.
+shim=/tmp/wasmserve-cuda-libs; mkdir -p "$shim"
+for lib in nvrtc cublas cublasLt nccl; do
+  if ! ldconfig -p 2>/dev/null | grep -q "lib$lib\.so "; then
+    for d in $(echo "${LD_LIBRARY_PATH:-}" | tr ':' ' ') /usr/local/cuda/lib64; do
+      f=$(ls "$d"/lib$lib.so.* 2>/dev/null | head -1 || true)
+      [ -n "$f" ] && { ln -sf "$f" "$shim/lib$lib.so"; break; }
+    done
+  fi
+done
+export LD_LIBRARY_PATH="$shim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export WASMSERVE_REQUIRE_NVRTC=1 WASMSERVE_REQUIRE_GPU=1
 
-log "build (release, feature cuda)"
-step 300 cargo build --release -p wasmserve --bin wasmserve
-step 240 cargo build --release -p kernels --example gpu_bench --tests
+bundle="${WASMSERVE_GPU_BUNDLE:-$root/.gpu-bundle}"
+if [ -e "$bundle/bin.tar.gz" ]; then
+  log "binaries from the bundle ($bundle, built from commit $(cut -c1-12 "$bundle/commit"))"
+  bin=/tmp/wasmserve-gpu-bin; rm -rf "$bin"; mkdir -p "$bin"
+  tar -xzf "$bundle/bin.tar.gz" -C "$bin" --strip-components=1
+  wasmserve="$bin/wasmserve"; gpu_bench="$bin/gpu_bench"
+  t_kernels_lib() { "$bin/kernels-lib" "$@"; }
+  t_cuda_vs_cpu() { "$bin/cuda_vs_cpu" "$@"; }
+  t_wasmserve_lib() { "$bin/wasmserve-lib" "$@"; }
+  t_device_smollm2() { "$bin/device_smollm2" "$@"; }
+else
+  log "build (release, feature cuda)"
+  step 300 cargo build --release -p wasmserve --bin wasmserve
+  step 240 cargo build --release -p kernels --example gpu_bench --tests
+  bin="$CARGO_TARGET_DIR/release"; wasmserve="$bin/wasmserve"; gpu_bench="$CARGO_TARGET_DIR/release/examples/gpu_bench"
+  t_kernels_lib() { cargo test --release -p kernels --lib -- "$@"; }
+  t_cuda_vs_cpu() { cargo test --release -p kernels --test cuda_vs_cpu -- "$@"; }
+  t_wasmserve_lib() { cargo test --release -p wasmserve --lib -- "$@"; }
+  t_device_smollm2() { cargo test --release -p wasmserve --test device_smollm2 -- "$@"; }
+fi
+export bin
+export -f t_kernels_lib t_cuda_vs_cpu t_wasmserve_lib t_device_smollm2
 
 log "NVRTC compile + GPU-vs-CPU kernel comparisons"
-step 120 cargo test --release -p kernels --lib cuda:: -- --nocapture
-step 180 cargo test --release -p kernels --test cuda_vs_cpu -- cuda:: --nocapture --test-threads=1 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-kernels.log"
-grep -E "max error|identical draws" "$CARGO_TARGET_DIR/gpu-check-kernels.log" | sed 's/^/FIGURE kernel /' || true
-step 120 cargo test --release -p wasmserve --lib backend -- --nocapture
+step 120 t_kernels_lib cuda:: --nocapture
+step 180 t_cuda_vs_cpu cuda:: --nocapture --test-threads=1 2>&1 | tee /tmp/gpu-check-kernels.log
+grep -E "max error|identical draws" /tmp/gpu-check-kernels.log | sed 's/^/FIGURE kernel /' || true
+step 120 t_wasmserve_lib backend --nocapture
 
 log "GPU figures"
-step 180 "$CARGO_TARGET_DIR/release/examples/gpu_bench" | tee "$CARGO_TARGET_DIR/gpu-check-bench.log"
-sed 's/^/FIGURE /' "$CARGO_TARGET_DIR/gpu-check-bench.log"
+step 180 "$gpu_bench" | tee /tmp/gpu-check-bench.log
+sed 's/^/FIGURE /' /tmp/gpu-check-bench.log
 
-log "SmolLM2 device forward vs transformers (CUDA)"
-step 240 cargo test --release -p wasmserve --test device_smollm2 cuda -- --nocapture --test-threads=1 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-device-llama.log"
-grep -E "max \|logit|tokens agree|through the engine|prefilled" "$CARGO_TARGET_DIR/gpu-check-device-llama.log" | sed 's/^/FIGURE device-llama /' || true
+# The models: the real SmolLM2 when it is here (or can be fetched), and always the random-weight
+# one of its shapes (bf16, and INT4 made from it by our quantizer), with transformers' logits.
+models=()
+if [ -e models/SmolLM2-135M-Instruct.Q4_1.gguf ] || timeout 120 scripts/fetch-default-model >/dev/null 2>&1; then
+  log "SmolLM2 device forward vs transformers (CUDA)"
+  step 240 t_device_smollm2 cuda --nocapture --test-threads=1 2>&1 | tee /tmp/gpu-check-device-llama.log
+  grep -E "max \|logit|tokens agree|through the engine|prefilled" /tmp/gpu-check-device-llama.log | sed 's/^/FIGURE device-llama /' || true
+  models+=(models/SmolLM2-135M-Instruct.Q4_1.gguf)
+else
+  echo "the real SmolLM2 is not here and cannot be fetched: random weights of its shapes only" >&2
+fi
+for m in "${WASMSERVE_BF16_MODEL:-models/SmolLM2-135M-Instruct-bf16}" "${WASMSERVE_INT4_MODEL:-models/SmolLM2-135M-Instruct-INT4}"; do
+  [ -e "$m" ] && models+=("$m")
+done
+random=/tmp/random-smollm2-135m
+log "random-weight SmolLM2-135M (transformers) and its INT4 quantization"
+step 180 python3 bench/make_random_smollm2.py "$random"
+step 180 "$wasmserve" quantize --input "$random" --output "$random-int4" --format int --bits 4 --group-size 128 >/dev/null
+WASMSERVE_RANDOM_SMOLLM2="$random" step 240 t_device_smollm2 random_smollm2 --nocapture --test-threads=1 2>&1 | tee /tmp/gpu-check-random.log
+grep -E "worst relative logit error" /tmp/gpu-check-random.log | sed 's/^/FIGURE device-llama /' || true
+models+=("$random" "$random-int4")
 
-log "SmolLM2 with --device cuda:0 (engine with the device forward)"
-# bf16 / INT4 checkpoints: pass their paths (e.g. made with bench/quant/gguf_to_hf.py and
-# `wasmserve quantize`); the default Q4_1 GGUF comes from scripts/fetch-default-model.
-[ -e models/SmolLM2-135M-Instruct.Q4_1.gguf ] || step 120 scripts/fetch-default-model
-for m in "${WASMSERVE_BF16_MODEL:-models/SmolLM2-135M-Instruct-bf16}" "${WASMSERVE_INT4_MODEL:-models/SmolLM2-135M-Instruct-INT4}" models/SmolLM2-135M-Instruct.Q4_1.gguf; do
-  [ -e "$m" ] || { echo "skip $m (not present)"; continue; }
-  out=$(step 120 "$CARGO_TARGET_DIR/release/wasmserve" --device cuda:0 bench engine --model "$m" --concurrency 1,64 --steps 8 2>&1) || { echo "$out"; exit 1; }
-  echo "$out" | grep -E "compute device|CUDA kernels loaded" >&2 || true
+log "engine decode with --device cuda:0 (the device forward)"
+for m in "${models[@]}"; do
+  out=$(step 150 "$wasmserve" --device cuda:0 bench engine --model "$m" --concurrency 1,64 --steps 16 2>&1) || { echo "$out"; exit 1; }
+  echo "$out" | grep -E "compute device|CUDA kernels loaded|uploaded to the device" >&2 || true
   echo "$out" | grep -vE "^\s*$" | tail -n 4 | sed "s|^|FIGURE engine $(basename "$m") |"
 done
 figure "gpu-check wall time $(( $(date +%s) - start )) s"
