@@ -242,48 +242,39 @@ fn random_smollm2_on_the_cpu_matches_transformers() {
     assert_eq!(agree, total);
 }
 
+/// The device forward (`place_on_device` on `gpu`) against the random model's reference.
+fn random_smollm2_on_device<R: kernels::gpu::Runtime + 'static>(gpu: kernels::gpu::Kernels<R>, on: &str, dir: &std::path::Path, cases: &[common::ReferenceCase]) {
+    let m = wasmserve::model::load(dir).expect("loading the random SmolLM2");
+    let m = wasmserve::model::device_llama::place_on_device(m, gpu).unwrap_or_else(|e| panic!("placing it on the {on}: {e}"));
+    m.model.device_kv().expect("a device model").allocate(32, 16, kernels::gpu::kv_pool::KvStorage::F32).unwrap();
+    let (worst, agree, total) = random_smollm2_error(&m, cases, true);
+    eprintln!("random SmolLM2 on the {on}: worst relative logit error {worst:.2e}, greedy {agree}/{total}");
+    assert!(worst <= RANDOM_DEVICE_TOLERANCE, "{worst}");
+    assert!(agree * 10 >= total * 9, "{agree}/{total}");
+}
+
 #[cfg(feature = "cuda")]
 #[test]
 fn random_smollm2_on_cuda_matches_transformers() {
     let test = "random_smollm2_on_cuda_matches_transformers";
     let Some((dir, cases)) = random_smollm2(test) else { return };
     use kernels::cuda::nvrtc::PtxCache;
-    let gpu = match kernels::cuda::launch::Gpu::open(0, &PtxCache::new(PtxCache::default_dir())) {
-        Ok(g) => g,
+    match kernels::cuda::launch::Gpu::open(0, &PtxCache::new(PtxCache::default_dir())) {
+        Ok(g) => random_smollm2_on_device(g, "CUDA", &dir, &cases),
         Err(e) if required("WASMSERVE_REQUIRE_GPU") => panic!("{test}: {e}"),
-        Err(e) => {
-            eprintln!("SKIPPED {test}: no usable CUDA device: {e}");
-            return;
-        }
-    };
-    let m = wasmserve::model::load(&dir).expect("loading the random SmolLM2");
-    let m = wasmserve::model::device_llama::place_on_device(m, gpu).expect("placing it on CUDA device 0");
-    m.model.device_kv().expect("a device model").allocate(32, 16, kernels::gpu::kv_pool::KvStorage::F32).unwrap();
-    let (worst, agree, total) = random_smollm2_error(&m, &cases, true);
-    eprintln!("random SmolLM2 on CUDA: worst relative logit error {worst:.2e}, greedy {agree}/{total}");
-    assert!(worst <= RANDOM_DEVICE_TOLERANCE, "{worst}");
-    assert!(agree * 10 >= total * 9, "{agree}/{total}");
+        Err(e) => eprintln!("SKIPPED {test}: no usable CUDA device: {e}"),
+    }
 }
 
-/// The same on the simulator (slow: about a second per decode step), to check the device path on
-/// the full-size random model without a GPU.
+/// The same on the simulator (a few seconds here), to check the device path on the full-size
+/// random model without a GPU.
 #[test]
 fn random_smollm2_on_the_simulator_matches_transformers() {
     let test = "random_smollm2_on_the_simulator_matches_transformers";
     let Some((dir, cases)) = random_smollm2(test) else { return };
-    let gpu = match kernels::sim::SimGpu::sim() {
-        Ok(g) => g,
+    match kernels::sim::SimGpu::sim() {
+        Ok(g) => random_smollm2_on_device(g, "simulator", &dir, &cases),
         Err(e) if required("WASMSERVE_REQUIRE_SIM") => panic!("{test}: {e}"),
-        Err(e) => {
-            eprintln!("SKIPPED {test}: {e}");
-            return;
-        }
-    };
-    let m = wasmserve::model::load(&dir).expect("loading the random SmolLM2");
-    let m = wasmserve::model::device_llama::place_on_device(m, gpu).expect("placing it on the simulator");
-    m.model.device_kv().expect("a device model").allocate(32, 16, kernels::gpu::kv_pool::KvStorage::F32).unwrap();
-    let (worst, agree, total) = random_smollm2_error(&m, &cases, true);
-    eprintln!("random SmolLM2 on the simulator: worst relative logit error {worst:.2e}, greedy {agree}/{total}");
-    assert!(worst <= RANDOM_DEVICE_TOLERANCE, "{worst}");
-    assert!(agree * 10 >= total * 9, "{agree}/{total}");
+        Err(e) => eprintln!("SKIPPED {test}: {e}"),
+    }
 }

@@ -13,6 +13,9 @@ use kernels::gpu::{Kernels, Runtime};
 use kernels::sim::SimGpu;
 
 mod prefill_gemm;
+mod test_data;
+
+use test_data::{codes, lcg, uniform};
 
 fn required(var: &str) -> bool {
     std::env::var_os(var).is_some_and(|v| v == "1")
@@ -98,21 +101,6 @@ on_every_runtime!(
     kv_batch_writes_and_block_copies_match_cpu,
 );
 
-fn lcg(seed: u64) -> impl FnMut() -> u32 {
-    let mut s = seed;
-    move || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (s >> 33) as u32
-    }
-}
-fn uniform(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut r = lcg(seed);
-    (0..n).map(|_| lo + (hi - lo) * (r() % 100_000) as f32 / 100_000.0).collect()
-}
-fn codes(n: usize, bits: u32, seed: u64) -> Vec<u8> {
-    let mut r = lcg(seed);
-    (0..n).map(|_| (r() % (1 << bits)) as u8).collect()
-}
 /// Relative max error of `got` against `want`, scaled by the largest reference magnitude.
 fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert_eq!(got.len(), want.len(), "{what}: length");

@@ -11,23 +11,9 @@
 use kernels::cpu;
 use kernels::cpu::bitpack::PackedRows;
 use kernels::cpu::dequant::DequantizeRows;
+use super::test_data::{codes, uniform};
 use kernels::gpu::{DevGrouped, Kernels, MatmulPath, QuantWeight, Runtime, GEMM_MIN_TOKENS};
 
-fn lcg(seed: u64) -> impl FnMut() -> u32 {
-    let mut s = seed;
-    move || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (s >> 33) as u32
-    }
-}
-fn uniform(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut r = lcg(seed);
-    (0..n).map(|_| lo + (hi - lo) * (r() % 100_000) as f32 / 100_000.0).collect()
-}
-fn codes(n: usize, bits: u32, seed: u64) -> Vec<u8> {
-    let mut r = lcg(seed);
-    (0..n).map(|_| (r() % (1 << bits)) as u8).collect()
-}
 
 /// Shapes with rows not a multiple of the GEMV's 4-row blocks and, for the group formats, cols
 /// not a multiple of the group (a partial last group): (bits, rows, cols, group size).
