@@ -103,6 +103,9 @@ pub struct GemmScratch<R: Runtime> {
     pub x: R::Buf<u16>,
 }
 
+/// `(offsets [num_experts + 1], order [assignments])` of [`Kernels::moe_group`], on the device.
+pub type ExpertGroups<R> = (<R as Runtime>::Buf<i32>, <R as Runtime>::Buf<i32>);
+
 /// A runtime with the kernel launch wrappers on top. Derefs to the runtime (its device info,
 /// stream, ...).
 pub struct Kernels<R: Runtime> {
@@ -160,7 +163,7 @@ impl<R: Runtime> Kernels<R> {
     }
 
     pub fn upload_mxfp4(&self, rows: usize, cols: usize, packed: &[u8], scales: &[u8]) -> Result<DevMxfp4<R>, CudaError> {
-        check(cols % 32 == 0 && packed.len() == rows * cols / 2 && scales.len() == rows * cols / 32, || format!("MXFP4 {rows}x{cols}: {} code bytes, {} scales", packed.len(), scales.len()))?;
+        check(cols.is_multiple_of(32) && packed.len() == rows * cols / 2 && scales.len() == rows * cols / 32, || format!("MXFP4 {rows}x{cols}: {} code bytes, {} scales", packed.len(), scales.len()))?;
         Ok(DevMxfp4 { packed: self.upload(packed)?, scales: self.upload(scales)?, rows, cols })
     }
 
@@ -178,7 +181,7 @@ impl<R: Runtime> Kernels<R> {
     pub fn int_gemv(&self, w: &DevGrouped<R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
         let p = &w.packed;
         Self::check_gemv(p.rows, p.cols, x, out, n)?;
-        let fast = p.bits == 4 && p.stride % 4 == 0 && w.group_size % 8 == 0;
+        let fast = p.bits == 4 && p.stride.is_multiple_of(4) && w.group_size.is_multiple_of(8);
         let mut args = vec![A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&w.p0), A::F32s(&w.p1), A::F32s(x), A::F32s(out), A::I32(p.rows as i32), A::I32(p.cols as i32)];
         if !fast {
             args.push(A::I32(p.bits as i32));
@@ -327,7 +330,7 @@ impl<R: Runtime> Kernels<R> {
 
     fn attn_check(g: &PagedGeometry, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, out: &R::Buf<f32>) -> Result<usize, CudaError> {
         let seqs = lens.len();
-        check(g.head_dim <= 256 && g.kv_heads > 0 && g.heads % g.kv_heads == 0, || format!("attention: {} heads over {} kv heads of {}", g.heads, g.kv_heads, g.head_dim))?;
+        check(g.head_dim <= 256 && g.kv_heads > 0 && g.heads.is_multiple_of(g.kv_heads), || format!("attention: {} heads over {} kv heads of {}", g.heads, g.kv_heads, g.head_dim))?;
         check(q.len() >= seqs * g.heads * g.head_dim && out.len() >= seqs * g.heads * g.head_dim && tables.len() >= seqs * g.max_blocks, || "attention: buffer sizes".into())?;
         Ok(seqs)
     }
@@ -373,7 +376,7 @@ impl<R: Runtime> Kernels<R> {
 
     /// Groups `experts` (assignment → expert id, all in range: the router guarantees it) by expert;
     /// returns `(offsets [num_experts + 1], order [assignments])` on the device.
-    pub fn moe_group(&self, experts: &R::Buf<i32>, num_experts: usize) -> Result<(R::Buf<i32>, R::Buf<i32>), CudaError> {
+    pub fn moe_group(&self, experts: &R::Buf<i32>, num_experts: usize) -> Result<ExpertGroups<R>, CudaError> {
         let a = experts.len();
         let counts = self.zeros::<i32>(num_experts)?;
         let offsets = self.zeros::<i32>(num_experts + 1)?;
