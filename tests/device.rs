@@ -97,3 +97,20 @@ fn serve_on_the_simulator_answers_like_the_cpu() {
     };
     assert_eq!(complete("sim"), complete("cpu"));
 }
+
+/// `bench engine` through the device forward (on the simulator): the engine is built with the
+/// device pool, and a model with a short context (the tiny checkpoint's 128 positions) gets
+/// prompts that fit it instead of a rejected request.
+#[test]
+fn bench_engine_runs_the_device_forward_within_the_models_context() {
+    if kernels::sim::SimGpu::sim().is_err() && std::env::var_os("WASMSERVE_REQUIRE_SIM").is_none() {
+        eprintln!("SKIPPED bench_engine_runs_the_device_forward_within_the_models_context: the simulator was not built");
+        return;
+    }
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+    let out = wasmserve(&["--device", "sim", "bench", "engine", "--model", model.to_str().unwrap(), "--concurrency", "1,2", "--steps", "2"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stderr.contains("K/V live in the device pool"), "{stderr}");
+    assert!(stdout.contains("| aggregate decode, 2 streams |") && stdout.contains("| TTFT 126-token prompt, cold |"), "{stdout}");
+}

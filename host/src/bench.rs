@@ -17,6 +17,8 @@ pub struct EngineBenchReport {
     pub prefill_tps: f64,
     pub ttft_cold_ms: f64,
     pub ttft_cached_ms: f64,
+    /// Length of the TTFT prompt (384 tokens, fewer for models with a shorter context).
+    pub ttft_prompt_tokens: usize,
 }
 
 fn prompt_tokens(m: &LoadedModel, seed: usize, approx_tokens: usize) -> Vec<u32> {
@@ -85,8 +87,10 @@ fn time_to_first_token(core: &mut EngineCore, prompt: Vec<u32>, salt: &str, id: 
     }
 }
 
-pub fn run_engine_bench(model: Arc<LoadedModel>, cfg: EngineConfig, concurrency: &[usize], decode_steps: usize) -> EngineBenchReport {
-    let mut core = EngineCore::new(model.clone(), cfg.clone());
+/// Fails (rather than panicking) when the engine cannot be built, e.g. a device model whose KV
+/// pool does not fit in device memory.
+pub fn run_engine_bench(model: Arc<LoadedModel>, cfg: EngineConfig, concurrency: &[usize], decode_steps: usize) -> Result<EngineBenchReport, String> {
+    let mut core = EngineCore::try_new(model.clone(), cfg.clone())?;
     eprintln!("bench: warm-up");
     decode_throughput(&mut core, &model, 2, 4, 0);
 
@@ -99,19 +103,22 @@ pub fn run_engine_bench(model: Arc<LoadedModel>, cfg: EngineConfig, concurrency:
     }
     let single = aggregate.iter().find(|(c, _)| *c == 1).map(|x| x.1).unwrap_or_else(|| decode_throughput(&mut core, &model, 1, decode_steps, 99));
 
+    // Prompts must leave room for a generated token within the model's context.
+    let room = model.config().max_position_embeddings.saturating_sub(2).max(1);
     eprint!("bench: prefill ... ");
-    let prompt = prompt_tokens(&model, 4242, 512);
+    let prompt = prompt_tokens(&model, 4242, 512.min(room));
     let n = prompt.len();
     let ms = time_to_first_token(&mut core, prompt, "prefill", 50_000);
     let prefill_tps = n as f64 / (ms / 1e3);
     eprintln!("{prefill_tps:.1} tok/s ({n} tokens)");
 
     eprint!("bench: time to first token, cold vs prefix-cache hit ... ");
-    let prompt = prompt_tokens(&model, 777, 384);
+    let prompt = prompt_tokens(&model, 777, 384.min(room));
+    let ttft_prompt_tokens = prompt.len();
     let cold = time_to_first_token(&mut core, prompt.clone(), "ttft", 60_000);
     let cached = time_to_first_token(&mut core, prompt, "ttft", 60_001);
     eprintln!("{cold:.1} ms vs {cached:.1} ms");
-    EngineBenchReport { single_stream_decode_tps: single, aggregate_decode_tps: aggregate, prefill_tps, ttft_cold_ms: cold, ttft_cached_ms: cached }
+    Ok(EngineBenchReport { single_stream_decode_tps: single, aggregate_decode_tps: aggregate, prefill_tps, ttft_cold_ms: cold, ttft_cached_ms: cached, ttft_prompt_tokens })
 }
 
 impl EngineBenchReport {
@@ -123,7 +130,8 @@ impl EngineBenchReport {
             println!("| aggregate decode, {c} streams | {tps:.1} tok/s ({:.1}x single) |", tps / self.single_stream_decode_tps);
         }
         println!("| prefill | {:.1} tok/s |", self.prefill_tps);
-        println!("| TTFT 384-token prompt, cold | {:.1} ms |", self.ttft_cold_ms);
-        println!("| TTFT 384-token prompt, prefix-cache hit | {:.1} ms |", self.ttft_cached_ms);
+        let n = self.ttft_prompt_tokens;
+        println!("| TTFT {n}-token prompt, cold | {:.1} ms |", self.ttft_cold_ms);
+        println!("| TTFT {n}-token prompt, prefix-cache hit | {:.1} ms |", self.ttft_cached_ms);
     }
 }

@@ -229,7 +229,7 @@ fn run_bench_engine(a: BenchEngineArgs, device: &wasmserve::backend::DeviceSpec)
         ..Default::default()
     };
     eprintln!("bench: dot kernel {}, {} threads", kernels::cpu::dot::dot_impl_name(), rayon::current_num_threads());
-    let report = wasmserve::bench::run_engine_bench(model, cfg, &a.concurrency, a.steps);
+    let report = wasmserve::bench::run_engine_bench(model, cfg, &a.concurrency, a.steps).map_err(anyhow::Error::msg)?;
     report.print();
     Ok(())
 }
