@@ -8,6 +8,16 @@ fn wasmserve(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_wasmserve")).args(args).env("RUST_LOG", "info").env_remove("WASMSERVE_DEVICE").output().expect("run wasmserve")
 }
 
+/// Whether the CUDA-kernel simulator was built; a test without it skips, saying so (unless
+/// `WASMSERVE_REQUIRE_SIM` is set, when the `--device sim` run itself must work).
+fn simulator_built(test: &str) -> bool {
+    let built = kernels::sim::SimGpu::sim().is_ok() || std::env::var_os("WASMSERVE_REQUIRE_SIM").is_some();
+    if !built {
+        eprintln!("SKIPPED {test}: the simulator was not built");
+    }
+    built
+}
+
 fn has_cuda_driver() -> bool {
     // SAFETY: dlopen of a system library by name.
     ["libcuda.so.1", "libcuda.so"].iter().any(|n| unsafe { libloading_probe(n) })
@@ -66,8 +76,7 @@ fn bad_device_strings_are_rejected_by_the_parser() {
 #[test]
 fn serve_on_the_simulator_answers_like_the_cpu() {
     use std::io::{Read, Write};
-    if kernels::sim::SimGpu::sim().is_err() && std::env::var_os("WASMSERVE_REQUIRE_SIM").is_none() {
-        eprintln!("SKIPPED serve_on_the_simulator_answers_like_the_cpu: the simulator was not built");
+    if !simulator_built("serve_on_the_simulator_answers_like_the_cpu") {
         return;
     }
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
@@ -103,8 +112,7 @@ fn serve_on_the_simulator_answers_like_the_cpu() {
 /// prompts that fit it instead of a rejected request.
 #[test]
 fn bench_engine_runs_the_device_forward_within_the_models_context() {
-    if kernels::sim::SimGpu::sim().is_err() && std::env::var_os("WASMSERVE_REQUIRE_SIM").is_none() {
-        eprintln!("SKIPPED bench_engine_runs_the_device_forward_within_the_models_context: the simulator was not built");
+    if !simulator_built("bench_engine_runs_the_device_forward_within_the_models_context") {
         return;
     }
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
