@@ -4,7 +4,7 @@
 //! cause for an explicit `cuda:N`, and a logged fallback for `auto`.
 
 use super::DeviceSpec;
-use crate::model::config::Architecture;
+use crate::model::device_llama::single_device_llama;
 use crate::model::LoadedModel;
 
 /// Moves `m` to the device `spec` names (unchanged for `cpu`).
@@ -18,12 +18,14 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, Str
         DeviceSpec::Auto => 0,
         DeviceSpec::Sim => return onto_sim(m),
     };
-    if m.model.as_llama().is_none() {
-        if m.model.config().architecture == Architecture::Llama {
-            return Err(format!("--device {spec}: a tensor-parallel Llama cannot run on one device; drop --tensor-parallel-size (or use --device cpu)"));
+    // Decided before a device is opened: a model without a device forward stays on the CPU.
+    match single_device_llama(&m).map(|l| l.is_some()) {
+        Err(e) => return Err(format!("--device {spec}: {e}")),
+        Ok(false) => {
+            tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
+            return Ok(m);
         }
-        tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
-        return Ok(m);
+        Ok(true) => {}
     }
     match onto_cuda(m, ordinal) {
         Placed::Moved(m) => {
@@ -41,8 +43,10 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, Str
 
 /// `--device sim` (development and tests): the device forward on the CUDA-kernel simulator.
 fn onto_sim(m: LoadedModel) -> Result<LoadedModel, String> {
-    if m.model.as_llama().is_none() {
-        return Err("--device sim: the simulator runs the single-device Llama forward only; this model has none".into());
+    match single_device_llama(&m).map(|l| l.is_some()) {
+        Err(e) => return Err(format!("--device sim: {e}")),
+        Ok(false) => return Err("--device sim: the simulator runs the single-device Llama forward only; this model has none".into()),
+        Ok(true) => {}
     }
     let gpu = kernels::sim::SimGpu::sim().map_err(|e| format!("--device sim: {e}"))?;
     tracing::warn!("--device sim: the model's forward runs on the CUDA-kernel simulator (a development/test device, far slower than --device cpu)");

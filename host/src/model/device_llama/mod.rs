@@ -301,15 +301,25 @@ impl<R: Runtime> DeviceKv for DeviceLlama<R> {
     }
 }
 
+/// The Llama `m` runs when it has a device forward: `Ok(None)` for architectures without one (they
+/// keep the CPU forward), an error for a tensor-parallel Llama (one device runs one whole model).
+/// Placement asks before opening a device; [`place_on_device`] asks again for its own callers.
+pub fn single_device_llama(m: &LoadedModel) -> Result<Option<&LlamaModel>, ForwardError> {
+    match m.model.as_llama() {
+        Some(l) => Ok(Some(l)),
+        None if m.model.config().architecture == super::config::Architecture::Llama => {
+            Err(invalid("a tensor-parallel Llama cannot run on one device; drop --tensor-parallel-size (or use --device cpu)".into()))
+        }
+        None => Ok(None),
+    }
+}
+
 /// Moves a loaded model onto `gpu` when it is a single-device Llama (the weights are uploaded,
 /// the host copy is dropped); other architectures keep the CPU forward, and a tensor-parallel
-/// load is refused (one device runs one whole model).
+/// load is refused (see [`single_device_llama`]).
 pub fn place_on_device<R: Runtime + 'static>(m: LoadedModel, gpu: Kernels<R>) -> Result<LoadedModel, ForwardError> {
-    let Some(llama) = m.model.as_llama() else {
-        if m.model.config().architecture == super::config::Architecture::Llama {
-            return Err(invalid("a tensor-parallel Llama cannot run on one device: drop --tensor-parallel-size with --device".into()));
-        }
-        tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: it runs on the CPU");
+    let Some(llama) = single_device_llama(&m)? else {
+        tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
         return Ok(m);
     };
     let dev = DeviceLlama::from_llama(llama, gpu)?;
