@@ -438,7 +438,9 @@ impl EngineCore {
                 // get their own try (a broken device keeps failing them, each with the reason).
                 tracing::error!(error = %e, rows = plan.len(), tokens = tokens.len(), "forward pass failed; failing the batch's requests");
                 self.stats.forward_errors_total += 1;
+                // A request's sequences (n > 1) need not be adjacent in the plan.
                 let mut ids: Vec<RequestId> = plan.iter().map(|&(i, _)| self.running[i].request).collect();
+                ids.sort_unstable();
                 ids.dedup();
                 for id in ids {
                     self.fail_request(id, &format!("the model's forward pass failed: {e}"));
