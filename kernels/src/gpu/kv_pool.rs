@@ -3,7 +3,6 @@
 //! scale per (slot, kv head). Allocated once, at start-up, for the whole pool.
 
 use super::{Kernels, PagedGeometry, Runtime};
-use crate::cpu::fp8::quantize_e4m3;
 use crate::cuda::CudaError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,35 +52,16 @@ impl<R: Runtime> DeviceKvPool<R> {
         self.kv_heads * self.head_dim
     }
 
-    /// Stores one position's keys and values (`kv_heads·head_dim` each) in `(block, slot)`,
-    /// narrowed on the host to the pool's storage type.
+    /// Stores one position's keys and values (`kv_heads·head_dim` each) in `(block, slot)`: a
+    /// one-row [`Self::write_rows`] (uploaded, then narrowed on the device like every other row).
     pub fn write(&mut self, gpu: &Kernels<R>, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) -> Result<(), CudaError> {
         let w = self.width();
         if layer >= self.layers.len() || block >= self.num_blocks || slot >= self.block_size || k.len() != w || v.len() != w {
             return Err(bad(format!("kv write: layer {layer} block {block} slot {slot} with {}/{} values (width {w})", k.len(), v.len())));
         }
-        let row = block * self.block_size + slot;
-        let (hd, kvh) = (self.head_dim, self.kv_heads);
-        match &mut self.layers[layer] {
-            Layer::F32 { k: dk, v: dv } => {
-                gpu.rt.write(dk, row * w, k)?;
-                gpu.rt.write(dv, row * w, v)?;
-            }
-            Layer::Bf16 { k: dk, v: dv } => {
-                let nb = |x: &[f32]| -> Vec<u16> { x.iter().map(|&f| half::bf16::from_f32(f).to_bits()).collect() };
-                gpu.rt.write(dk, row * w, &nb(k))?;
-                gpu.rt.write(dv, row * w, &nb(v))?;
-            }
-            Layer::Fp8 { k: dk, v: dv, ks, vs } => {
-                for (src, dst, sc) in [(k, dk, ks), (v, dv, vs)] {
-                    let mut codes = vec![0u8; w];
-                    let scales: Vec<f32> = (0..kvh).map(|h| quantize_e4m3(&src[h * hd..(h + 1) * hd], &mut codes[h * hd..(h + 1) * hd])).collect();
-                    gpu.rt.write(dst, row * w, &codes)?;
-                    gpu.rt.write(sc, row * kvh, &scales)?;
-                }
-            }
-        }
-        Ok(())
+        let row = (block * self.block_size + slot) as i32;
+        let (dk, dv, ds) = (gpu.upload(k)?, gpu.upload(v)?, gpu.upload(&[row])?);
+        self.write_rows(gpu, layer, &dk, &dv, &ds, 1)
     }
 
     /// Stores `n` rows of keys and values (`width()` each, f32 on the device) of `layer` at pool
