@@ -80,10 +80,10 @@ fn serve_on_the_simulator_answers_like_the_cpu() {
         return;
     }
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
-    let complete = |device: &str| -> String {
+    let complete = |device: &str, tp: &str| -> String {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let mut child = Command::new(env!("CARGO_BIN_EXE_wasmserve"))
-            .args(["--device", device, "serve", "--model", model.to_str().unwrap(), "--port", &port.to_string(), "--kv-cache-memory", "4MiB"])
+            .args(["--device", device, "serve", "--model", model.to_str().unwrap(), "--port", &port.to_string(), "--kv-cache-memory", "4MiB", "--tensor-parallel-size", tp])
             .env_remove("WASMSERVE_DEVICE")
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -104,7 +104,10 @@ fn serve_on_the_simulator_answers_like_the_cpu() {
         let v: serde_json::Value = serde_json::from_str(json.trim()).unwrap_or_else(|e| panic!("--device {device}: {e}: {json:?}"));
         v["choices"][0]["text"].as_str().unwrap_or_else(|| panic!("--device {device}: {v}")).to_string()
     };
-    assert_eq!(complete("sim"), complete("cpu"));
+    let cpu = complete("cpu", "1");
+    assert_eq!(complete("sim", "1"), cpu);
+    // Two simulated devices, one tensor-parallel rank each.
+    assert_eq!(complete("sim", "2"), cpu);
 }
 
 /// `bench engine` through the device forward (on the simulator): the engine is built with the

@@ -15,8 +15,8 @@ use wasmserve::sampling::SamplingParams;
 #[derive(Parser)]
 #[command(name = "wasmserve", version, about = "LLM inference server with Wasm component plugins")]
 struct Cli {
-    /// Compute device: `cpu`, `cuda:0[,1..]` or `auto` (CUDA device 0 if usable, else the CPU,
-    /// saying why). An unusable explicit CUDA device is an error (docs/cuda.md). `sim` runs the
+    /// Compute device: `cpu`, `cuda:0[,1..]` (one device per tensor-parallel rank) or `auto`
+    /// (CUDA device 0 if usable, else the CPU, saying why). An unusable explicit CUDA device is an error (docs/cuda.md). `sim` runs the
     /// device forward on the CUDA-kernel simulator: for development and tests only (slow).
     #[arg(long, global = true, env = "WASMSERVE_DEVICE", default_value = "cpu", value_parser = wasmserve::backend::DeviceSpec::parse)]
     device: wasmserve::backend::DeviceSpec,
@@ -74,7 +74,8 @@ struct ModelArgs {
     /// A .gguf file or a Hugging Face model directory.
     #[arg(long, env = "WASMSERVE_MODEL", default_value = wasmserve::DEFAULT_MODEL_PATH)]
     model: PathBuf,
-    /// Tensor-parallel ranks (simulated devices) to split the model over.
+    /// Tensor-parallel ranks to split the model over: one GPU each with `--device cuda:0,1,..`
+    /// (a Llama, NCCL between them), else simulated devices (threads).
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
     /// Expert-parallel ranks (simulated devices) to split the routed experts over (DeepSeek-V3).

@@ -1,24 +1,29 @@
-//! `mesh::Collective` over NCCL (cudarc, dlopen-ed libnccl) for TP/EP across the GPUs of one node:
-//! one communicator per device from `ncclCommInitAll`, each rank driven from its own thread like
-//! `LocalCollective`'s ranks.
+//! NCCL (cudarc, dlopen-ed libnccl) across the GPUs of one node, two ways:
+//! - [`NcclDeviceGroup`]: the device forward's tensor-parallel all-reduce, on device buffers,
+//!   queued on each rank's own stream.
+//! - [`NcclCollective`]: `mesh::Collective` on host slices, for the CPU-resident sharded models
+//!   (one communicator per device from `ncclCommInitAll`, each rank driven from its own thread
+//!   like `LocalCollective`'s ranks). The trait moves host slices, so each call stages through
+//!   device memory (upload, collective on the rank's stream, synchronise, download). `abort`
+//!   marks this rank failed so later calls return `Aborted`; a peer already blocked inside NCCL
+//!   is released only by NCCL's own timeout (cudarc's `Comm` owns the handle `ncclCommAbort`
+//!   needs and calls it on drop).
 //!
-//! The trait moves host slices, so each call stages through device memory (upload, collective on
-//! the rank's stream, synchronise, download). That is correct and lets the sharded engine use
-//! NVLink today; once activations live on the device the same calls take device buffers directly.
 //! Sums follow NCCL's order (reproducible with `NCCL_ALGO=Ring` on a fixed topology; see
-//! docs/sharding.md). `abort` marks this rank failed so later calls return `Aborted`; a peer
-//! already blocked inside NCCL is released only by NCCL's own timeout (cudarc's `Comm` owns the
-//! handle `ncclCommAbort` needs and calls it on drop).
+//! docs/sharding.md).
 
 use std::any::TypeId;
 use std::sync::{Arc, Mutex};
 
-use kernels::cuda::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use kernels::cuda::cudarc::nccl::{group_end, group_start, Comm, NcclType, ReduceOp};
+use kernels::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use kernels::cuda::cudarc::nccl::{group_end, group_start, result as nccl_result, sys as nccl_sys, Comm, NcclType, ReduceOp};
+use kernels::cuda::launch::CudaRuntime;
 use kernels::cuda::nvrtc::guarded;
 use kernels::cuda::{device, CudaError};
 
 use crate::mesh::collective::{Collective, CollectiveError, Element, ReduceElement};
+use crate::mesh::device_collective::{DeviceCollective, DeviceGroup};
+use crate::model::ForwardError;
 
 pub struct NcclCollective {
     comm: Comm,
@@ -249,6 +254,136 @@ impl Collective for NcclCollective {
     fn abort(&self, reason: &str) {
         tracing::warn!(rank = self.rank(), reason, "NCCL collective aborted");
         *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_string());
+    }
+}
+
+/// NCCL between the device forward's tensor-parallel ranks, on their device buffers: one
+/// communicator per rank (`ncclCommInitAll`), each all-reduce queued on that rank's own runtime
+/// stream right after the kernels that produced its input: no host copy, no synchronisation.
+///
+/// The raw communicators are kept (not cudarc's `Comm`) because failing safely needs
+/// `ncclCommAbort` on every rank's communicator: when one rank fails mid-step, its peers' queued
+/// all-reduces would otherwise spin on the GPU forever and their threads would block in the next
+/// copy back. Aborting releases them (their step then fails too), after which the group refuses
+/// further steps: a communicator cannot be reused once aborted, so the server needs a restart.
+pub struct NcclDeviceGroup {
+    shared: Arc<NcclShared>,
+}
+
+struct NcclShared {
+    /// `None` once aborted. Enqueues hold the read lock (briefly: NCCL calls return once the
+    /// work is queued), `abort` the write lock, so no call uses a communicator being destroyed.
+    comms: std::sync::RwLock<Option<Vec<nccl_sys::ncclComm_t>>>,
+    /// Why the group was aborted.
+    failed: Mutex<Option<String>>,
+}
+
+// SAFETY: the communicator handles are only used under `comms`' lock (see there); NCCL allows a
+// communicator to be driven from any thread, one call at a time, which the per-rank use keeps.
+unsafe impl Send for NcclShared {}
+unsafe impl Sync for NcclShared {}
+
+impl NcclShared {
+    fn abort_all(&self, reason: &str) {
+        let mut comms = self.comms.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(handles) = comms.take() {
+            tracing::error!(reason, ranks = handles.len(), "aborting the tensor-parallel NCCL group");
+            *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_string());
+            for h in handles {
+                // SAFETY: each handle came from ncclCommInitAll and is aborted exactly once
+                // (taken out of the lock above); ncclCommAbort also frees it.
+                let _ = unsafe { nccl_result::comm_abort(h) };
+            }
+        }
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl Drop for NcclShared {
+    fn drop(&mut self) {
+        if let Some(handles) = self.comms.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            for h in handles {
+                // SAFETY: as in `abort_all`; nothing else holds the handles any more.
+                let _ = unsafe { nccl_result::comm_destroy(h) };
+            }
+        }
+    }
+}
+
+/// One rank's handle on an [`NcclDeviceGroup`].
+struct NcclDeviceRank {
+    rank: usize,
+    shared: Arc<NcclShared>,
+}
+
+impl NcclDeviceGroup {
+    /// One communicator per device of `gpus` (rank r = `gpus[r]`), bound to each runtime's stream.
+    pub fn over(gpus: &[kernels::cuda::launch::Gpu]) -> Result<Self, CudaError> {
+        nccl_available()?;
+        let ordinals: Vec<i32> = gpus.iter().map(|g| g.rt.ctx.ordinal() as i32).collect();
+        let mut handles = vec![std::ptr::null_mut(); gpus.len()];
+        // SAFETY: `handles` has one slot per device listed in `ordinals`.
+        guarded("ncclCommInitAll", || unsafe { nccl_result::comm_init_all(handles.as_mut_ptr(), ordinals.len() as i32, ordinals.as_ptr()) })?
+            .map_err(|e| CudaError::Driver { what: "ncclCommInitAll", msg: format!("{e:?}") })?;
+        tracing::info!(?ordinals, "NCCL group for the tensor-parallel device forward");
+        Ok(Self { shared: Arc::new(NcclShared { comms: std::sync::RwLock::new(Some(handles)), failed: Mutex::new(None) }) })
+    }
+}
+
+impl DeviceGroup<CudaRuntime> for NcclDeviceGroup {
+    fn world_size(&self) -> usize {
+        self.shared.comms.read().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, Vec::len)
+    }
+
+    fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<CudaRuntime>>>, ForwardError> {
+        if let Some(reason) = self.shared.failure() {
+            return Err(ForwardError::Invalid(format!("the tensor-parallel NCCL group was aborted after an earlier failure ({reason}); restart the server")));
+        }
+        let world = self.world_size();
+        Ok((0..world).map(|rank| Arc::new(NcclDeviceRank { rank, shared: self.shared.clone() }) as Arc<dyn DeviceCollective<CudaRuntime>>).collect())
+    }
+}
+
+impl DeviceCollective<CudaRuntime> for NcclDeviceRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.comms.read().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, Vec::len)
+    }
+
+    fn all_reduce_sum(&self, gpu: &kernels::cuda::launch::Gpu, buf: &mut CudaSlice<f32>, n: usize) -> Result<(), ForwardError> {
+        if n > buf.len() {
+            return Err(ForwardError::Invalid(format!("all_reduce_sum of {n} elements on a buffer of {}", buf.len())));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let comms = self.shared.comms.read().unwrap_or_else(|p| p.into_inner());
+        let Some(handles) = comms.as_ref() else {
+            return Err(CollectiveError::Aborted { reason: self.shared.failure().unwrap_or_default() }.into());
+        };
+        let stream = &gpu.rt.stream;
+        // NCCL does not bind the context itself, and this rank's thread may be a fresh one.
+        stream.context().bind_to_thread().map_err(|e| CudaError::Driver { what: "cuCtxSetCurrent", msg: format!("{e:?}") })?;
+        let (ptr, _sync) = buf.device_ptr_mut(stream);
+        // SAFETY: `ptr` is a live device buffer of at least `n` f32 on this rank's device, the
+        // handle is this rank's (kept alive by the read lock), and the stream is the one every
+        // kernel of this rank runs on, so the reduce is ordered after them.
+        let r = unsafe {
+            nccl_result::all_reduce(ptr as *const _, ptr as *mut _, n, nccl_sys::ncclDataType_t::ncclFloat32, nccl_sys::ncclRedOp_t::ncclSum, handles[self.rank], stream.cu_stream() as _)
+        };
+        r.map(|_| ()).map_err(|e| ForwardError::Device(CudaError::Driver { what: "ncclAllReduce", msg: format!("{e:?}") }))
+    }
+
+    /// Aborts every rank's communicator: peers spinning in an all-reduce this rank will never
+    /// join are released (see [`NcclDeviceGroup`]).
+    fn abort(&self, reason: &str) {
+        self.shared.abort_all(&format!("rank {}: {reason}", self.rank));
     }
 }
 

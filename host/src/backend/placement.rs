@@ -1,35 +1,43 @@
-//! Where the model's forward runs, from `--device`: the CPU model as loaded, or, for a CUDA
-//! device, a single-device Llama moved onto it (`model::device_llama`). Other architectures keep
-//! the CPU forward and the log says so; a device that cannot be opened is an error naming the
-//! cause for an explicit `cuda:N`, and a logged fallback for `auto`.
+//! Where the model's forward runs, from `--device`: the CPU model as loaded, or, for CUDA
+//! devices, a Llama moved onto them (`model::device_llama`), one device per tensor-parallel rank
+//! with NCCL between them. Other architectures keep the CPU forward and the log says so; a device
+//! that cannot be opened is an error naming the cause for an explicit `cuda:N`, and a logged
+//! fallback for `auto`.
 
 use super::DeviceSpec;
-use crate::model::device_llama::single_device_llama;
+use crate::mesh::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
+use crate::model::device_llama::{device_llama_ranks, place_on_devices};
 use crate::model::LoadedModel;
 
-/// Moves `m` to the device `spec` names (unchanged for `cpu`).
+/// Moves `m` to the device(s) `spec` names (unchanged for `cpu`): one device per tensor-parallel
+/// rank, so `--device cuda:0,1` goes with `--tensor-parallel-size 2`.
 pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, String> {
-    let ordinal = match spec {
-        DeviceSpec::Cpu => return Ok(m),
-        DeviceSpec::Cuda(ords) => match ords.as_slice() {
-            &[o] => o,
-            _ => return Err(format!("--device {spec}: the device forward runs a model on one device; several ordinals (one per parallel rank) are not implemented for it yet")),
-        },
-        DeviceSpec::Auto => 0,
-        DeviceSpec::Sim => return onto_sim(m),
-    };
-    // Decided before a device is opened: a model without a device forward stays on the CPU.
-    match single_device_llama(&m).map(|l| l.is_some()) {
-        Err(e) => return Err(format!("--device {spec}: {e}")),
-        Ok(false) => {
-            tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
-            return Ok(m);
-        }
-        Ok(true) => {}
+    if *spec == DeviceSpec::Cpu {
+        return Ok(m);
     }
-    match onto_cuda(m, ordinal) {
+    // Decided before a device is opened: a model without a device forward stays on the CPU.
+    let Some(ranks) = device_llama_ranks(&m).map(<[_]>::len) else {
+        if *spec == DeviceSpec::Sim {
+            return Err("--device sim: the simulator runs the Llama device forward only; this model has none".into());
+        }
+        tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
+        return Ok(m);
+    };
+    let ordinals: Vec<usize> = match spec {
+        DeviceSpec::Cpu => unreachable!("handled above"),
+        DeviceSpec::Sim => return onto_sim(m, ranks),
+        DeviceSpec::Cuda(ords) => ords.clone(),
+        DeviceSpec::Auto => (0..ranks).collect(),
+    };
+    if ordinals.len() != ranks {
+        return Err(format!(
+            "--device {spec} names {} device(s) but the model is loaded as {ranks} tensor-parallel rank(s): give one device per rank (e.g. --device cuda:0,1 --tensor-parallel-size 2)",
+            ordinals.len()
+        ));
+    }
+    match onto_cuda(m, &ordinals) {
         Placed::Moved(m) => {
-            tracing::info!(ordinal, "the model's forward runs on the CUDA device");
+            tracing::info!(?ordinals, "the model's forward runs on the CUDA device(s)");
             Ok(m)
         }
         Placed::Failed(e) => Err(format!("--device {spec}: {e}")),
@@ -37,20 +45,17 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, Str
             tracing::warn!("--device auto: no usable CUDA device ({e}); the model runs on the CPU");
             Ok(m)
         }
-        Placed::Unavailable(_, e) => Err(format!("--device {spec}: cannot use CUDA device {ordinal}: {e}. Use --device cpu (or auto, which falls back to the CPU).")),
+        Placed::Unavailable(_, e) => Err(format!("--device {spec}: cannot use CUDA device(s) {ordinals:?}: {e}. Use --device cpu (or auto, which falls back to the CPU).")),
     }
 }
 
-/// `--device sim` (development and tests): the device forward on the CUDA-kernel simulator.
-fn onto_sim(m: LoadedModel) -> Result<LoadedModel, String> {
-    match single_device_llama(&m).map(|l| l.is_some()) {
-        Err(e) => return Err(format!("--device sim: {e}")),
-        Ok(false) => return Err("--device sim: the simulator runs the single-device Llama forward only; this model has none".into()),
-        Ok(true) => {}
-    }
-    let gpu = kernels::sim::SimGpu::sim().map_err(|e| format!("--device sim: {e}"))?;
-    tracing::warn!("--device sim: the model's forward runs on the CUDA-kernel simulator (a development/test device, far slower than --device cpu)");
-    crate::model::device_llama::place_on_device(m, gpu).map_err(|e| format!("--device sim: {e}"))
+/// `--device sim` (development and tests): the device forward on the CUDA-kernel simulator, one
+/// simulated device per tensor-parallel rank, their all-reduces staged through the host.
+fn onto_sim(m: LoadedModel, ranks: usize) -> Result<LoadedModel, String> {
+    let gpus = (0..ranks).map(|_| kernels::sim::SimGpu::sim()).collect::<Result<Vec<_>, _>>().map_err(|e| format!("--device sim: {e}"))?;
+    let group: Box<dyn DeviceGroup<_>> = if ranks == 1 { Box::new(SoleRank) } else { Box::new(LocalDeviceGroup { world: ranks }) };
+    tracing::warn!(ranks, "--device sim: the model's forward runs on the CUDA-kernel simulator (a development/test device, far slower than --device cpu)");
+    place_on_devices(m, gpus, group).map_err(|e| format!("--device sim: {e}"))
 }
 
 // Without the `cuda` feature only `Unavailable` is ever built.
@@ -64,19 +69,61 @@ enum Placed {
 }
 
 #[cfg(feature = "cuda")]
-fn onto_cuda(m: LoadedModel, ordinal: usize) -> Placed {
+fn onto_cuda(m: LoadedModel, ordinals: &[usize]) -> Placed {
+    use kernels::cuda::launch::Gpu;
     use kernels::cuda::nvrtc::PtxCache;
-    match kernels::cuda::launch::Gpu::open(ordinal, &PtxCache::new(PtxCache::default_dir())) {
-        Ok(gpu) => match crate::model::device_llama::place_on_device(m, gpu) {
-            Ok(m) => Placed::Moved(m),
-            Err(e) => Placed::Failed(e.to_string()),
-        },
-        Err(e) => Placed::Unavailable(m, e.to_string()),
+    let cache = PtxCache::new(PtxCache::default_dir());
+    let gpus = match ordinals.iter().map(|&o| Gpu::open(o, &cache)).collect::<Result<Vec<_>, _>>() {
+        Ok(g) => g,
+        Err(e) => return Placed::Unavailable(m, e.to_string()),
+    };
+    let group: Box<dyn DeviceGroup<_>> = if gpus.len() == 1 {
+        Box::new(SoleRank)
+    } else {
+        match super::nccl::NcclDeviceGroup::over(&gpus) {
+            Ok(g) => Box::new(g),
+            Err(e) => return Placed::Unavailable(m, e.to_string()),
+        }
+    };
+    match place_on_devices(m, gpus, group) {
+        Ok(m) => Placed::Moved(m),
+        Err(e) => Placed::Failed(e.to_string()),
     }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn onto_cuda(m: LoadedModel, _ordinal: usize) -> Placed {
+fn onto_cuda(m: LoadedModel, _ordinals: &[usize]) -> Placed {
     Placed::Unavailable(m, kernels::cuda::CudaError::NotBuilt.to_string())
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny_tp(tp: usize) -> LoadedModel {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+        crate::model::load_tp(&dir, tp).unwrap()
+    }
+
+    /// One device per tensor-parallel rank: a count that does not match is refused before any
+    /// device is opened, naming both numbers and the fix.
+    #[test]
+    fn device_count_must_match_the_tensor_parallel_size() {
+        let e = place_model(tiny_tp(2), &DeviceSpec::Cuda(vec![0])).err().unwrap();
+        assert!(e.contains("names 1 device(s) but the model is loaded as 2 tensor-parallel rank(s)") && e.contains("--device cuda:0,1 --tensor-parallel-size 2"), "{e}");
+        let e = place_model(tiny_tp(1), &DeviceSpec::Cuda(vec![0, 1])).err().unwrap();
+        assert!(e.contains("names 2 device(s) but the model is loaded as 1"), "{e}");
+    }
+
+    /// `--device sim` with `--tensor-parallel-size 2`: two simulated devices.
+    #[test]
+    fn sim_places_one_simulated_device_per_rank() {
+        if kernels::sim::SimGpu::sim().is_err() && std::env::var_os("WASMSERVE_REQUIRE_SIM").is_none() {
+            eprintln!("SKIPPED sim_places_one_simulated_device_per_rank: the simulator was not built");
+            return;
+        }
+        let m = place_model(tiny_tp(2), &DeviceSpec::Sim).unwrap();
+        assert!(m.model.device_kv().is_some(), "the forward runs on the (simulated) devices");
+        assert_eq!(m.model.cache_layout().layers.len(), 4, "2 layers x 2 ranks");
+    }
+}

@@ -5,6 +5,7 @@
 //! Design notes: docs/sharding.md.
 
 pub mod collective;
+pub mod device_collective;
 pub mod ep;
 pub mod ep_model;
 mod group;

@@ -67,6 +67,10 @@ impl LanguageModel for TensorParallel {
         self.ranks[0].cache_layout()
     }
 
+    fn llama_ranks(&self) -> Option<&[LlamaModel]> {
+        Some(&self.ranks)
+    }
+
     /// The single-device forward contract with the work split over the ranks; `kv` must have
     /// [`Self::cache_layout`].
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {

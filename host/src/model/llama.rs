@@ -171,12 +171,14 @@ impl LanguageModel for LlamaModel {
         CacheLayout::uniform(self.cfg.num_layers() * self.tp.size, LayerKvShape::heads(self.kv_heads, self.cfg.head_dim))
     }
 
+    /// A rank of a tensor-parallel group is listed too: the device forward runs it with its peers.
+    fn llama_ranks(&self) -> Option<&[LlamaModel]> {
+        Some(std::slice::from_ref(self))
+    }
+
     /// Single-device forward. A rank of a larger group runs only through
     /// [`LlamaModel::forward_rank`] (the `mesh::TensorParallel` wrapper does that), since it
     /// needs its peers to produce anything.
-    fn as_llama(&self) -> Option<&LlamaModel> {
-        Some(self)
-    }
 
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         assert_eq!(self.tp.size, 1, "LlamaModel::forward on one tensor-parallel rank; use mesh::TensorParallel");

@@ -58,8 +58,9 @@ pub trait LanguageModel: Send + Sync {
         None
     }
 
-    /// The single-device Llama model behind this one, if it is one (to move it onto a device).
-    fn as_llama(&self) -> Option<&LlamaModel> {
+    /// The Llama ranks behind this model, if it is a Llama (to move it onto devices): one for a
+    /// whole model, one per tensor-parallel rank otherwise, in rank order.
+    fn llama_ranks(&self) -> Option<&[LlamaModel]> {
         None
     }
 

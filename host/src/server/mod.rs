@@ -74,8 +74,9 @@ pub struct ServeArgs {
     /// The model id clients use (default: the model file stem or directory name).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Tensor-parallel ranks (simulated devices, one thread each) the model is split over; heads
-    /// and KV heads must divide (KV heads may instead be a divisor of it, then replicated).
+    /// Tensor-parallel ranks the model is split over: one GPU each with `--device cuda:0,1,..`
+    /// (a Llama, NCCL between them), else simulated devices (one thread each). Heads and KV heads
+    /// must divide (KV heads may instead be a divisor of it, then replicated).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
     #[arg(long, default_value_t = 64)]

@@ -4,8 +4,14 @@
 //! blocks work unchanged: both pools use the same block ids). Per step only token ids,
 //! positions, slot mappings and block tables go up and only the logit rows come back.
 //!
-//! Built from a loaded single-device [`LlamaModel`]; numerically it is that model with dense
-//! weights in bf16 (see `weights`), so it is tested against it and against transformers.
+//! Built from a loaded [`LlamaModel`], or from the ranks of a tensor-parallel one
+//! (`mesh::TensorParallel`): then each rank is its own device holding its shard (its heads, its
+//! part of the MLP and of the vocabulary), the ranks run concurrently, one thread each, and meet
+//! in a device all-reduce ([`DeviceCollective`]: NCCL on CUDA) after the embedding and after
+//! every row-parallel projection, as the CPU `forward_rank` does. Each rank downloads its own
+//! vocabulary columns of the logits and the host stitches them (no gather between devices).
+//! Numerically it is the CPU model with dense weights in bf16 (see `weights`), so it is tested
+//! against it and against transformers.
 
 mod weights;
 #[cfg(test)]
@@ -13,16 +19,19 @@ mod ref_runtime;
 #[cfg(test)]
 mod tests;
 
-use std::sync::Mutex;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use kernels::gpu::kernels::GemmScratch;
 use kernels::gpu::kv_pool::{DeviceKvPool, KvStorage};
 use kernels::gpu::{Kernels, Runtime};
 
 use super::config::ModelConfig;
-use super::kv::{BatchRow, CacheLayout, KvCache, LayerKvShape};
-use super::llama::LlamaModel;
+use super::kv::{BatchRow, BlockCopy, CacheLayout, KvCache, LayerKvShape, PagedView};
+use super::llama::{LlamaModel, TpRank};
 use super::{DeviceKv, ForwardError, LanguageModel, LoadedModel};
+use crate::mesh::device_collective::{DeviceCollective, DeviceGroup, SoleRank};
+use crate::mesh::even_range;
 use weights::DevLinear;
 
 struct DevLayer<R: Runtime> {
@@ -37,10 +46,22 @@ struct DevLayer<R: Runtime> {
     down: DevLinear<R>,
 }
 
-/// Everything that lives on the device, behind one lock: launches go to one stream in order.
+/// Which part of the model one device holds (all of it for a single device).
+#[derive(Clone, Debug)]
+struct Shard {
+    heads: usize,
+    kv_heads: usize,
+    inter: usize,
+    vocab: Range<usize>,
+}
+
+/// Everything that lives on one device, behind one lock: launches go to one stream in order.
 struct DeviceState<R: Runtime> {
     gpu: Kernels<R>,
-    /// bf16 `[vocab, hidden]`: the embedding gather's table and, when tied, the output weight.
+    shard: Shard,
+    /// bf16 `[vocab rows, hidden]`: the embedding gather's table and, when tied, the output
+    /// weight. A tensor-parallel rank holds its vocabulary rows plus one zero row, which the
+    /// tokens other ranks hold gather, so the all-reduced sum is every token's embedding.
     embed: R::Buf<u16>,
     layers: Vec<DevLayer<R>>,
     norm: R::Buf<f32>,
@@ -53,30 +74,159 @@ struct DeviceState<R: Runtime> {
     scratch: GemmScratch<R>,
 }
 
-/// One whole model on one device (no tensor-parallel shard), so its heads are the config's.
+/// One device's state. Its buffers and runtime are only touched with the lock held, so one
+/// thread at a time drives that device.
+struct RankState<R: Runtime>(Mutex<DeviceState<R>>);
+
+// SAFETY: see `RankState`: the lock serialises every use of a device's runtime and buffers, and
+// nothing device-side is reachable except through it. (CUDA contexts may be driven from any
+// thread; cudarc binds the context before each call.)
+unsafe impl<R: Runtime> Send for RankState<R> {}
+unsafe impl<R: Runtime> Sync for RankState<R> {}
+
+impl<R: Runtime> RankState<R> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, DeviceState<R>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A Llama on one device, or split over several (one tensor-parallel rank per device).
 pub struct DeviceLlama<R: Runtime> {
     cfg: ModelConfig,
     describe: String,
-    state: Mutex<DeviceState<R>>,
+    ranks: Vec<RankState<R>>,
+    group: Box<dyn DeviceGroup<R>>,
 }
-
-// SAFETY: every device buffer and the runtime itself sit in `state` and are only touched with its
-// lock held, so one thread at a time drives the device; nothing device-side is shared outside.
-unsafe impl<R: Runtime> Send for DeviceLlama<R> {}
-unsafe impl<R: Runtime> Sync for DeviceLlama<R> {}
 
 fn invalid(msg: String) -> ForwardError {
     ForwardError::Invalid(msg)
 }
 
 impl<R: Runtime> DeviceLlama<R> {
-    /// Uploads `m`'s weights to `gpu`. Refuses a tensor-parallel shard (the device forward runs
-    /// one whole model on one device).
+    /// Uploads a whole (single-device) Llama's weights to `gpu`.
     pub fn from_llama(m: &LlamaModel, gpu: Kernels<R>) -> Result<Self, ForwardError> {
-        if m.tp.size != 1 {
-            return Err(invalid(format!("the device forward runs a whole model on one device; this Llama is tensor-parallel rank {} of {}", m.tp.rank, m.tp.size)));
+        Self::from_ranks(std::slice::from_ref(m), vec![gpu], Box::new(SoleRank))
+    }
+
+    /// Uploads tensor-parallel rank `r`'s weights (`ranks[r]`, loaded with
+    /// `LlamaModel::load_rank`) to `gpus[r]`; the ranks exchange partial sums through `group`.
+    pub fn from_ranks(ranks: &[LlamaModel], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<Self, ForwardError> {
+        let size = ranks.len();
+        if size == 0 || gpus.len() != size || group.world_size() != size {
+            return Err(invalid(format!("{size} tensor-parallel ranks, {} devices and a group of {}: one device per rank", gpus.len(), group.world_size())));
         }
-        let cfg = m.cfg.clone();
+        for (r, m) in ranks.iter().enumerate() {
+            if m.tp != (TpRank { rank: r, size }) {
+                return Err(invalid(format!("device {r} was given tensor-parallel rank {} of {} (expected rank {r} of {size})", m.tp.rank, m.tp.size)));
+            }
+        }
+        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DeviceState::upload(m, gpu).map(|s| RankState(Mutex::new(s)))).collect::<Result<Vec<_>, _>>()?;
+        let names: Vec<String> = states.iter().map(|s| s.lock().gpu.describe()).collect();
+        let describe = if size == 1 { names[0].clone() } else { format!("{size} tensor-parallel ranks on {}", names.join(", ")) };
+        Ok(Self { cfg: ranks[0].cfg.clone(), describe, ranks: states, group })
+    }
+
+    /// The device(s), as the runtime names them.
+    pub fn device(&self) -> &str {
+        &self.describe
+    }
+
+    pub fn tp_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Every rank's step, each on its own thread (rank 0 on the caller's), then the logits
+    /// stitched from the ranks' vocabulary columns. A rank that fails aborts the step's group so
+    /// its peers return instead of waiting in a collective; the first real error is returned.
+    fn forward_ranks(&self, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
+        let inp = self.checked_step(tokens, rows, view, logit_rows)?;
+        if let [only] = self.ranks.as_slice() {
+            return only.lock().forward(&self.cfg, view.copies, &inp, &SoleRank);
+        }
+        let comms = self.group.step_comms()?;
+        let run = |state: &RankState<R>, comm: &Arc<dyn DeviceCollective<R>>| {
+            let _guard = AbortOnPanic(comm.as_ref());
+            let out = state.lock().forward(&self.cfg, view.copies, &inp, comm.as_ref());
+            if let Err(e) = &out {
+                comm.abort(&e.to_string());
+            }
+            out
+        };
+        let parts: Vec<Result<Vec<f32>, ForwardError>> = std::thread::scope(|s| {
+            let peers: Vec<_> = self.ranks[1..]
+                .iter()
+                .zip(&comms[1..])
+                .enumerate()
+                .map(|(i, (state, comm))| {
+                    let run = &run;
+                    std::thread::Builder::new().name(format!("device-tp-rank-{}", i + 1)).spawn_scoped(s, move || run(state, comm))
+                })
+                .collect();
+            let mut parts = vec![run(&self.ranks[0], &comms[0])];
+            for (i, p) in peers.into_iter().enumerate() {
+                parts.push(match p {
+                    Ok(h) => h.join().unwrap_or_else(|_| Err(invalid(format!("tensor-parallel rank {} panicked in the forward pass", i + 1)))),
+                    Err(e) => Err(invalid(format!("cannot start the thread of tensor-parallel rank {}: {e}", i + 1))),
+                });
+            }
+            parts
+        });
+        // A rank's own failure, not the peers' "aborted" echo of it.
+        let aborted = |e: &ForwardError| e.to_string().contains("collective aborted");
+        if let Some(first) = parts.iter().position(|p| p.as_ref().is_err_and(|e| !aborted(e))) {
+            return Err(parts.into_iter().nth(first).and_then(Result::err).expect("an error at this rank"));
+        }
+        let parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
+        Ok(stitch_vocab(&parts, logit_rows.len(), self.cfg.vocab_size))
+    }
+}
+
+impl<R: Runtime> DeviceLlama<R> {
+    /// Everything about a step that can be wrong before a device is touched, checked once for
+    /// all ranks against the pool they share the geometry of: the batch (`step_inputs`) and the
+    /// copy-on-write copies.
+    fn checked_step(&self, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize]) -> Result<StepInputs, ForwardError> {
+        let (num_blocks, block_size) = match &self.ranks[0].lock().pool {
+            Some(p) => (p.num_blocks, p.block_size),
+            None => return Err(invalid("the device KV pool is not allocated (DeviceKv::allocate)".into())),
+        };
+        if block_size != view.block_size {
+            return Err(invalid(format!("block size {} in the batch, {block_size} in the device pool", view.block_size)));
+        }
+        if let Some(c) = view.copies.iter().find(|c| c.src as usize >= num_blocks || c.dst as usize >= num_blocks || c.slots > block_size) {
+            return Err(invalid(format!("block copy {} -> {} of {} slots outside the device pool of {num_blocks} blocks of {block_size}", c.src, c.dst, c.slots)));
+        }
+        step_inputs(&self.cfg, tokens, rows, block_size, view.tables, num_blocks, logit_rows)
+    }
+}
+
+/// Aborts a step's group when its rank's thread unwinds, so the others stop waiting for it.
+struct AbortOnPanic<'a, R: Runtime>(&'a dyn DeviceCollective<R>);
+
+impl<R: Runtime> Drop for AbortOnPanic<'_, R> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.abort("rank panicked");
+        }
+    }
+}
+
+/// Full `[m, vocab]` logits from rank `r`'s `[m, |even_range(vocab, ranks, r)|]` columns.
+fn stitch_vocab(parts: &[Vec<f32>], m: usize, vocab: usize) -> Vec<f32> {
+    let mut logits = vec![0.0f32; m * vocab];
+    for (r, part) in parts.iter().enumerate() {
+        let cols = even_range(vocab, parts.len(), r);
+        for (dst, src) in logits.chunks_exact_mut(vocab).zip(part.chunks_exact(cols.len().max(1))) {
+            dst[cols.clone()].copy_from_slice(src);
+        }
+    }
+    logits
+}
+
+impl<R: Runtime> DeviceState<R> {
+    /// Uploads one rank's weights (all of them for a single device).
+    fn upload(m: &LlamaModel, gpu: Kernels<R>) -> Result<Self, ForwardError> {
+        let cfg = &m.cfg;
         let d = cfg.hidden_size;
         let up = |t: &super::tensor::Tensor| gpu.upload(t.as_slice());
         let mut layers = Vec::with_capacity(m.layers.len());
@@ -93,26 +243,21 @@ impl<R: Runtime> DeviceLlama<R> {
                 down: DevLinear::upload(&gpu, &name("mlp.down_proj"), &l.down)?,
             });
         }
-        debug_assert_eq!(m.embed.len(), cfg.vocab_size * d);
-        let embed = gpu.upload(&kernels::cpu::gather::narrow_bf16(m.embed.as_slice()))?;
+        debug_assert_eq!(m.embed.len(), m.vocab.len() * d);
+        let mut table = kernels::cpu::gather::narrow_bf16(m.embed.as_slice());
+        if m.tp.size > 1 {
+            table.resize(table.len() + d, 0);
+        }
+        let embed = gpu.upload(&table)?;
         let lm_head = m.lm_head.as_ref().map(|h| DevLinear::upload(&gpu, "lm_head", h)).transpose()?;
         let (norm, inv_freq) = (up(&m.norm)?, gpu.upload(m.rope.inv_freq())?);
         gpu.synchronize()?;
-        let describe = gpu.describe();
-        tracing::info!(device = %describe, layers = layers.len(), tied = lm_head.is_none(), "Llama weights uploaded to the device");
+        let inter = m.layers.first().map_or(0, |l| l.gate.out_features());
+        tracing::info!(device = %gpu.describe(), tp_rank = m.tp.rank, tp_size = m.tp.size, layers = layers.len(), tied = lm_head.is_none(), "Llama weights uploaded to the device");
         let largest = layers.iter().flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate_up, &l.down]).chain(lm_head.as_ref()).map(DevLinear::dequant_elements).max().unwrap_or(0);
         let scratch = gpu.gemm_scratch(largest, 1)?;
-        let state = DeviceState { gpu, embed, layers, norm, lm_head, inv_freq, pool: None, scratch };
-        Ok(Self { cfg, describe, state: Mutex::new(state) })
-    }
-
-    /// The device, as the runtime names it.
-    pub fn device(&self) -> &str {
-        &self.describe
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, DeviceState<R>> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        let shard = Shard { heads: m.heads, kv_heads: m.kv_heads, inter, vocab: m.vocab.clone() };
+        Ok(DeviceState { gpu, shard, embed, layers, norm, lm_head, inv_freq, pool: None, scratch })
     }
 }
 
@@ -175,25 +320,28 @@ fn step_inputs(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], block_size:
 }
 
 impl<R: Runtime> DeviceState<R> {
-    fn forward(&mut self, cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], kv: &dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
-        let (heads, kv_heads) = (cfg.num_heads, cfg.num_kv_heads);
-        let view = kv.paged_view().ok_or_else(|| invalid("the device forward needs the engine's paged KV cache (its K/V live in the device pool); contiguous caches are not supported".into()))?;
-        let Self { gpu, embed, layers, norm, lm_head, inv_freq, pool, scratch } = self;
+    /// This device's part of one step: the whole forward on a single device; on a
+    /// tensor-parallel rank its heads and MLP slice, with `comm` summing the partial results, and
+    /// its vocabulary columns of the logits (`[logit rows, |vocab slice|]`).
+    #[allow(clippy::too_many_arguments)]
+    ///
+    /// `inp` and `copies` were checked against the pool by [`DeviceLlama::checked_step`], so on
+    /// a tensor-parallel rank an error here is a device's failure, never one rank disagreeing
+    /// with its peers about the batch.
+    fn forward(&mut self, cfg: &ModelConfig, copies: &[BlockCopy], inp: &StepInputs, comm: &dyn DeviceCollective<R>) -> Result<Vec<f32>, ForwardError> {
+        let Self { gpu, shard, embed, layers, norm, lm_head, inv_freq, pool, scratch } = self;
+        let (heads, kv_heads) = (shard.heads, shard.kv_heads);
         let pool = pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
-        if pool.block_size != view.block_size {
-            return Err(invalid(format!("block size {} in the batch, {} in the device pool", view.block_size, pool.block_size)));
-        }
-        for c in view.copies {
+        for c in copies {
             pool.copy_block(gpu, c.src as usize, c.dst as usize, c.slots)?;
         }
-        let n = tokens.len();
+        let n = inp.ids.len();
         if n == 0 {
             return Ok(Vec::new());
         }
-        let inp = step_inputs(cfg, tokens, rows, view.block_size, view.tables, pool.num_blocks, logit_rows)?;
         let (d, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
-        let (qw, kw, inter) = (heads * hd, kv_heads * hd, cfg.intermediate_size);
-        let (ids, positions, slots) = (gpu.upload(&inp.ids)?, gpu.upload(&inp.positions)?, gpu.upload(&inp.slots)?);
+        let (qw, kw, inter) = (heads * hd, kv_heads * hd, shard.inter);
+        let (ids, positions, slots) = (gpu.upload(&shard.embedding_rows(&inp.ids))?, gpu.upload(&inp.positions)?, gpu.upload(&inp.slots)?);
         let (tables, lens) = (gpu.upload(&inp.tables)?, gpu.upload(&inp.lens)?);
         // Activations for the whole pass, allocated once per step.
         let mut hidden = gpu.zeros::<f32>(n * d)?;
@@ -207,6 +355,7 @@ impl<R: Runtime> DeviceState<R> {
         let scale = 1.0 / (hd as f32).sqrt();
 
         gpu.gather_rows_bf16(embed, &ids, &mut hidden, n, d)?;
+        comm.all_reduce_sum(gpu, &mut hidden, n * d)?;
         let first = layers.first().ok_or_else(|| invalid("a model without layers".into()))?;
         gpu.rms_norm(&hidden, &first.attn_norm, &mut normed, n, eps)?;
         let last = layers.len() - 1;
@@ -221,10 +370,14 @@ impl<R: Runtime> DeviceState<R> {
             pool.write_rows(gpu, li, &k, &v, &slots, n)?;
             pool.attention(gpu, li, heads, inp.max_blocks, &q, &tables, &lens, scale, &mut attn)?;
             l.o.forward(gpu, &attn, scratch, &mut delta, n)?;
+            // Row-parallel projections: each rank's partial sum over its heads (its MLP slice
+            // below), then the sum over ranks.
+            comm.all_reduce_sum(gpu, &mut delta, n * d)?;
             gpu.add_rms_norm(&mut hidden, &delta, &l.ffn_norm, &mut normed, n, eps)?;
             l.gate_up.forward(gpu, &normed, scratch, &mut gate_up, n)?;
             gpu.silu_mul(&gate_up, &mut act, n, inter)?;
             l.down.forward(gpu, &act, scratch, &mut delta, n)?;
+            comm.all_reduce_sum(gpu, &mut delta, n * d)?;
             if li < last {
                 gpu.add_rms_norm(&mut hidden, &delta, &layers[li + 1].attn_norm, &mut normed, n, eps)?;
             }
@@ -241,7 +394,7 @@ impl<R: Runtime> DeviceState<R> {
         gpu.gather_rows_f32(&hidden, &picked, &mut hm, m, d)?;
         gpu.gather_rows_f32(&delta, &picked, &mut dm, m, d)?;
         gpu.add_rms_norm(&mut hm, &dm, norm, &mut ym, m, eps)?;
-        let vocab = cfg.vocab_size;
+        let vocab = shard.vocab.len();
         let mut logits = gpu.zeros::<f32>(m * vocab)?;
         match lm_head {
             Some(h) => h.forward(gpu, &ym, scratch, &mut logits, m)?,
@@ -256,13 +409,25 @@ impl<R: Runtime> DeviceState<R> {
     }
 }
 
+impl Shard {
+    /// Each token's row of this rank's embedding table: its own vocabulary rows first, then the
+    /// zero row for tokens another rank holds (a single device holds every token).
+    fn embedding_rows(&self, ids: &[i32]) -> Vec<i32> {
+        let zero_row = self.vocab.len() as i32;
+        ids.iter().map(|&t| if self.vocab.contains(&(t as usize)) { t - self.vocab.start as i32 } else { zero_row }).collect()
+    }
+}
+
 impl<R: Runtime> LanguageModel for DeviceLlama<R> {
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
+    /// One layer per (layer, rank) of the rank's KV width, as the CPU tensor-parallel model has:
+    /// the engine sizes its block budget from it, and each rank's device pool holds its part.
     fn cache_layout(&self) -> CacheLayout {
-        CacheLayout::uniform(self.cfg.num_layers(), LayerKvShape::heads(self.cfg.num_kv_heads, self.cfg.head_dim))
+        let kv_heads = self.ranks[0].lock().shard.kv_heads;
+        CacheLayout::uniform(self.cfg.num_layers() * self.tp_size(), LayerKvShape::heads(kv_heads, self.cfg.head_dim))
     }
 
     /// The infallible entry point has no way to report a device error; the engine calls
@@ -276,7 +441,8 @@ impl<R: Runtime> LanguageModel for DeviceLlama<R> {
     }
 
     fn try_forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
-        self.lock().forward(&self.cfg, tokens, rows, kv, logit_rows)
+        let view = kv.paged_view().ok_or_else(|| invalid("the device forward needs the engine's paged KV cache (its K/V live in the device pool); contiguous caches are not supported".into()))?;
+        self.forward_ranks(tokens, rows, &view, logit_rows)
     }
 
     fn device_kv(&self) -> Option<&dyn DeviceKv> {
@@ -285,44 +451,49 @@ impl<R: Runtime> LanguageModel for DeviceLlama<R> {
 }
 
 impl<R: Runtime> DeviceKv for DeviceLlama<R> {
+    /// The same blocks on every rank, each holding that rank's KV heads.
     fn allocate(&self, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
-        let mut st = self.lock();
-        if let Some(p) = &st.pool {
-            if (p.num_blocks, p.block_size, p.storage) == (num_blocks, block_size, storage) {
-                return Ok(());
+        for rank in &self.ranks {
+            let mut st = rank.lock();
+            if let Some(p) = &st.pool {
+                if (p.num_blocks, p.block_size, p.storage) == (num_blocks, block_size, storage) {
+                    continue;
+                }
+                return Err(invalid(format!("the device KV pool is already allocated ({} blocks of {}, {:?})", p.num_blocks, p.block_size, p.storage)));
             }
-            return Err(invalid(format!("the device KV pool is already allocated ({} blocks of {}, {:?})", p.num_blocks, p.block_size, p.storage)));
+            let pool = DeviceKvPool::new(&st.gpu, self.cfg.num_layers(), num_blocks, block_size, st.shard.kv_heads, self.cfg.head_dim, storage)?;
+            st.gpu.synchronize()?;
+            st.pool = Some(pool);
         }
-        let layers = self.cfg.num_layers();
-        let pool = DeviceKvPool::new(&st.gpu, layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim, storage)?;
-        st.gpu.synchronize()?;
-        st.pool = Some(pool);
         Ok(())
     }
 }
 
-/// The Llama `m` runs when it has a device forward: `Ok(None)` for architectures without one (they
-/// keep the CPU forward), an error for a tensor-parallel Llama (one device runs one whole model).
-/// Placement asks before opening a device; [`place_on_device`] asks again for its own callers.
-pub fn single_device_llama(m: &LoadedModel) -> Result<Option<&LlamaModel>, ForwardError> {
-    match m.model.as_llama() {
-        Some(l) => Ok(Some(l)),
-        None if m.model.config().architecture == super::config::Architecture::Llama => {
-            Err(invalid("a tensor-parallel Llama cannot run on one device; drop --tensor-parallel-size (or use --device cpu)".into()))
-        }
-        None => Ok(None),
-    }
+/// The Llama ranks of `m` when it has a device forward (one per device: a whole model, or the
+/// ranks of `--tensor-parallel-size`), `None` for architectures without one (they keep the CPU
+/// forward). Placement asks before opening devices; [`place_on_devices`] asks again.
+pub fn device_llama_ranks(m: &LoadedModel) -> Option<&[LlamaModel]> {
+    m.model.llama_ranks()
 }
 
-/// Moves a loaded model onto `gpu` when it is a single-device Llama (the weights are uploaded,
-/// the host copy is dropped); other architectures keep the CPU forward, and a tensor-parallel
-/// load is refused (see [`single_device_llama`]).
+/// Moves a loaded model onto `gpu` when it is a whole Llama (the weights are uploaded, the host
+/// copy is dropped); other architectures keep the CPU forward.
 pub fn place_on_device<R: Runtime + 'static>(m: LoadedModel, gpu: Kernels<R>) -> Result<LoadedModel, ForwardError> {
-    let Some(llama) = single_device_llama(&m)? else {
+    place_on_devices(m, vec![gpu], Box::new(SoleRank))
+}
+
+/// Moves a loaded Llama onto `gpus`, one tensor-parallel rank per device (the model must have
+/// been loaded with as many ranks), exchanging partial sums through `group`; other
+/// architectures keep the CPU forward.
+pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<LoadedModel, ForwardError> {
+    let Some(ranks) = device_llama_ranks(&m) else {
         tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
         return Ok(m);
     };
-    let dev = DeviceLlama::from_llama(llama, gpu)?;
+    if ranks.len() != gpus.len() {
+        return Err(invalid(format!("the model is loaded as {} tensor-parallel rank(s) but {} device(s) were given: one device per rank (--tensor-parallel-size must equal the number of devices)", ranks.len(), gpus.len())));
+    }
+    let dev = DeviceLlama::from_ranks(ranks, gpus, group)?;
     Ok(LoadedModel { model: Box::new(dev), ..m })
 }
 

@@ -209,3 +209,61 @@ impl Runtime for RefRuntime {
         Ok(())
     }
 }
+
+/// [`RefRuntime`] whose `fail_at`-th kernel launch (counting from 0) fails, as a device error
+/// would: to test what a failure in the middle of a step does.
+pub struct Flaky {
+    launches: std::sync::atomic::AtomicUsize,
+    fail_at: usize,
+}
+
+impl Flaky {
+    pub fn new(fail_at: usize) -> Self {
+        Self { launches: 0.into(), fail_at }
+    }
+}
+
+impl Runtime for Flaky {
+    type Buf<T: Elem> = RefBuf<T>;
+
+    fn describe(&self) -> String {
+        "CPU reference kernels with an injected failure".into()
+    }
+    fn upload<T: Elem>(&self, host: &[T]) -> Result<RefBuf<T>, CudaError> {
+        RefRuntime.upload(host)
+    }
+    fn download<T: Elem>(&self, buf: &RefBuf<T>) -> Result<Vec<T>, CudaError> {
+        RefRuntime.download(buf)
+    }
+    fn zeros<T: Elem>(&self, n: usize) -> Result<RefBuf<T>, CudaError> {
+        RefRuntime.zeros(n)
+    }
+    fn write<T: Elem>(&self, buf: &mut RefBuf<T>, offset: usize, host: &[T]) -> Result<(), CudaError> {
+        RefRuntime.write(buf, offset, host)
+    }
+    fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(())
+    }
+    unsafe fn launch(&self, kernel: &'static str, dims: Dims, a: &[KArg<'_, Self>]) -> Result<(), CudaError> {
+        if self.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == self.fail_at {
+            return Err(CudaError::Driver { what: kernel, msg: "injected launch failure".into() });
+        }
+        let args: Vec<KArg<'_, RefRuntime>> = a
+            .iter()
+            .map(|x| match *x {
+                KArg::F32s(b) => KArg::F32s(b),
+                KArg::I32s(b) => KArg::I32s(b),
+                KArg::U8s(b) => KArg::U8s(b),
+                KArg::U16s(b) => KArg::U16s(b),
+                KArg::I32(v) => KArg::I32(v),
+                KArg::I64(v) => KArg::I64(v),
+                KArg::F32(v) => KArg::F32(v),
+            })
+            .collect();
+        // SAFETY: the caller's guarantee for `a`, which `args` is element for element.
+        unsafe { RefRuntime.launch(kernel, dims, &args) }
+    }
+    fn gemm_bf16(&self, x: &RefBuf<u16>, w: &RefBuf<u16>, out: &mut RefBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+        RefRuntime.gemm_bf16(x, w, out, n, k, m)
+    }
+}

@@ -20,6 +20,7 @@ use crate::model::linear::Linear;
 use crate::model::llama::{Layer, LlamaModel, TpRank};
 use crate::model::quant::IntLinear;
 use crate::model::tensor::Tensor;
+use crate::mesh::device_collective::LocalDeviceGroup;
 use crate::model::{DeviceKv as _, LanguageModel};
 
 const D: usize = 64;
@@ -309,7 +310,21 @@ fn device_llama_matches_transformers_on_the_tiny_checkpoint() {
 
 fn matches_transformers_on_the_tiny_checkpoint<R: Runtime + 'static>(gpu: Kernels<R>) {
     let (m, reference) = tiny_checkpoint();
-    let m = super::place_on_device(m, gpu).unwrap();
+    logits_match_transformers(super::place_on_device(m, gpu).unwrap(), &reference);
+}
+
+/// The tiny checkpoint loaded as `tp` tensor-parallel ranks, one device from `gpu` each, their
+/// all-reduces through a host-staged local group.
+fn tensor_parallel_checkpoint<R: Runtime + 'static>(tp: usize, gpu: impl Fn() -> Kernels<R>) -> (crate::model::LoadedModel, serde_json::Value) {
+    let (_, reference) = tiny_checkpoint();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+    let m = crate::model::load_tp(&dir, tp).unwrap();
+    let gpus = (0..tp).map(|_| gpu()).collect();
+    (super::place_on_devices(m, gpus, Box::new(LocalDeviceGroup { world: tp })).unwrap(), reference)
+}
+
+/// Every position's logits of a placed tiny checkpoint against transformers'.
+fn logits_match_transformers(m: crate::model::LoadedModel, reference: &serde_json::Value) {
     let dev = m.model.device_kv().expect("a Llama is placed on the device");
     dev.allocate(16, BS, KvStorage::F32).unwrap();
     let vocab = m.config().vocab_size;
@@ -339,10 +354,14 @@ fn engine_serves_the_device_model_with_kv_in_the_device_pool() {
 }
 
 fn engine_serves_with_kv_in_the_device_pool<R: Runtime + 'static>(gpu: Kernels<R>) {
+    let (m, reference) = tiny_checkpoint();
+    engine_greedy_matches_transformers(super::place_on_device(m, gpu).unwrap(), &reference);
+}
+
+fn engine_greedy_matches_transformers(m: crate::model::LoadedModel, reference: &serde_json::Value) {
     use crate::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
     use crate::sampling::SamplingParams;
-    let (m, reference) = tiny_checkpoint();
-    let m = std::sync::Arc::new(super::place_on_device(m, gpu).unwrap());
+    let m = std::sync::Arc::new(m);
     let cfg = EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, max_num_batched_tokens: 7, ..Default::default() };
     let mut core = EngineCore::try_new(m, cfg).unwrap();
     assert!(core.pool().is_external(), "no host K/V for a device model");
@@ -371,6 +390,65 @@ fn engine_serves_with_kv_in_the_device_pool<R: Runtime + 'static>(gpu: Kernels<R
         }
     }
     assert_eq!(core.pool().unreferenced(), core.pool().num_blocks(), "every block released");
+}
+
+/// Tensor parallelism over 2 and 4 devices: the heads, the MLP and the vocabulary split, the
+/// partial sums all-reduced after the embedding and each row-parallel projection. With 4 ranks
+/// the 2 KV heads are replicated (each rank owns one query head and a copy of its KV head).
+/// Same bound against transformers as one device: only the summation order changes.
+#[test]
+fn tensor_parallel_device_llama_matches_transformers_on_the_tiny_checkpoint() {
+    for tp in [2, 4] {
+        let (m, reference) = tensor_parallel_checkpoint(tp, || Kernels::new(RefRuntime));
+        assert!(m.model.device_kv().is_some());
+        eprintln!("tp={tp}:");
+        logits_match_transformers(m, &reference);
+    }
+}
+
+#[test]
+fn tensor_parallel_engine_serves_with_kv_in_each_ranks_device_pool() {
+    let (m, reference) = tensor_parallel_checkpoint(2, || Kernels::new(RefRuntime));
+    engine_greedy_matches_transformers(m, &reference);
+}
+
+/// A device failing in the middle of a step (after the ranks' first all-reduce) fails that step
+/// with its error; the peer waiting in the next all-reduce is released instead of hanging, and
+/// the following step runs normally.
+#[test]
+fn a_rank_failing_mid_step_fails_the_step_not_its_peers_or_the_next_step() {
+    use super::ref_runtime::Flaky;
+    let (_, reference) = tiny_checkpoint();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+    let m = crate::model::load_tp(&dir, 2).unwrap();
+    let gpus = vec![Kernels::new(Flaky::new(usize::MAX)), Kernels::new(Flaky::new(6))];
+    let m = super::place_on_devices(m, gpus, Box::new(LocalDeviceGroup { world: 2 })).unwrap();
+    m.model.device_kv().unwrap().allocate(16, BS, KvStorage::F32).unwrap();
+    let case = &reference["cases"][0];
+    let toks = ids(&case["ids"]);
+    let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+    let last = vec![toks.len() - 1];
+    let tables = || Tables { tables: vec![(0..toks.len().div_ceil(BS) as u32).collect()], copies: vec![] };
+    let e = m.model.try_forward(&toks, &rows, &mut tables(), &last).unwrap_err();
+    assert!(e.to_string().contains("injected launch failure"), "the failing rank's own error, not its peer's abort: {e}");
+    let got = m.model.try_forward(&toks, &rows, &mut tables(), &last).unwrap();
+    let want: Vec<f32> = case["logits"].as_array().unwrap().last().unwrap().as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(worst < 2e-2, "the step after the failure: {worst}");
+}
+
+/// Ranks and devices must pair up, and a rank's position must be its device's.
+#[test]
+fn ranks_and_devices_must_match() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+    let m = crate::model::load_tp(&dir, 2).unwrap();
+    let e = super::place_on_devices(m, vec![Kernels::new(RefRuntime)], Box::new(crate::mesh::device_collective::SoleRank)).err().unwrap();
+    assert!(e.to_string().contains("2 tensor-parallel rank(s) but 1 device(s)"), "{e}");
+    let mut swapped = [tiny_llama(true, Weights::Dense, 1), tiny_llama(true, Weights::Dense, 1)];
+    swapped[0].tp = TpRank { rank: 1, size: 2 };
+    swapped[1].tp = TpRank { rank: 0, size: 2 };
+    let e = super::DeviceLlama::from_ranks(&swapped, vec![Kernels::new(RefRuntime), Kernels::new(RefRuntime)], Box::new(LocalDeviceGroup { world: 2 })).err().unwrap();
+    assert!(e.to_string().contains("device 0 was given tensor-parallel rank 1 of 2"), "{e}");
 }
 
 /// A model whose forward fails (as a device error would).
@@ -466,5 +544,17 @@ mod sim {
         if let Some(g) = sim("sim::engine_serves_with_kv_in_the_device_pool") {
             super::engine_serves_with_kv_in_the_device_pool(g);
         }
+    }
+
+    /// Two simulated devices, each rank's kernels the real `.cu` sources, run concurrently.
+    #[test]
+    fn tensor_parallel_matches_transformers_and_serves() {
+        if sim("sim::tensor_parallel_matches_transformers_and_serves").is_none() {
+            return;
+        }
+        let (m, reference) = tensor_parallel_checkpoint(2, || SimGpu::sim().unwrap());
+        logits_match_transformers(m, &reference);
+        let (m, reference) = tensor_parallel_checkpoint(2, || SimGpu::sim().unwrap());
+        engine_greedy_matches_transformers(m, &reference);
     }
 }
