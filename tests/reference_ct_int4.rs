@@ -89,17 +89,22 @@ fn check_decompression(name: &str) {
 }
 
 fn max_logit_diff(name: &str) {
+    max_logit_diff_tp(name, 1);
+}
+
+/// The checkpoint split over `tp` tensor-parallel ranks (the packed layers cut into row and
+/// column parts, a column cut inside a 128-wide group included) against the same references.
+fn max_logit_diff_tp(name: &str, tp: usize) {
     let path = dir(name);
     let reference = Reference::open(name);
-    let m = wasmserve::model::load(&path).unwrap_or_else(|e| panic!("loading {name}: {e}"));
-    let cfg = m.config();
+    let m = wasmserve::model::load_tp(&path, tp).unwrap_or_else(|e| panic!("loading {name} as {tp} ranks: {e}"));
     let (mut d_exact, mut d_tf) = (0.0f32, 0.0f32);
     for (i, case) in reference.meta["cases"].as_array().unwrap().iter().enumerate() {
         let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(m.tokenizer.encode(case["text"].as_str().unwrap(), true).unwrap(), ids);
         let rows: Vec<BatchRow> = (0..ids.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
         let all: Vec<usize> = (0..ids.len()).collect();
-        let mut kv = ContiguousKvCache::new(cfg.num_layers(), cfg.kv_width(), 1);
+        let mut kv = m.model.contiguous_cache(1);
         let logits = m.model.forward(&ids, &rows, &mut kv, &all);
         for (variant, d) in [("exact", &mut d_exact), ("transformers", &mut d_tf)] {
             let want = reference.f32s(&format!("logits.{variant}.{i}"));
@@ -108,7 +113,7 @@ fn max_logit_diff(name: &str) {
         }
     }
     let route = reference.meta["transformers_route"].as_str().unwrap();
-    eprintln!("{name}: max |logit diff| vs transformers: exact weights {d_exact:.2e}, its own load ({route}) {d_tf:.2e}");
+    eprintln!("{name} (tp={tp}): max |logit diff| vs transformers: exact weights {d_exact:.2e}, its own load ({route}) {d_tf:.2e}");
     assert!(d_exact <= EXACT_TOLERANCE, "{name}: {d_exact} vs exact-weight transformers");
     let tol = if route == "dequantize=True" { BF16_LOAD_TOLERANCE } else { EXACT_TOLERANCE };
     assert!(d_tf <= tol, "{name}: {d_tf} vs transformers ({route})");
@@ -161,6 +166,18 @@ fn w4a16_symmetric_group128() {
 fn w4a16_asymmetric_zero_points() {
     check_decompression("ct_int4_asym");
     max_logit_diff("ct_int4_asym");
+}
+
+/// Tensor parallelism keeps the layers packed: each rank holds its rows of q/k/v/gate/up and its
+/// columns of o/down. With 2 ranks the MLP's 384 input columns of down_proj are cut at 192, inside
+/// a 128-wide group; with 4 ranks o_proj's 128 columns are cut into 32-wide parts of one group.
+#[test]
+fn tensor_parallel_ranks_keep_packed_layers_and_match_transformers() {
+    for name in ["ct_int4_sym", "ct_int4_asym", "ct_mixed"] {
+        for tp in [2, 4] {
+            max_logit_diff_tp(name, tp);
+        }
+    }
 }
 
 #[test]

@@ -5,7 +5,14 @@
 
 use std::ops::Range;
 
+use kernels::cpu::bitpack::PackedRows;
+use kernels::cpu::cubic::AnyCubic;
+use kernels::cpu::mxfp4::Mxfp4Matrix;
+use kernels::cpu::packed_matmul::LANES;
+use kernels::cpu::quant_int::IntMatrix;
+
 use crate::model::linear::Linear;
+use crate::model::quant::IntLinear;
 use crate::model::tensor::Tensor;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,8 +82,10 @@ pub fn slice_tensor(t: Tensor, split: &Split) -> Result<Tensor, String> {
     }
 }
 
-/// The part `split` of a loaded Linear layer. Dense layers slice any way; packed quantized
-/// layers are refused with the reason (see docs/sharding.md).
+/// The part `split` of a loaded Linear layer, exactly: the sliced layer multiplies like the same
+/// part of the whole one. Packed quantized layers stay packed (see [`slice_grouped`] for a column
+/// cut inside a quantization group); refused with the reason: MXFP4 columns cut inside a 32-wide
+/// block, and activation-ordered INT (`g_idx`) cut by columns.
 pub fn slice_linear(l: Linear, split: &Split) -> Result<Linear, String> {
     // A one-way mesh asks for the whole range (`Rows(0..out)`): that is no slicing at all, and
     // packed layers must keep loading there.
@@ -88,12 +97,102 @@ pub fn slice_linear(l: Linear, split: &Split) -> Result<Linear, String> {
     if whole {
         return Ok(l);
     }
+    let (out, inp) = (l.out_features(), l.in_features());
+    let (rows, cols) = match split {
+        Split::Full => (0..out, 0..inp),
+        Split::Rows(r) => (r.clone(), 0..inp),
+        Split::Cols(c) => (0..out, c.clone()),
+    };
+    if rows.start > rows.end || rows.end > out || cols.start > cols.end || cols.end > inp {
+        return Err(format!("{split:?} out of range for a {out}x{inp} layer"));
+    }
     match l {
         Linear::Dense(t) => slice_tensor(t, split).map(Linear::Dense),
-        Linear::Int(_) => Err("tensor-parallel slicing of pack-quantized (compressed-tensors INT) weights is not supported yet".into()),
-        Linear::Mxfp4(_) => Err("tensor-parallel slicing of MXFP4 weights is not supported yet".into()),
-        Linear::Cubic(_) => Err("tensor-parallel slicing of Cubic weights is not supported yet".into()),
+        Linear::Int(q) => {
+            if q.perm.is_some() && cols.len() != inp {
+                return Err("an activation-ordered (g_idx) INT layer cannot be split by input columns: its packed columns are permuted across the cut".into());
+            }
+            let (packed, g, params) = q.w.parts();
+            let s = slice_grouped(packed, g, params, rows, cols)?;
+            Ok(Linear::Int(IntLinear::new(IntMatrix::new(s.packed, s.group_size, &s.p0, &s.p1), q.perm.clone())))
+        }
+        Linear::Cubic(c) => {
+            let (packed, g, params) = c.parts();
+            let s = slice_grouped(packed, g, params, rows, cols)?;
+            Ok(Linear::Cubic(AnyCubic::new(s.packed, s.group_size, &s.p0, &s.p1)))
+        }
+        Linear::Mxfp4(m) => slice_mxfp4(&m, rows, cols).map(Linear::Mxfp4),
     }
+}
+
+/// A grouped matrix's part: its codes and per-(row, group) parameters.
+pub struct GroupedPart {
+    pub packed: PackedRows,
+    pub group_size: usize,
+    pub p0: Vec<f32>,
+    pub p1: Vec<f32>,
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// Rows `rows`, columns `cols` of a group-quantized matrix (`params[r * groups_per_row + g]`).
+///
+/// A column cut inside a group (TP splits need not fall on 128-column boundaries: a 64-wide head
+/// slice, a 192-wide MLP slice) stays exact: the part's group size is the largest that divides
+/// both the original group size and the cut's offset inside its group, so original group
+/// boundaries fall on new group boundaries, every new group lies inside one original group and
+/// takes its parameters (vLLM instead refuses such a split). A cut on a group boundary keeps the
+/// original group size; the part's last group may be partial, as a matrix's may.
+///
+/// The packed kernels need groups of a multiple of their vector width
+/// (`packed_matmul::LANES` = 16 columns) or one group per row, so a cut finer than that is an
+/// error.
+pub fn slice_grouped(p: &PackedRows, group_size: usize, params: &[[f32; 2]], rows: Range<usize>, cols: Range<usize>) -> Result<GroupedPart, String> {
+    let (bits, all_cols) = (p.bits(), p.cols());
+    let groups_per_row = all_cols.div_ceil(group_size);
+    let g = gcd(group_size, cols.start % group_size);
+    if g != group_size && g % LANES != 0 && g < cols.len() {
+        return Err(format!(
+            "columns {cols:?} cut {} columns into a quantization group of {group_size}: the part's groups would be {g} columns wide, and the packed kernels need a multiple of {LANES}",
+            cols.start % group_size
+        ));
+    }
+    let packed = if cols.len() == all_cols {
+        // Whole rows: their packed bytes as they are.
+        let st = p.stride();
+        PackedRows::new(bits, rows.len(), all_cols, st, &p.bytes()[rows.start * st..rows.end * st])
+    } else {
+        let codes: Vec<u8> = rows.clone().flat_map(|r| cols.clone().map(move |c| p.code(r, c) as u8)).collect();
+        PackedRows::from_codes(bits, rows.len(), cols.len(), &codes)
+    };
+    let new_groups = cols.len().div_ceil(g.max(1));
+    let (mut p0, mut p1) = (Vec::with_capacity(rows.len() * new_groups), Vec::with_capacity(rows.len() * new_groups));
+    for r in rows {
+        for j in 0..new_groups {
+            let [a, b] = params[r * groups_per_row + (cols.start + j * g) / group_size];
+            p0.push(a);
+            p1.push(b);
+        }
+    }
+    Ok(GroupedPart { packed, group_size: g.max(1), p0, p1 })
+}
+
+/// Rows `rows`, columns `cols` of an MXFP4 matrix; columns must stay on its 32-wide scale blocks.
+fn slice_mxfp4(m: &Mxfp4Matrix, rows: Range<usize>, cols: Range<usize>) -> Result<Mxfp4Matrix, String> {
+    const BLOCK: usize = 32;
+    if cols.start % BLOCK != 0 || cols.len() % BLOCK != 0 {
+        return Err(format!("MXFP4 columns {cols:?} are not on its {BLOCK}-column scale blocks"));
+    }
+    let (packed, scales) = m.parts();
+    let (all, blocks) = (m.cols(), m.cols() / BLOCK);
+    let (mut pk, mut sc) = (Vec::with_capacity(rows.len() * cols.len() / 2), Vec::with_capacity(rows.len() * cols.len() / BLOCK));
+    for r in rows.clone() {
+        pk.extend_from_slice(&packed[r * all / 2 + cols.start / 2..r * all / 2 + cols.end / 2]);
+        sc.extend_from_slice(&scales[r * blocks + cols.start / BLOCK..r * blocks + cols.end / BLOCK]);
+    }
+    Ok(Mxfp4Matrix::new(rows.len(), cols.len(), &pk, &sc))
 }
 
 #[cfg(test)]
@@ -113,6 +212,76 @@ mod tests {
                 }
             }
         }
+    }
+
+    fn lcg(seed: &mut u64) -> u32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (*seed >> 33) as u32
+    }
+
+    fn dequant(l: &Linear) -> Vec<Vec<f32>> {
+        (0..l.out_features())
+            .map(|r| match l {
+                Linear::Int(q) => q.dequantize_row(r),
+                Linear::Cubic(c) => c.dequantize_row(r),
+                Linear::Mxfp4(m) => m.dequantize_row(r),
+                Linear::Dense(t) => t.as_slice()[r * l.in_features()..(r + 1) * l.in_features()].to_vec(),
+            })
+            .collect()
+    }
+
+    /// Every part is the same part of the whole matrix, bit for bit, dequantised, including
+    /// column cuts inside a group (which re-index the parameters at a finer group size) and a
+    /// partial last group.
+    #[test]
+    fn packed_parts_dequantise_to_the_same_part_of_the_whole() {
+        let (rows, cols, g) = (6usize, 100usize, 32usize);
+        let mut seed = 3u64;
+        let groups = rows * cols.div_ceil(g);
+        let codes = |bits: u32, seed: &mut u64| -> Vec<u8> { (0..rows * cols).map(|_| (lcg(seed) % (1 << bits)) as u8).collect() };
+        let scale: Vec<f32> = (0..groups).map(|i| 0.01 + i as f32 * 1e-3).collect();
+        let zero: Vec<f32> = (0..groups).map(|i| (i % 16) as f32).collect();
+        let make = |which: usize, seed: &mut u64| -> Linear {
+            match which {
+                0 => Linear::Int(IntLinear::new(IntMatrix::new(PackedRows::from_codes(4, rows, cols, &codes(4, seed)), g, &scale, &zero), None)),
+                1 => Linear::Int(IntLinear::new(IntMatrix::new(PackedRows::from_codes(3, rows, cols, &codes(3, seed)), g, &scale, &zero), None)),
+                _ => {
+                    let shape: Vec<f32> = (0..groups).map(|i| (i as f32 * 0.37).sin() * 0.3).collect();
+                    Linear::Cubic(AnyCubic::new(PackedRows::from_codes(2, rows, cols, &codes(2, seed)), g, &scale, &shape))
+                }
+            }
+        };
+        for which in 0..3 {
+            for split in [Split::Rows(1..4), Split::Cols(0..50), Split::Cols(48..100), Split::Cols(16..80), Split::Cols(64..100), Split::Cols(96..98)] {
+                let whole = dequant(&make(which, &mut seed.clone()));
+                let part = slice_linear(make(which, &mut seed.clone()), &split).unwrap();
+                let got = dequant(&part);
+                let want: Vec<Vec<f32>> = match &split {
+                    Split::Rows(r) => whole[r.clone()].to_vec(),
+                    Split::Cols(c) => whole.iter().map(|row| row[c.clone()].to_vec()).collect(),
+                    Split::Full => unreachable!(),
+                };
+                assert_eq!(got, want, "format {which}, {split:?}");
+            }
+            seed += 1;
+        }
+        // A cut that would leave groups narrower than the kernels' vector width is refused.
+        let e = slice_linear(make(0, &mut seed.clone()), &Split::Cols(50..100)).err().unwrap();
+        assert!(e.contains("groups would be 2 columns wide"), "{e}");
+        // MXFP4: whole 32-column blocks only.
+        let (r, c) = (4, 128);
+        let packed: Vec<u8> = (0..r * c / 2).map(|_| lcg(&mut seed) as u8).collect();
+        let scales: Vec<u8> = (0..r * c / 32).map(|i| 120 + (i % 7) as u8).collect();
+        let m = || Linear::Mxfp4(Mxfp4Matrix::new(r, c, &packed, &scales));
+        let whole = dequant(&m());
+        assert_eq!(dequant(&slice_linear(m(), &Split::Cols(32..96)).unwrap()), whole.iter().map(|row| row[32..96].to_vec()).collect::<Vec<_>>());
+        assert_eq!(dequant(&slice_linear(m(), &Split::Rows(2..4)).unwrap()), whole[2..4].to_vec());
+        assert!(slice_linear(m(), &Split::Cols(16..80)).err().unwrap().contains("scale blocks"));
+        // Activation order cannot be cut by columns (rows are fine).
+        let perm: Vec<u32> = (0..cols as u32).rev().collect();
+        let act = || Linear::Int(IntLinear::new(IntMatrix::new(PackedRows::from_codes(4, rows, cols, &codes(4, &mut 1)), g, &scale, &zero), Some(perm.clone())));
+        assert!(slice_linear(act(), &Split::Cols(0..50)).err().unwrap().contains("g_idx"));
+        assert!(slice_linear(act(), &Split::Rows(0..3)).is_ok());
     }
 
     #[test]
