@@ -437,6 +437,50 @@ fn a_rank_failing_mid_step_fails_the_step_not_its_peers_or_the_next_step() {
     assert!(worst < 2e-2, "the step after the failure: {worst}");
 }
 
+/// The compressed-tensors W4A16 fixture (tests/reference/ct/ct_int4_sym, group 128) on `tp`
+/// devices, its INT4 layers kept packed (at TP=2 down_proj's 384 input columns are cut at 192,
+/// inside a group): every position's logits against transformers running the checkpoint.
+/// Returns the worst |difference| relative to each row's largest reference logit.
+fn ct_int4_error<R: Runtime + 'static>(tp: usize, gpu: impl Fn() -> Kernels<R>) -> f32 {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/ct");
+    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("ct_int4_sym.reference.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(dir.join("ct_int4_sym.reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let m = crate::model::load_tp(&dir.join("ct_int4_sym"), tp).unwrap();
+    let gpus = (0..tp).map(|_| gpu()).collect();
+    let group: Box<dyn crate::mesh::device_collective::DeviceGroup<R>> = if tp == 1 { Box::new(crate::mesh::device_collective::SoleRank) } else { Box::new(LocalDeviceGroup { world: tp }) };
+    let m = super::place_on_devices(m, gpus, group).unwrap();
+    m.model.device_kv().unwrap().allocate(16, BS, KvStorage::F32).unwrap();
+    let vocab = m.config().vocab_size;
+    let mut worst = 0.0f32;
+    for (c, case) in meta["cases"].as_array().unwrap().iter().enumerate() {
+        let toks = ids(&case["ids"]);
+        let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+        let all: Vec<usize> = (0..toks.len()).collect();
+        let table: Vec<u32> = (0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 8 + b).collect();
+        let got = m.model.try_forward(&toks, &rows, &mut Tables { tables: vec![table], copies: vec![] }, &all).unwrap();
+        let t = st.tensor(&format!("logits.transformers.{c}")).unwrap();
+        let want: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        assert_eq!(want.len(), got.len());
+        for (g, w) in got.chunks(vocab).zip(want.chunks(vocab)) {
+            let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+            worst = worst.max(g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale);
+        }
+    }
+    worst
+}
+
+/// The INT4 GEMV on packed weights multiplies f32 activations; the bf16 rounding of the dense
+/// lm_head's GEMM input bounds the difference, whole or split.
+#[test]
+fn packed_int4_checkpoint_matches_transformers_on_one_and_two_devices() {
+    for tp in [1, 2] {
+        let e = ct_int4_error(tp, || Kernels::new(RefRuntime));
+        eprintln!("ct_int4_sym on {tp} device(s): worst relative logit difference vs transformers {e:.2e}");
+        assert!(e < 1e-2, "tp={tp}: {e}");
+    }
+}
+
 /// Ranks and devices must pair up, and a rank's position must be its device's.
 #[test]
 fn ranks_and_devices_must_match() {
@@ -544,6 +588,16 @@ mod sim {
         if let Some(g) = sim("sim::engine_serves_with_kv_in_the_device_pool") {
             super::engine_serves_with_kv_in_the_device_pool(g);
         }
+    }
+
+    #[test]
+    fn packed_int4_checkpoint_on_two_devices_matches_transformers() {
+        if sim("sim::packed_int4_checkpoint_on_two_devices_matches_transformers").is_none() {
+            return;
+        }
+        let e = ct_int4_error(2, || SimGpu::sim().unwrap());
+        eprintln!("sim: ct_int4_sym on 2 devices: worst relative logit difference vs transformers {e:.2e}");
+        assert!(e < 1e-2, "{e}");
     }
 
     /// Two simulated devices, each rank's kernels the real `.cu` sources, run concurrently.
