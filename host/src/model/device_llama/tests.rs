@@ -612,3 +612,41 @@ mod sim {
         engine_greedy_matches_transformers(m, &reference);
     }
 }
+
+/// On two CUDA devices with NCCL between them (skipped, saying why, without two GPUs and NCCL;
+/// `WASMSERVE_REQUIRE_NCCL=1` makes that a failure, as bench/gpu-check.sh sets on a 2-GPU machine).
+#[cfg(feature = "cuda")]
+mod two_gpus {
+    use super::*;
+    use kernels::cuda::launch::Gpu;
+    use kernels::cuda::nvrtc::PtxCache;
+
+    fn two_gpus(test: &str) -> Option<(Vec<Gpu>, crate::backend::nccl::NcclDeviceGroup)> {
+        let cache = PtxCache::new(PtxCache::default_dir());
+        let opened = (0..2).map(|o| Gpu::open(o, &cache)).collect::<Result<Vec<_>, _>>().and_then(|g| crate::backend::nccl::NcclDeviceGroup::over(&g).map(|n| (g, n)));
+        match opened {
+            Ok(v) => Some(v),
+            Err(e) if std::env::var_os("WASMSERVE_REQUIRE_NCCL").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
+            Err(e) => {
+                eprintln!("SKIPPED {test}: two CUDA devices with NCCL are needed: {e}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_over_nccl_matches_transformers_and_serves() {
+        let test = "two_gpus::tensor_parallel_over_nccl_matches_transformers_and_serves";
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+        let (_, reference) = tiny_checkpoint();
+        for check in 0..2 {
+            let Some((gpus, group)) = two_gpus(test) else { return };
+            let m = super::super::place_on_devices(crate::model::load_tp(&dir, 2).unwrap(), gpus, Box::new(group)).unwrap();
+            if check == 0 {
+                logits_match_transformers(m, &reference);
+            } else {
+                engine_greedy_matches_transformers(m, &reference);
+            }
+        }
+    }
+}
