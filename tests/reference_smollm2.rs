@@ -151,8 +151,10 @@ fn fp8_kv_cache_accuracy_on_fixtures() {
         (same, total)
     };
     let (f32_same, total) = agree(KvDtype::F32);
+    let (bf16_same, _) = agree(KvDtype::Bf16);
     let (fp8_same, _) = agree(KvDtype::Fp8E4m3);
-    eprintln!("greedy tokens matching transformers before first divergence: f32 KV {f32_same}/{total}, fp8 KV {fp8_same}/{total}");
+    eprintln!("greedy tokens matching transformers before first divergence: f32 KV {f32_same}/{total}, bf16 KV {bf16_same}/{total}, fp8 KV {fp8_same}/{total}");
     assert_eq!(f32_same, total, "the paged engine in f32 reproduces transformers exactly");
+    assert!(bf16_same * 3 >= total * 2, "bf16 KV diverges too early: {bf16_same}/{total}");
     assert!(fp8_same * 3 >= total, "fp8 KV diverges too early: {fp8_same}/{total}");
 }

@@ -19,6 +19,8 @@ pub type BlockId = u32;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvDtype {
     F32,
+    /// bf16, rounded to nearest even: half the bytes of f32, 8 mantissa bits.
+    Bf16,
     Fp8E4m3,
 }
 
@@ -26,8 +28,9 @@ impl KvDtype {
     pub fn parse(s: &str) -> Result<Self, String> {
         match s {
             "auto" | "f32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
             "fp8" | "fp8_e4m3" => Ok(Self::Fp8E4m3),
-            other => Err(format!("unknown KV cache dtype '{other}' (expected auto, f32 or fp8)")),
+            other => Err(format!("unknown KV cache dtype '{other}' (expected auto, f32, bf16 or fp8)")),
         }
     }
 }
@@ -53,6 +56,7 @@ impl PoolShape {
             .flatten()
             .map(|l| match dtype {
                 KvDtype::F32 => (l.key_width + l.value_width) * 4,
+                KvDtype::Bf16 => (l.key_width + l.value_width) * 2,
                 KvDtype::Fp8E4m3 => l.key_width + l.value_width + 2 * l.groups * 4,
             })
             .sum();
@@ -63,6 +67,8 @@ impl PoolShape {
 /// Storage for one of K or V of one layer: `[block][slot][width]`, scales `[block][slot][groups]`.
 enum Store {
     F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
     Fp8 { codes: Vec<u8>, scales: Vec<f32> },
 }
 
@@ -77,6 +83,7 @@ impl LayerStore {
     fn new(shape: LayerKvShape, slots: usize, dtype: KvDtype) -> Self {
         let mk = |width: usize| match dtype {
             KvDtype::F32 => Store::F32(vec![0.0; slots * width]),
+            KvDtype::Bf16 => Store::Bf16(vec![0; slots * width]),
             KvDtype::Fp8E4m3 => Store::Fp8 { codes: vec![0; slots * width], scales: vec![1.0; slots * shape.groups] },
         };
         Self { shape, keys: mk(shape.key_width), values: mk(shape.value_width) }
@@ -88,6 +95,11 @@ impl Store {
         let w = x.len();
         match self {
             Store::F32(d) => d[i * w..(i + 1) * w].copy_from_slice(x),
+            Store::Bf16(d) => {
+                for (o, &v) in d[i * w..(i + 1) * w].iter_mut().zip(x) {
+                    *o = half::bf16::from_f32(v).to_bits();
+                }
+            }
             Store::Fp8 { codes, scales } => {
                 let g = w / groups;
                 for h in 0..groups {
@@ -100,6 +112,7 @@ impl Store {
     fn row(&self, i: usize, w: usize, groups: usize) -> KvRow<'_> {
         match self {
             Store::F32(d) => KvRow::F32(&d[i * w..(i + 1) * w]),
+            Store::Bf16(d) => KvRow::Bf16(&d[i * w..(i + 1) * w]),
             Store::Fp8 { codes, scales } => KvRow::Fp8 { codes: &codes[i * w..(i + 1) * w], scales: &scales[i * groups..(i + 1) * groups] },
         }
     }
@@ -107,6 +120,7 @@ impl Store {
     fn copy(&mut self, s: usize, d: usize, slots: usize, w: usize, groups: usize) {
         match self {
             Store::F32(x) => x.copy_within(s * w..(s + slots) * w, d * w),
+            Store::Bf16(x) => x.copy_within(s * w..(s + slots) * w, d * w),
             Store::Fp8 { codes, scales } => {
                 codes.copy_within(s * w..(s + slots) * w, d * w);
                 scales.copy_within(s * groups..(s + slots) * groups, d * groups);
@@ -352,8 +366,9 @@ mod tests {
         };
         let shape = PoolShape::new(&layout, 2);
         assert_eq!(shape.block_bytes(KvDtype::F32), 2 * (8 + 8) * 4);
+        assert_eq!(shape.block_bytes(KvDtype::Bf16), 2 * (8 + 8) * 2);
         assert_eq!(shape.block_bytes(KvDtype::Fp8E4m3), 2 * ((8 + 2 * 2 * 4) + (8 + 2 * 4)));
-        for dtype in [KvDtype::F32, KvDtype::Fp8E4m3] {
+        for dtype in [KvDtype::F32, KvDtype::Bf16, KvDtype::Fp8E4m3] {
             let mut p = BlockPool::new(shape.clone(), 3, dtype);
             let (a, b) = (p.allocate().unwrap(), p.allocate().unwrap());
             p.write(0, a, 1, &[1.0, 2.0, 3.0, -1.0, -2.0, -3.0], &[0.5, 0.25]);

@@ -152,6 +152,7 @@ impl EngineCore {
             Some(dev) => {
                 let storage = match cfg.kv_dtype {
                     KvDtype::F32 => KvStorage::F32,
+                    KvDtype::Bf16 => KvStorage::Bf16,
                     KvDtype::Fp8E4m3 => KvStorage::Fp8,
                 };
                 dev.allocate(num_blocks, cfg.block_size, storage).map_err(|e| format!("cannot allocate the device KV pool ({num_blocks} blocks of {}): {e}", cfg.block_size))?;

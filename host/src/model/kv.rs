@@ -63,6 +63,8 @@ impl CacheLayout {
 /// One cached token's keys or values for a layer (`LayerKvShape::key_width` / `value_width`).
 pub enum KvRow<'a> {
     F32(&'a [f32]),
+    /// bf16 bit patterns.
+    Bf16(&'a [u16]),
     /// E4M3 codes with one scale per group of `codes.len() / scales.len()` elements.
     Fp8 { codes: &'a [u8], scales: &'a [f32] },
 }
@@ -74,6 +76,7 @@ impl KvRow<'_> {
         let r = start..start + q.len();
         match self {
             KvRow::F32(v) => dot(q, &v[r]),
+            KvRow::Bf16(v) => v[r].iter().zip(q).map(|(&b, &x)| half::bf16::from_bits(b).to_f32() * x).sum(),
             KvRow::Fp8 { codes, scales } => {
                 let group = codes.len() / scales.len();
                 let mut total = 0.0;
@@ -99,6 +102,11 @@ impl KvRow<'_> {
             KvRow::F32(v) => {
                 for (o, &x) in out.iter_mut().zip(&v[r]) {
                     *o += w * x;
+                }
+            }
+            KvRow::Bf16(v) => {
+                for (o, &b) in out.iter_mut().zip(&v[r]) {
+                    *o += w * half::bf16::from_bits(b).to_f32();
                 }
             }
             KvRow::Fp8 { codes, scales } => {

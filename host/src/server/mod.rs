@@ -86,7 +86,8 @@ pub struct ServeArgs {
     /// KV cache size: bytes, or with a suffix (512MiB, 2GiB, 1GB, ...).
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     pub kv_cache_memory: usize,
-    /// auto (f32) or fp8.
+    /// auto (f32), bf16 (half the memory, 8 mantissa bits) or fp8 (E4M3 with a scale per
+    /// head and token: a quarter of the memory).
     #[arg(long, default_value = "auto", value_parser = KvDtype::parse)]
     pub kv_cache_dtype: KvDtype,
     /// Tokens per KV cache block.
