@@ -1,13 +1,10 @@
-//! `--device cpu | cuda:0[,1..] | auto`: parsing and the guarded probe that picks a backend.
+//! `--device cpu | cuda:0[,1..] | auto`: parsing and the guarded probe of the devices.
 //!
 //! `auto` uses CUDA device 0 when a driver and a device are there, else the CPU with a log line
 //! saying why. An explicit `cuda:N` that cannot be honoured is an error naming the cause (no
 //! libcuda, no device N, NVRTC missing...), never a panic and never a silent CPU run.
 
 use std::fmt;
-
-use super::cpu::CpuBackend;
-use super::Backend;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceSpec {
@@ -56,50 +53,57 @@ impl fmt::Display for DeviceSpec {
     }
 }
 
-/// The chosen backends, one per device (one for the CPU).
+/// The devices `--device` resolved to.
 pub struct Selected {
-    pub backends: Vec<Box<dyn Backend>>,
+    /// One per device: `cpu`, or e.g. `cuda:0 (NVIDIA H200, sm_90, 139.8 GiB)`.
+    pub devices: Vec<String>,
     /// Set when `auto` fell back to the CPU: why CUDA was not used.
     pub fallback_reason: Option<String>,
 }
 
 impl Selected {
     pub fn describe(&self) -> String {
-        self.backends.iter().map(|b| b.name()).collect::<Vec<_>>().join(", ")
+        self.devices.join(", ")
     }
 }
 
-/// Opens the backends `spec` asks for.
+/// Checks that the devices `spec` asks for are usable, before the model is loaded: the driver,
+/// each device's primary context, and NVRTC (which compiles the kernels). Only probes: the kernels
+/// are compiled and loaded once, by `placement::place_model` (the device forward) or a
+/// [`super::Backend`] opened for kernel-level work, so nothing is held twice for the whole run.
 pub fn select(spec: &DeviceSpec) -> Result<Selected, String> {
     match spec {
-        // The simulator runs the model's forward only (backend::placement); kernel-level backend
-        // operations stay on the CPU.
-        DeviceSpec::Cpu | DeviceSpec::Sim => Ok(Selected { backends: vec![Box::new(CpuBackend::new())], fallback_reason: None }),
+        // The simulator runs the model's forward only (backend::placement).
+        DeviceSpec::Cpu | DeviceSpec::Sim => Ok(Selected { devices: vec!["cpu".into()], fallback_reason: None }),
         DeviceSpec::Cuda(ords) => {
-            let mut backends: Vec<Box<dyn Backend>> = Vec::new();
+            let mut devices = Vec::new();
             for &o in ords {
-                backends.push(open_cuda(o).map_err(|e| format!("--device {spec}: cannot use CUDA device {o}: {e}. Use --device cpu (or auto, which falls back to the CPU)."))?);
+                devices.push(probe_cuda(o).map_err(|e| format!("--device {spec}: cannot use CUDA device {o}: {e}. Use --device cpu (or auto, which falls back to the CPU)."))?);
             }
-            Ok(Selected { backends, fallback_reason: None })
+            Ok(Selected { devices, fallback_reason: None })
         }
-        DeviceSpec::Auto => match open_cuda(0) {
-            Ok(b) => Ok(Selected { backends: vec![b], fallback_reason: None }),
+        DeviceSpec::Auto => match probe_cuda(0) {
+            Ok(d) => Ok(Selected { devices: vec![d], fallback_reason: None }),
             Err(e) => {
                 let reason = format!("no usable CUDA device ({e}); running on the CPU");
                 tracing::warn!("--device auto: {reason}");
-                Ok(Selected { backends: vec![Box::new(CpuBackend::new())], fallback_reason: Some(reason) })
+                Ok(Selected { devices: vec!["cpu".into()], fallback_reason: Some(reason) })
             }
         },
     }
 }
 
 #[cfg(feature = "cuda")]
-fn open_cuda(ordinal: usize) -> Result<Box<dyn Backend>, String> {
-    super::cuda::CudaBackend::open(ordinal).map(|b| Box::new(b) as Box<dyn Backend>).map_err(|e| e.to_string())
+fn probe_cuda(ordinal: usize) -> Result<String, String> {
+    use kernels::cuda::{device, nvrtc};
+    let ctx = device::open(ordinal).map_err(|e| e.to_string())?;
+    let info = device::info(&ctx).map_err(|e| e.to_string())?;
+    nvrtc::nvrtc_available().map_err(|e| e.to_string())?;
+    Ok(format!("cuda:{ordinal} ({}, {}, {:.1} GiB)", info.name, info.arch(), info.total_memory as f64 / (1u64 << 30) as f64))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_ordinal: usize) -> Result<Box<dyn Backend>, String> {
+fn probe_cuda(_ordinal: usize) -> Result<String, String> {
     Err(kernels::cuda::CudaError::NotBuilt.to_string())
 }
 
@@ -127,7 +131,7 @@ mod tests {
     /// clear error and `auto` falls back with its reason; on a GPU machine both open CUDA.
     #[test]
     fn cuda_without_a_driver_is_a_clear_error_and_auto_falls_back() {
-        let have_gpu = open_cuda(0).is_ok();
+        let have_gpu = probe_cuda(0).is_ok();
         let sel = select(&DeviceSpec::Auto).unwrap();
         if have_gpu {
             assert!(sel.fallback_reason.is_none());

@@ -127,6 +127,9 @@ impl Runtime for CudaRuntime {
     /// outᵀ = W · xᵀ with op(A) = Aᵀ on the stored W.
     fn gemm_bf16(&self, x: &CudaSlice<u16>, w: &CudaSlice<u16>, out: &mut CudaSlice<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
+        // A raw cuBLAS call does not make the context current, and tensor-parallel ranks drive
+        // their devices from fresh threads.
+        drv("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (wp, _gw) = w.device_ptr(&self.stream);
         let (op, _go) = out.device_ptr_mut(&self.stream);
