@@ -140,6 +140,7 @@ if [ "${ngpu:-1}" -ge 2 ]; then
   out=$(step 150 "$wasmserve" --device cuda:0,1 bench engine --model tests/reference/tiny_llama --tensor-parallel-size 2 --concurrency 1,64 --steps 16 2>&1) || { echo "$out"; exit 1; }
   echo "$out" | grep -vE "^\s*$" | tail -n 4 | sed "s|^|FIGURE engine tp2 tiny_llama |"
 else
-  echo "one GPU: the tensor-parallel (NCCL) checks need two; skipped" >&2
+  log "one GPU: the NCCL device all-reduce on a group of one (the two-GPU checks need two)"
+  step 60 t_wasmserve_lib nccl_device_all_reduce_on_one_gpu --nocapture 2>&1 | tail -n 3 >&2 || echo "NCCL device all-reduce check failed (is libnccl installed?)" >&2
 fi
 figure "gpu-check wall time $(( $(date +%s) - start )) s"

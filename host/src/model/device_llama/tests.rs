@@ -634,6 +634,33 @@ mod two_gpus {
         }
     }
 
+    /// The NCCL device all-reduce's mechanics (communicator over the runtime's stream, device
+    /// pointer, element count, context binding) on the one GPU a lent machine has: a group of one
+    /// sums to the input, and an aborted group refuses the next step.
+    #[test]
+    fn nccl_device_all_reduce_on_one_gpu() {
+        let test = "two_gpus::nccl_device_all_reduce_on_one_gpu";
+        let gpu = match Gpu::open(0, &PtxCache::new(PtxCache::default_dir())) {
+            Ok(g) => g,
+            Err(e) if std::env::var_os("WASMSERVE_REQUIRE_GPU").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
+            Err(e) => return eprintln!("SKIPPED {test}: no usable CUDA device: {e}"),
+        };
+        let group = match crate::backend::nccl::NcclDeviceGroup::over(std::slice::from_ref(&gpu)) {
+            Ok(g) => g,
+            Err(e) if std::env::var_os("WASMSERVE_REQUIRE_NCCL").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
+            Err(e) => return eprintln!("SKIPPED {test}: NCCL unavailable: {e}"),
+        };
+        use crate::mesh::device_collective::DeviceGroup;
+        let comms = group.step_comms().unwrap();
+        let host: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let mut buf = gpu.upload(&host).unwrap();
+        comms[0].all_reduce_sum(&gpu, &mut buf, 700).unwrap();
+        assert_eq!(gpu.download(&buf).unwrap(), host, "a group of one sums to its input");
+        comms[0].abort("test");
+        assert!(group.step_comms().is_err(), "an aborted group refuses further steps");
+        eprintln!("NCCL device all-reduce on one GPU: ok");
+    }
+
     #[test]
     fn tensor_parallel_over_nccl_matches_transformers_and_serves() {
         let test = "two_gpus::tensor_parallel_over_nccl_matches_transformers_and_serves";
