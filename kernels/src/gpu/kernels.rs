@@ -139,8 +139,9 @@ impl<R: Runtime> Kernels<R> {
         self.rt.synchronize()
     }
 
-    /// Launch through the runtime; the wrappers below have checked sizes.
-    fn go(&self, kernel: &'static str, dims: Dims, args: &[A<'_, R>]) -> Result<(), CudaError> {
+    /// Launch through the runtime; the wrappers (here and in the sibling modules that add
+    /// `impl Kernels` blocks) have checked sizes.
+    pub(crate) fn go(&self, kernel: &'static str, dims: Dims, args: &[A<'_, R>]) -> Result<(), CudaError> {
         // SAFETY: every caller builds `args` in the order and types of the kernel's signature
         // and has checked the buffers against the sizes the kernel touches at `dims`.
         unsafe { self.rt.launch(kernel, dims, args) }
@@ -244,7 +245,7 @@ impl<R: Runtime> Kernels<R> {
     }
 
     /// One thread per element over a flat index; errors when the grid would not fit gridDim.x.
-    fn elementwise_dims(what: &str, count: usize) -> Result<Dims, CudaError> {
+    pub(crate) fn elementwise_dims(what: &str, count: usize) -> Result<Dims, CudaError> {
         check(count.div_ceil(256) <= i32::MAX as usize, || format!("{what}: {count} elements exceed one launch's grid"))?;
         Ok(Self::flat_dims(count))
     }
