@@ -110,6 +110,27 @@ fn serve_on_the_simulator_answers_like_the_cpu() {
     assert_eq!(complete("sim", "2"), cpu);
 }
 
+/// `generate` on `--device sim` (one and two simulated devices) runs the device forward with a pool
+/// sized for the request and prints the CPU's greedy text.
+#[test]
+fn generate_on_the_simulator_prints_the_cpus_text() {
+    if !simulator_built("generate_on_the_simulator_prints_the_cpus_text") {
+        return;
+    }
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+    let run = |device: &str, tp: &str| {
+        let out = wasmserve(&["--device", device, "generate", "--model", model.to_str().unwrap(), "--prompt", "hello world", "--max-tokens", "12", "--ignore-eos", "--tensor-parallel-size", tp]);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "--device {device} tp={tp}: {err}");
+        assert!(!err.contains("forward runs on the CPU"), "{err}");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let cpu = run("cpu", "1");
+    assert!(!cpu.trim().is_empty());
+    assert_eq!(run("sim", "1"), cpu);
+    assert_eq!(run("sim", "2"), cpu);
+}
+
 /// `bench engine` through the device forward (on the simulator): the engine is built with the
 /// device pool, and a model with a short context (the tiny checkpoint's 128 positions) gets
 /// prompts that fit it instead of a rejected request.

@@ -1,9 +1,11 @@
 //! Single-request generation: prefill the prompt, then sample token by token with streaming text,
-//! stop strings, EOS and a length limit.
+//! stop strings, EOS and a length limit. A CPU model uses a contiguous host cache; a model whose
+//! K/V live on a device (`--device cuda:N`) gets a device pool sized for this one request, read
+//! through one block table.
 
 use std::time::{Duration, Instant};
 
-use crate::model::kv::BatchRow;
+use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache, KvCache, KvRow, PagedView};
 use crate::model::LoadedModel;
 use crate::sampling::stop::{StopChecker, StopOutcome};
 use crate::sampling::{Sampler, SamplingParams};
@@ -69,7 +71,8 @@ pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(
     req.sampling.validate()?;
     let max_tokens = req.max_tokens.min(ctx - req.prompt_ids.len());
 
-    let mut kv = m.model.contiguous_cache(1);
+    let mut cache = Cache::for_request(m, req.prompt_ids.len() + max_tokens)?;
+    let kv = cache.as_kv();
     let mut sampler = Sampler::new(req.sampling.clone(), &req.prompt_ids);
     let mut decoder = IncrementalDecoder::with_context(&req.prompt_ids, true);
     let mut stops = StopChecker::new(req.stop.clone());
@@ -78,7 +81,7 @@ pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(
 
     let started = Instant::now();
     let rows: Vec<BatchRow> = (0..req.prompt_ids.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
-    let mut logits = m.model.forward(&req.prompt_ids, &rows, &mut kv, &[rows.len() - 1]);
+    let mut logits = m.model.try_forward(&req.prompt_ids, &rows, kv, &[rows.len() - 1]).map_err(|e| e.to_string())?;
     let prefill_time = started.elapsed();
     let decode_start = Instant::now();
     let mut finish_reason = FinishReason::Length;
@@ -112,7 +115,7 @@ pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(
             break;
         }
         let pos = req.prompt_ids.len() + tokens.len() - 1;
-        logits = m.model.forward(&[next], &[BatchRow { seq: 0, pos }], &mut kv, &[0]);
+        logits = m.model.try_forward(&[next], &[BatchRow { seq: 0, pos }], kv, &[0]).map_err(|e| e.to_string())?;
     }
     if finish_reason == FinishReason::Length {
         let tail = decoder.flush(&m.tokenizer);
@@ -129,4 +132,53 @@ pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(
         }
     }
     Ok(GenerateOutput { tokens, text, finish_reason, prefill_time, decode_time: decode_start.elapsed() })
+}
+
+/// Where one request's K/V live.
+enum Cache {
+    Host(ContiguousKvCache),
+    Device(SequenceBlocks),
+}
+
+impl Cache {
+    const BLOCK_SIZE: usize = 16;
+
+    /// A host cache, or for a device model its pool allocated with blocks for `positions`.
+    fn for_request(m: &LoadedModel, positions: usize) -> Result<Self, String> {
+        let Some(dev) = m.model.device_kv() else {
+            return Ok(Cache::Host(m.model.contiguous_cache(1)));
+        };
+        let blocks = positions.div_ceil(Self::BLOCK_SIZE).max(1);
+        dev.allocate(blocks, Self::BLOCK_SIZE, kernels::gpu::kv_pool::KvStorage::F32).map_err(|e| format!("cannot allocate the device KV pool: {e}"))?;
+        Ok(Cache::Device(SequenceBlocks { tables: vec![(0..blocks as u32).collect()] }))
+    }
+
+    fn as_kv(&mut self) -> &mut dyn KvCache {
+        match self {
+            Cache::Host(c) => c,
+            Cache::Device(t) => t,
+        }
+    }
+}
+
+/// The single sequence's block table over the whole device pool (block i holds positions
+/// 16i..16i+15); the K/V themselves stay on the device, so the row accessors are never used.
+struct SequenceBlocks {
+    tables: Vec<Vec<u32>>,
+}
+
+impl KvCache for SequenceBlocks {
+    fn write(&mut self, _: usize, _: usize, _: usize, _: &[f32], _: &[f32]) {
+        unreachable!("a device model writes K/V into its own pool")
+    }
+    fn key(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
+        unreachable!("a device model reads K/V from its own pool")
+    }
+    fn value(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
+        unreachable!("a device model reads K/V from its own pool")
+    }
+    fn paged_view(&self) -> Option<PagedView<'_>> {
+        const NO_COPIES: &[BlockCopy] = &[];
+        Some(PagedView { block_size: Cache::BLOCK_SIZE, tables: &self.tables, copies: NO_COPIES })
+    }
 }

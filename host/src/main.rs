@@ -145,13 +145,13 @@ fn main() -> Result<()> {
     let selected = wasmserve::backend::select(&cli.device).map_err(anyhow::Error::msg)?;
     tracing::info!(device = %cli.device, backends = %selected.describe(), "compute device");
     let on_device = cli.device != wasmserve::backend::DeviceSpec::Cpu && selected.fallback_reason.is_none();
-    if on_device && !matches!(cli.command, Command::Serve(_) | Command::Bench(BenchCommand::Engine(_))) {
-        // Only the engine drives the device forward (its K/V live in the engine's device pool);
-        // single-request commands use a contiguous host cache, so say so rather than imply GPU work.
-        tracing::warn!("this command's forward runs on the CPU; `serve` and `bench engine` run a Llama model's forward on the device");
+    if on_device && !matches!(cli.command, Command::Serve(_) | Command::Generate(_) | Command::Bench(BenchCommand::Engine(_))) {
+        // `bench decode` and `bench perplexity` measure the CPU forward with a contiguous host
+        // cache, so say so rather than imply GPU work.
+        tracing::warn!("this command's forward runs on the CPU; `serve`, `generate` and `bench engine` run a Llama model's forward on the device");
     }
     match cli.command {
-        Command::Generate(args) => run_generate(args),
+        Command::Generate(args) => run_generate(args, &cli.device),
         Command::Serve(args) => wasmserve::server::run_on(args, &cli.device),
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args, &cli.device),
         Command::Bench(BenchCommand::Perplexity(args)) => wasmserve::perplexity::run(args),
@@ -163,8 +163,8 @@ fn main() -> Result<()> {
     }
 }
 
-fn run_generate(a: GenerateArgs) -> Result<()> {
-    let m = a.model.load()?;
+fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec) -> Result<()> {
+    let m = wasmserve::backend::place_model(a.model.load()?, device).map_err(anyhow::Error::msg)?;
     let prompt = if let Some(p) = &a.prompt {
         p.clone()
     } else {

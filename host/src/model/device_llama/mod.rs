@@ -159,7 +159,12 @@ impl<R: Runtime> DeviceLlama<R> {
                 .enumerate()
                 .map(|(i, (state, comm))| {
                     let run = &run;
-                    std::thread::Builder::new().name(format!("device-tp-rank-{}", i + 1)).spawn_scoped(s, move || run(state, comm))
+                    let spawned = std::thread::Builder::new().name(format!("device-tp-rank-{}", i + 1)).spawn_scoped(s, move || run(state, comm));
+                    if let Err(e) = &spawned {
+                        // Its peers must not wait for a rank that never starts.
+                        comm.abort(&format!("rank thread not started: {e}"));
+                    }
+                    spawned
                 })
                 .collect();
             let mut parts = vec![run(&self.ranks[0], &comms[0])];
