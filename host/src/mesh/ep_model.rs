@@ -78,6 +78,10 @@ impl LanguageModel for ExpertParallelDeepseek {
         self.ranks[0].ep_cache_layout()
     }
 
+    fn deepseek_ranks(&self) -> Option<&[DeepseekV3Model]> {
+        Some(&self.ranks)
+    }
+
     /// The single-device forward contract with the experts split over the ranks; `kv` must have
     /// [`Self::cache_layout`].
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {

@@ -23,7 +23,7 @@ use super::LanguageModel;
 use super::llama::SharedKv;
 use crate::mesh::{Collective, CollectiveError, ExpertParallelMoe};
 
-enum Ffn {
+pub(crate) enum Ffn {
     Dense(GatedMlp),
     Moe(MoeLayer),
     /// This rank's share of the routed experts (router and shared experts whole).
@@ -37,23 +37,24 @@ pub struct EpRank {
     pub size: usize,
 }
 
-struct Layer {
-    attn_norm: Tensor,
-    attn: MlaLayer,
-    ffn_norm: Tensor,
-    ffn: Ffn,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Tensor,
+    pub(crate) attn: MlaLayer,
+    pub(crate) ffn_norm: Tensor,
+    pub(crate) ffn: Ffn,
 }
 
+// Crate-visible fields: the device forward (model/device_deepseek) uploads them.
 pub struct DeepseekV3Model {
-    cfg: ModelConfig,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: Tensor,
+    pub(crate) cfg: ModelConfig,
+    pub(crate) embed: Tensor,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: Tensor,
     /// `None` when the output projection is tied to the embedding matrix.
-    lm_head: Option<Linear>,
-    ep: EpRank,
+    pub(crate) lm_head: Option<Linear>,
+    pub(crate) ep: EpRank,
     /// Attention heads split over the ranks (`load_tp_rank`): `o_proj` outputs are partial sums.
-    split_heads: bool,
+    pub(crate) split_heads: bool,
 }
 
 impl DeepseekV3Model {
@@ -216,6 +217,11 @@ impl LanguageModel for DeepseekV3Model {
 
     fn cache_layout(&self) -> CacheLayout {
         self.rank_cache_layout()
+    }
+
+    /// A whole model only: a lone rank of a sharded one cannot run by itself.
+    fn deepseek_ranks(&self) -> Option<&[DeepseekV3Model]> {
+        (self.ep.size == 1).then_some(std::slice::from_ref(self))
     }
 
     /// One device. An expert-parallel rank (`ep_rank().size > 1`) cannot run alone: its MoE

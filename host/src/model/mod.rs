@@ -3,6 +3,7 @@
 pub mod config;
 pub mod decoder;
 pub mod deepseek;
+pub mod device;
 pub mod device_llama;
 pub mod error;
 pub mod ggml;
@@ -61,6 +62,12 @@ pub trait LanguageModel: Send + Sync {
     /// The Llama ranks behind this model, if it is a Llama (to move it onto devices): one for a
     /// whole model, one per tensor-parallel rank otherwise, in rank order.
     fn llama_ranks(&self) -> Option<&[LlamaModel]> {
+        None
+    }
+
+    /// The DeepSeek-V3 ranks behind this model, if it is one (to move it onto devices): one for a
+    /// whole model, one per expert-parallel (or tensor-parallel) rank otherwise, in rank order.
+    fn deepseek_ranks(&self) -> Option<&[deepseek::DeepseekV3Model]> {
         None
     }
 

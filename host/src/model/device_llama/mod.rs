@@ -13,26 +13,24 @@
 //! Numerically it is the CPU model with dense weights in bf16 (see `weights`), so it is tested
 //! against it and against transformers.
 
-mod weights;
-#[cfg(test)]
-mod ref_runtime;
 #[cfg(test)]
 mod tests;
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
 
 use kernels::gpu::kernels::GemmScratch;
 use kernels::gpu::kv_pool::{DeviceKvPool, KvStorage};
 use kernels::gpu::{Kernels, Runtime};
 
 use super::config::ModelConfig;
+use super::device::ranks::{run_step, RankState};
+use super::device::step::{checked_step, StepInputs};
+use super::device::weights::DevLinear;
 use super::kv::{BatchRow, BlockCopy, CacheLayout, KvCache, LayerKvShape, PagedView};
 use super::llama::{LlamaModel, TpRank};
 use super::{DeviceKv, ForwardError, LanguageModel, LoadedModel};
 use crate::mesh::device_collective::{DeviceCollective, DeviceGroup, SoleRank};
 use crate::mesh::even_range;
-use weights::DevLinear;
 
 struct DevLayer<R: Runtime> {
     attn_norm: R::Buf<f32>,
@@ -74,27 +72,11 @@ struct DeviceState<R: Runtime> {
     scratch: GemmScratch<R>,
 }
 
-/// One device's state. Its buffers and runtime are only touched with the lock held, so one
-/// thread at a time drives that device.
-struct RankState<R: Runtime>(Mutex<DeviceState<R>>);
-
-// SAFETY: see `RankState`: the lock serialises every use of a device's runtime and buffers, and
-// nothing device-side is reachable except through it. (CUDA contexts may be driven from any
-// thread; cudarc binds the context before each call.)
-unsafe impl<R: Runtime> Send for RankState<R> {}
-unsafe impl<R: Runtime> Sync for RankState<R> {}
-
-impl<R: Runtime> RankState<R> {
-    fn lock(&self) -> std::sync::MutexGuard<'_, DeviceState<R>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
 /// A Llama on one device, or split over several (one tensor-parallel rank per device).
 pub struct DeviceLlama<R: Runtime> {
     cfg: ModelConfig,
     describe: String,
-    ranks: Vec<RankState<R>>,
+    ranks: Vec<RankState<DeviceState<R>>>,
     group: Box<dyn DeviceGroup<R>>,
 }
 
@@ -120,7 +102,7 @@ impl<R: Runtime> DeviceLlama<R> {
                 return Err(invalid(format!("device {r} was given tensor-parallel rank {} of {} (expected rank {r} of {size})", m.tp.rank, m.tp.size)));
             }
         }
-        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DeviceState::upload(m, gpu).map(|s| RankState(Mutex::new(s)))).collect::<Result<Vec<_>, _>>()?;
+        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DeviceState::upload(m, gpu).map(RankState::new)).collect::<Result<Vec<_>, _>>()?;
         let names: Vec<String> = states.iter().map(|s| s.lock().gpu.describe()).collect();
         let describe = if size == 1 { names[0].clone() } else { format!("{size} tensor-parallel ranks on {}", names.join(", ")) };
         Ok(Self { cfg: ranks[0].cfg.clone(), describe, ranks: states, group })
@@ -135,84 +117,17 @@ impl<R: Runtime> DeviceLlama<R> {
         self.ranks.len()
     }
 
-    /// Every rank's step, each on its own thread (rank 0 on the caller's), then the logits
-    /// stitched from the ranks' vocabulary columns. A rank that fails aborts the step's group so
-    /// its peers return instead of waiting in a collective; the first real error is returned.
+    /// Every rank's step ([`run_step`]: each on its own thread, a failing rank releasing its
+    /// peers), then the logits stitched from the ranks' vocabulary columns.
     fn forward_ranks(&self, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
-        let inp = self.checked_step(tokens, rows, view, logit_rows)?;
-        if let [only] = self.ranks.as_slice() {
-            return only.lock().forward(&self.cfg, view.copies, &inp, &SoleRank);
+        let pool = self.ranks[0].lock().pool.as_ref().map(|p| (p.num_blocks, p.block_size));
+        let inp = checked_step(&self.cfg, tokens, rows, view, logit_rows, pool)?;
+        let comms = if self.ranks.len() > 1 { self.group.step_comms()? } else { Vec::new() };
+        let parts = run_step(&self.ranks, &comms, |state, comm| state.forward(&self.cfg, view.copies, &inp, comm))?;
+        if parts.len() == 1 {
+            return Ok(parts.into_iter().next().unwrap_or_default());
         }
-        let comms = self.group.step_comms()?;
-        let run = |state: &RankState<R>, comm: &Arc<dyn DeviceCollective<R>>| {
-            let _guard = AbortOnPanic(comm.as_ref());
-            let out = state.lock().forward(&self.cfg, view.copies, &inp, comm.as_ref());
-            if let Err(e) = &out {
-                comm.abort(&e.to_string());
-            }
-            out
-        };
-        let parts: Vec<Result<Vec<f32>, ForwardError>> = std::thread::scope(|s| {
-            let peers: Vec<_> = self.ranks[1..]
-                .iter()
-                .zip(&comms[1..])
-                .enumerate()
-                .map(|(i, (state, comm))| {
-                    let run = &run;
-                    let spawned = std::thread::Builder::new().name(format!("device-tp-rank-{}", i + 1)).spawn_scoped(s, move || run(state, comm));
-                    if let Err(e) = &spawned {
-                        // Its peers must not wait for a rank that never starts.
-                        comm.abort(&format!("rank thread not started: {e}"));
-                    }
-                    spawned
-                })
-                .collect();
-            let mut parts = vec![run(&self.ranks[0], &comms[0])];
-            for (i, p) in peers.into_iter().enumerate() {
-                parts.push(match p {
-                    Ok(h) => h.join().unwrap_or_else(|_| Err(invalid(format!("tensor-parallel rank {} panicked in the forward pass", i + 1)))),
-                    Err(e) => Err(invalid(format!("cannot start the thread of tensor-parallel rank {}: {e}", i + 1))),
-                });
-            }
-            parts
-        });
-        // A rank's own failure, not the peers' "aborted" echo of it.
-        let aborted = |e: &ForwardError| e.to_string().contains("collective aborted");
-        if let Some(first) = parts.iter().position(|p| p.as_ref().is_err_and(|e| !aborted(e))) {
-            return Err(parts.into_iter().nth(first).and_then(Result::err).expect("an error at this rank"));
-        }
-        let parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
         Ok(stitch_vocab(&parts, logit_rows.len(), self.cfg.vocab_size))
-    }
-}
-
-impl<R: Runtime> DeviceLlama<R> {
-    /// Everything about a step that can be wrong before a device is touched, checked once for
-    /// all ranks against the pool they share the geometry of: the batch (`step_inputs`) and the
-    /// copy-on-write copies.
-    fn checked_step(&self, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize]) -> Result<StepInputs, ForwardError> {
-        let (num_blocks, block_size) = match &self.ranks[0].lock().pool {
-            Some(p) => (p.num_blocks, p.block_size),
-            None => return Err(invalid("the device KV pool is not allocated (DeviceKv::allocate)".into())),
-        };
-        if block_size != view.block_size {
-            return Err(invalid(format!("block size {} in the batch, {block_size} in the device pool", view.block_size)));
-        }
-        if let Some(c) = view.copies.iter().find(|c| c.src as usize >= num_blocks || c.dst as usize >= num_blocks || c.slots > block_size) {
-            return Err(invalid(format!("block copy {} -> {} of {} slots outside the device pool of {num_blocks} blocks of {block_size}", c.src, c.dst, c.slots)));
-        }
-        step_inputs(&self.cfg, tokens, rows, block_size, view.tables, num_blocks, logit_rows)
-    }
-}
-
-/// Aborts a step's group when its rank's thread unwinds, so the others stop waiting for it.
-struct AbortOnPanic<'a, R: Runtime>(&'a dyn DeviceCollective<R>);
-
-impl<R: Runtime> Drop for AbortOnPanic<'_, R> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.abort("rank panicked");
-        }
     }
 }
 
@@ -266,71 +181,13 @@ impl<R: Runtime> DeviceState<R> {
     }
 }
 
-/// What one step uploads: per token its id, position, pool row to write, and the block table
-/// and length its attention reads.
-#[derive(Debug)]
-struct StepInputs {
-    ids: Vec<i32>,
-    positions: Vec<i32>,
-    slots: Vec<i32>,
-    /// `[tokens, max_blocks]`: each token's sequence table (prefill reuses the decode kernel
-    /// with one query row per token, len = pos + 1; a dedicated prefill kernel is future work).
-    tables: Vec<i32>,
-    lens: Vec<i32>,
-    max_blocks: usize,
-    logit_rows: Vec<i32>,
-}
-
-fn step_inputs(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], block_size: usize, tables: &[Vec<u32>], num_blocks: usize, logit_rows: &[usize]) -> Result<StepInputs, ForwardError> {
-    let n = tokens.len();
-    if rows.len() != n {
-        return Err(invalid(format!("forward: {} batch rows for {n} tokens", rows.len())));
-    }
-    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        return Err(invalid(format!("token id {t} is outside the vocabulary (size {})", cfg.vocab_size)));
-    }
-    if let Some(&r) = logit_rows.iter().find(|&&r| r >= n) {
-        return Err(invalid(format!("logit row {r} of a batch of {n} tokens")));
-    }
-    let mut slots = Vec::with_capacity(n);
-    for r in rows {
-        let table = tables.get(r.seq).ok_or_else(|| invalid(format!("batch sequence {} has no block table ({} given)", r.seq, tables.len())))?;
-        let block = *table.get(r.pos / block_size).ok_or_else(|| invalid(format!("sequence {} position {} is past its {} blocks", r.seq, r.pos, table.len())))? as usize;
-        if block >= num_blocks {
-            return Err(invalid(format!("block {block} is outside the device pool of {num_blocks}")));
-        }
-        slots.push((block * block_size + r.pos % block_size) as i32);
-    }
-    let max_blocks = rows.iter().map(|r| r.pos / block_size + 1).max().unwrap_or(1);
-    let mut flat = vec![0i32; n * max_blocks];
-    for (i, r) in rows.iter().enumerate() {
-        let need = r.pos / block_size + 1;
-        // Attention reads every block up to the row's own: all must be inside the pool.
-        for (dst, &b) in flat[i * max_blocks..i * max_blocks + need].iter_mut().zip(&tables[r.seq]) {
-            if b as usize >= num_blocks {
-                return Err(invalid(format!("block {b} is outside the device pool of {num_blocks}")));
-            }
-            *dst = b as i32;
-        }
-    }
-    Ok(StepInputs {
-        ids: tokens.iter().map(|&t| t as i32).collect(),
-        positions: rows.iter().map(|r| r.pos as i32).collect(),
-        slots,
-        tables: flat,
-        lens: rows.iter().map(|r| r.pos as i32 + 1).collect(),
-        max_blocks,
-        logit_rows: logit_rows.iter().map(|&r| r as i32).collect(),
-    })
-}
-
 impl<R: Runtime> DeviceState<R> {
     /// This device's part of one step: the whole forward on a single device; on a
     /// tensor-parallel rank its heads and MLP slice, with `comm` summing the partial results, and
     /// its vocabulary columns of the logits (`[logit rows, |vocab slice|]`).
     #[allow(clippy::too_many_arguments)]
     ///
-    /// `inp` and `copies` were checked against the pool by [`DeviceLlama::checked_step`], so on
+    /// `inp` and `copies` were checked against the pool by [`checked_step`], so on
     /// a tensor-parallel rank an error here is a device's failure, never one rank disagreeing
     /// with its peers about the batch.
     fn forward(&mut self, cfg: &ModelConfig, copies: &[BlockCopy], inp: &StepInputs, comm: &dyn DeviceCollective<R>) -> Result<Vec<f32>, ForwardError> {
@@ -500,46 +357,4 @@ pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<
     }
     let dev = DeviceLlama::from_ranks(ranks, gpus, group)?;
     Ok(LoadedModel { model: Box::new(dev), ..m })
-}
-
-#[cfg(test)]
-mod step_tests {
-    use super::*;
-
-    fn cfg() -> ModelConfig {
-        let raw = serde_json::json!({
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10, "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 64, "rope_theta": 10000.0, "tie_word_embeddings": true
-        });
-        ModelConfig::from_hf_config(std::path::Path::new("config.json"), &raw).unwrap()
-    }
-
-    #[test]
-    fn step_inputs_map_positions_to_pool_rows_and_per_token_tables() {
-        let rows = [BatchRow { seq: 0, pos: 0 }, BatchRow { seq: 0, pos: 1 }, BatchRow { seq: 0, pos: 2 }, BatchRow { seq: 1, pos: 5 }];
-        let tables = vec![vec![4, 2], vec![1, 3, 0]];
-        let s = step_inputs(&cfg(), &[1, 2, 3, 4], &rows, 2, &tables, 5, &[2, 3]).unwrap();
-        // seq 1 position 5: block index 2 of its table (block 0), slot 1.
-        assert_eq!(s.slots, [8, 9, 4, 1]);
-        assert_eq!(s.max_blocks, 3);
-        assert_eq!(s.tables, [4, 0, 0, 4, 0, 0, 4, 2, 0, 1, 3, 0]);
-        assert_eq!(s.lens, [1, 2, 3, 6]);
-        assert_eq!(s.logit_rows, [2, 3]);
-    }
-
-    #[test]
-    fn bad_batches_are_errors_not_panics() {
-        let c = cfg();
-        let t = vec![vec![0u32]];
-        let row = [BatchRow { seq: 0, pos: 0 }];
-        assert!(step_inputs(&c, &[10], &row, 2, &t, 1, &[0]).unwrap_err().to_string().contains("outside the vocabulary"));
-        assert!(step_inputs(&c, &[1], &row, 2, &t, 1, &[1]).unwrap_err().to_string().contains("logit row"));
-        assert!(step_inputs(&c, &[1], &[BatchRow { seq: 1, pos: 0 }], 2, &t, 1, &[0]).unwrap_err().to_string().contains("no block table"));
-        assert!(step_inputs(&c, &[1], &[BatchRow { seq: 0, pos: 2 }], 2, &t, 1, &[0]).unwrap_err().to_string().contains("past its"));
-        assert!(step_inputs(&c, &[1], &row, 2, &[vec![3]], 1, &[0]).unwrap_err().to_string().contains("outside the device pool"));
-        // An earlier block of the table (read by attention, not written) is checked too.
-        let late = [BatchRow { seq: 0, pos: 2 }];
-        assert!(step_inputs(&c, &[1], &late, 2, &[vec![7, 0]], 1, &[0]).unwrap_err().to_string().contains("block 7 is outside"));
-    }
 }

@@ -12,7 +12,7 @@ use kernels::cpu::rope::Rope;
 use kernels::gpu::kv_pool::KvStorage;
 use kernels::gpu::{Kernels, Runtime};
 
-use super::ref_runtime::RefRuntime;
+use crate::model::device::ref_runtime::RefRuntime;
 use super::DeviceLlama;
 use crate::model::config::ModelConfig;
 use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache, KvCache, KvRow, PagedView};
@@ -417,7 +417,7 @@ fn tensor_parallel_engine_serves_with_kv_in_each_ranks_device_pool() {
 /// the following step runs normally.
 #[test]
 fn a_rank_failing_mid_step_fails_the_step_not_its_peers_or_the_next_step() {
-    use super::ref_runtime::Flaky;
+    use crate::model::device::ref_runtime::Flaky;
     let (_, reference) = tiny_checkpoint();
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
     let m = crate::model::load_tp(&dir, 2).unwrap();

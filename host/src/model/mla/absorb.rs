@@ -28,9 +28,9 @@ pub struct Absorbed {
     v: usize,
     lora: usize,
     /// `[heads][nope][lora]`
-    w_uk: Vec<f32>,
+    pub(crate) w_uk: Vec<f32>,
     /// `[heads][v][lora]`
-    w_uv: Vec<f32>,
+    pub(crate) w_uv: Vec<f32>,
 }
 
 impl Absorbed {

@@ -24,21 +24,22 @@ use crate::model::linear::Linear;
 use crate::model::source::WeightSource;
 use crate::model::tensor::Tensor;
 
-enum QPath {
+pub(crate) enum QPath {
     Plain(Linear),
     LowRank { a: Linear, norm: Tensor, b: Linear },
 }
 
+// Crate-visible fields: the device forward (model/device_deepseek) uploads them.
 pub struct MlaLayer {
-    cfg: MlaConfig,
-    q: QPath,
-    kv_a: Linear,
-    kv_a_norm: Tensor,
-    absorbed: Absorbed,
-    gate: Option<Linear>,
-    o: Linear,
-    rotary: Option<MlaRotary>,
-    scale: f32,
+    pub(crate) cfg: MlaConfig,
+    pub(crate) q: QPath,
+    pub(crate) kv_a: Linear,
+    pub(crate) kv_a_norm: Tensor,
+    pub(crate) absorbed: Absorbed,
+    pub(crate) gate: Option<Linear>,
+    pub(crate) o: Linear,
+    pub(crate) rotary: Option<MlaRotary>,
+    pub(crate) scale: f32,
 }
 
 impl MlaLayer {

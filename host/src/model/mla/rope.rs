@@ -12,10 +12,10 @@ use kernels::cpu::rope::Rope;
 use super::config::{yarn_get_mscale, MlaRope, Yarn};
 
 pub struct MlaRotary {
-    rope: Rope,
-    interleave: bool,
+    pub(crate) rope: Rope,
+    pub(crate) interleave: bool,
     /// YaRN multiplies cos and sin by this (so each rotated slice is scaled by it).
-    attention_factor: f32,
+    pub(crate) attention_factor: f32,
     dim: usize,
 }
 

@@ -12,10 +12,10 @@ use crate::model::source::WeightSource;
 
 pub struct MoeLayer {
     hidden: usize,
-    router: Router,
-    experts: Experts,
-    latent: Option<Latent>,
-    shared: Option<GatedMlp>,
+    pub(crate) router: Router,
+    pub(crate) experts: Experts,
+    pub(crate) latent: Option<Latent>,
+    pub(crate) shared: Option<GatedMlp>,
 }
 
 impl MoeLayer {

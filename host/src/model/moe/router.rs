@@ -72,15 +72,15 @@ impl Routing {
 
 pub struct Router {
     /// `[num_experts, hidden]`.
-    weight: Tensor,
-    bias: Option<Vec<f32>>,
-    scoring: Scoring,
-    method: TopkMethod,
-    n_group: usize,
-    topk_group: usize,
-    top_k: usize,
-    normalize: bool,
-    scale: f32,
+    pub(crate) weight: Tensor,
+    pub(crate) bias: Option<Vec<f32>>,
+    pub(crate) scoring: Scoring,
+    pub(crate) method: TopkMethod,
+    pub(crate) n_group: usize,
+    pub(crate) topk_group: usize,
+    pub(crate) top_k: usize,
+    pub(crate) normalize: bool,
+    pub(crate) scale: f32,
 }
 
 impl Router {

@@ -71,7 +71,7 @@ fn parts(name: &str, l: &Linear) -> Result<Parts, ForwardError> {
 
 /// `a`'s rows then `b`'s, when both are in the same format and layout.
 fn stack(name: &str, a: Parts, b: Parts) -> Result<Parts, ForwardError> {
-    let mismatch = || ForwardError::Invalid(format!("{name}: gate and up projections are stored in different formats or layouts; the device forward fuses them"));
+    let mismatch = || ForwardError::Invalid(format!("{name}: the stacked projections are stored in different formats or layouts; the device forward needs one format to fuse them"));
     Ok(match (a, b) {
         (Parts::Bf16 { rows, cols, mut data }, Parts::Bf16 { rows: r2, cols: c2, data: d2 }) if cols == c2 => {
             data.extend(d2);
@@ -113,7 +113,29 @@ impl<R: Runtime> DevLinear<R> {
 
     /// `a` and `b` stacked by rows into one weight (one GEMM for both).
     pub fn upload_stacked(gpu: &Kernels<R>, name: &str, a: &Linear, b: &Linear) -> Result<Self, ForwardError> {
-        upload(gpu, stack(name, parts(name, a)?, parts(name, b)?)?)
+        Self::upload_rows(gpu, name, &[a, b])
+    }
+
+    /// Every weight of `list` stacked by rows, in order, into one device weight: a fused
+    /// projection, or a layer's routed experts (expert `e`'s matrix is rows
+    /// `e · rows_per_expert ..`), which must then share one storage format and layout.
+    pub fn upload_rows(gpu: &Kernels<R>, name: &str, list: &[&Linear]) -> Result<Self, ForwardError> {
+        let mut it = list.iter();
+        let first = it.next().ok_or_else(|| ForwardError::Invalid(format!("{name}: nothing to upload")))?;
+        let mut all = parts(name, first)?;
+        for l in it {
+            all = stack(name, all, parts(name, l)?)?;
+        }
+        upload(gpu, all)
+    }
+
+    /// (rows, cols) of the whole (possibly stacked) weight.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            DevLinear::Bf16 { rows, cols, .. } => (*rows, *cols),
+            DevLinear::Int(g) | DevLinear::Cubic(g) => (g.packed.rows, g.packed.cols),
+            DevLinear::Mxfp4(m) => (m.rows, m.cols),
+        }
     }
 
     /// Elements of the bf16 copy the prefill GEMM dequantises this weight into (0 for dense

@@ -1,0 +1,127 @@
+//! One forward step's inputs for the device kernels, checked once on the host before any device
+//! is touched (so on a multi-device model a rank can only fail on its device, never by
+//! disagreeing with its peers about the batch): per token its id, position, pool row to write
+//! (slot mapping) and the block table and length its attention reads.
+
+use crate::model::config::ModelConfig;
+use crate::model::kv::{BatchRow, PagedView};
+use crate::model::ForwardError;
+
+fn invalid(msg: String) -> ForwardError {
+    ForwardError::Invalid(msg)
+}
+
+/// Checks a step against a device pool of `pool` = (blocks, block size), `None` when the pool was
+/// never allocated: the batch ([`step_inputs`]) and the copy-on-write copies.
+pub fn checked_step(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize], pool: Option<(usize, usize)>) -> Result<StepInputs, ForwardError> {
+    let Some((num_blocks, block_size)) = pool else {
+        return Err(invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()));
+    };
+    if block_size != view.block_size {
+        return Err(invalid(format!("block size {} in the batch, {block_size} in the device pool", view.block_size)));
+    }
+    if let Some(c) = view.copies.iter().find(|c| c.src as usize >= num_blocks || c.dst as usize >= num_blocks || c.slots > block_size) {
+        return Err(invalid(format!("block copy {} -> {} of {} slots outside the device pool of {num_blocks} blocks of {block_size}", c.src, c.dst, c.slots)));
+    }
+    step_inputs(cfg, tokens, rows, block_size, view.tables, num_blocks, logit_rows)
+}
+
+/// What one step uploads: per token its id, position, pool row to write, and the block table
+/// and length its attention reads.
+#[derive(Debug)]
+pub struct StepInputs {
+    pub ids: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub slots: Vec<i32>,
+    /// `[tokens, max_blocks]`: each token's sequence table (prefill reuses the decode kernel
+    /// with one query row per token, len = pos + 1; a dedicated prefill kernel is future work).
+    pub tables: Vec<i32>,
+    pub lens: Vec<i32>,
+    pub max_blocks: usize,
+    pub logit_rows: Vec<i32>,
+}
+
+pub fn step_inputs(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], block_size: usize, tables: &[Vec<u32>], num_blocks: usize, logit_rows: &[usize]) -> Result<StepInputs, ForwardError> {
+    let n = tokens.len();
+    if rows.len() != n {
+        return Err(invalid(format!("forward: {} batch rows for {n} tokens", rows.len())));
+    }
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        return Err(invalid(format!("token id {t} is outside the vocabulary (size {})", cfg.vocab_size)));
+    }
+    if let Some(&r) = logit_rows.iter().find(|&&r| r >= n) {
+        return Err(invalid(format!("logit row {r} of a batch of {n} tokens")));
+    }
+    let mut slots = Vec::with_capacity(n);
+    for r in rows {
+        let table = tables.get(r.seq).ok_or_else(|| invalid(format!("batch sequence {} has no block table ({} given)", r.seq, tables.len())))?;
+        let block = *table.get(r.pos / block_size).ok_or_else(|| invalid(format!("sequence {} position {} is past its {} blocks", r.seq, r.pos, table.len())))? as usize;
+        if block >= num_blocks {
+            return Err(invalid(format!("block {block} is outside the device pool of {num_blocks}")));
+        }
+        slots.push((block * block_size + r.pos % block_size) as i32);
+    }
+    let max_blocks = rows.iter().map(|r| r.pos / block_size + 1).max().unwrap_or(1);
+    let mut flat = vec![0i32; n * max_blocks];
+    for (i, r) in rows.iter().enumerate() {
+        let need = r.pos / block_size + 1;
+        // Attention reads every block up to the row's own: all must be inside the pool.
+        for (dst, &b) in flat[i * max_blocks..i * max_blocks + need].iter_mut().zip(&tables[r.seq]) {
+            if b as usize >= num_blocks {
+                return Err(invalid(format!("block {b} is outside the device pool of {num_blocks}")));
+            }
+            *dst = b as i32;
+        }
+    }
+    Ok(StepInputs {
+        ids: tokens.iter().map(|&t| t as i32).collect(),
+        positions: rows.iter().map(|r| r.pos as i32).collect(),
+        slots,
+        tables: flat,
+        lens: rows.iter().map(|r| r.pos as i32 + 1).collect(),
+        max_blocks,
+        logit_rows: logit_rows.iter().map(|&r| r as i32).collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> ModelConfig {
+        let raw = serde_json::json!({
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 64, "rope_theta": 10000.0, "tie_word_embeddings": true
+        });
+        ModelConfig::from_hf_config(std::path::Path::new("config.json"), &raw).unwrap()
+    }
+
+    #[test]
+    fn step_inputs_map_positions_to_pool_rows_and_per_token_tables() {
+        let rows = [BatchRow { seq: 0, pos: 0 }, BatchRow { seq: 0, pos: 1 }, BatchRow { seq: 0, pos: 2 }, BatchRow { seq: 1, pos: 5 }];
+        let tables = vec![vec![4, 2], vec![1, 3, 0]];
+        let s = step_inputs(&cfg(), &[1, 2, 3, 4], &rows, 2, &tables, 5, &[2, 3]).unwrap();
+        // seq 1 position 5: block index 2 of its table (block 0), slot 1.
+        assert_eq!(s.slots, [8, 9, 4, 1]);
+        assert_eq!(s.max_blocks, 3);
+        assert_eq!(s.tables, [4, 0, 0, 4, 0, 0, 4, 2, 0, 1, 3, 0]);
+        assert_eq!(s.lens, [1, 2, 3, 6]);
+        assert_eq!(s.logit_rows, [2, 3]);
+    }
+
+    #[test]
+    fn bad_batches_are_errors_not_panics() {
+        let c = cfg();
+        let t = vec![vec![0u32]];
+        let row = [BatchRow { seq: 0, pos: 0 }];
+        assert!(step_inputs(&c, &[10], &row, 2, &t, 1, &[0]).unwrap_err().to_string().contains("outside the vocabulary"));
+        assert!(step_inputs(&c, &[1], &row, 2, &t, 1, &[1]).unwrap_err().to_string().contains("logit row"));
+        assert!(step_inputs(&c, &[1], &[BatchRow { seq: 1, pos: 0 }], 2, &t, 1, &[0]).unwrap_err().to_string().contains("no block table"));
+        assert!(step_inputs(&c, &[1], &[BatchRow { seq: 0, pos: 2 }], 2, &t, 1, &[0]).unwrap_err().to_string().contains("past its"));
+        assert!(step_inputs(&c, &[1], &row, 2, &[vec![3]], 1, &[0]).unwrap_err().to_string().contains("outside the device pool"));
+        // An earlier block of the table (read by attention, not written) is checked too.
+        let late = [BatchRow { seq: 0, pos: 2 }];
+        assert!(step_inputs(&c, &[1], &late, 2, &[vec![7, 0]], 1, &[0]).unwrap_err().to_string().contains("block 7 is outside"));
+    }
+}
