@@ -5,7 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache, KvCache, KvRow, PagedView};
+use crate::model::device::step::BlockTables;
+use crate::model::kv::{BatchRow, ContiguousKvCache, KvCache};
 use crate::model::LoadedModel;
 use crate::sampling::stop::{StopChecker, StopOutcome};
 use crate::sampling::{Sampler, SamplingParams};
@@ -137,7 +138,9 @@ pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(
 /// Where one request's K/V live.
 enum Cache {
     Host(ContiguousKvCache),
-    Device(SequenceBlocks),
+    /// The single sequence's block table over the whole device pool (block i holds positions
+    /// 16i..16i+15).
+    Device(BlockTables),
 }
 
 impl Cache {
@@ -150,7 +153,7 @@ impl Cache {
         };
         let blocks = positions.div_ceil(Self::BLOCK_SIZE).max(1);
         dev.allocate(blocks, Self::BLOCK_SIZE, kernels::gpu::kv_pool::KvStorage::F32).map_err(|e| format!("cannot allocate the device KV pool: {e}"))?;
-        Ok(Cache::Device(SequenceBlocks { tables: vec![(0..blocks as u32).collect()] }))
+        Ok(Cache::Device(BlockTables { block_size: Self::BLOCK_SIZE, tables: vec![(0..blocks as u32).collect()], copies: Vec::new() }))
     }
 
     fn as_kv(&mut self) -> &mut dyn KvCache {
@@ -158,27 +161,5 @@ impl Cache {
             Cache::Host(c) => c,
             Cache::Device(t) => t,
         }
-    }
-}
-
-/// The single sequence's block table over the whole device pool (block i holds positions
-/// 16i..16i+15); the K/V themselves stay on the device, so the row accessors are never used.
-struct SequenceBlocks {
-    tables: Vec<Vec<u32>>,
-}
-
-impl KvCache for SequenceBlocks {
-    fn write(&mut self, _: usize, _: usize, _: usize, _: &[f32], _: &[f32]) {
-        unreachable!("a device model writes K/V into its own pool")
-    }
-    fn key(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
-        unreachable!("a device model reads K/V from its own pool")
-    }
-    fn value(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
-        unreachable!("a device model reads K/V from its own pool")
-    }
-    fn paged_view(&self) -> Option<PagedView<'_>> {
-        const NO_COPIES: &[BlockCopy] = &[];
-        Some(PagedView { block_size: Cache::BLOCK_SIZE, tables: &self.tables, copies: NO_COPIES })
     }
 }

@@ -4,8 +4,32 @@
 //! (slot mapping) and the block table and length its attention reads.
 
 use crate::model::config::ModelConfig;
-use crate::model::kv::{BatchRow, PagedView};
+use crate::model::kv::{BatchRow, BlockCopy, KvCache, KvRow, PagedView};
 use crate::model::ForwardError;
+
+/// The paged addressing a device model reads, for callers without the engine's block pool
+/// (single-request generation, tests): block tables and copy-on-write copies. The K/V themselves
+/// live in the model's device pool, so the row accessors are never called.
+pub struct BlockTables {
+    pub block_size: usize,
+    pub tables: Vec<Vec<u32>>,
+    pub copies: Vec<BlockCopy>,
+}
+
+impl KvCache for BlockTables {
+    fn write(&mut self, _: usize, _: usize, _: usize, _: &[f32], _: &[f32]) {
+        unreachable!("a device model writes K/V into its own pool")
+    }
+    fn key(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
+        unreachable!("a device model reads K/V from its own pool")
+    }
+    fn value(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
+        unreachable!("a device model reads K/V from its own pool")
+    }
+    fn paged_view(&self) -> Option<PagedView<'_>> {
+        Some(PagedView { block_size: self.block_size, tables: &self.tables, copies: &self.copies })
+    }
+}
 
 fn invalid(msg: String) -> ForwardError {
     ForwardError::Invalid(msg)

@@ -15,7 +15,8 @@ use kernels::gpu::{Kernels, Runtime};
 use crate::model::device::ref_runtime::RefRuntime;
 use super::DeviceLlama;
 use crate::model::config::ModelConfig;
-use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache, KvCache, KvRow, PagedView};
+use crate::model::device::step::BlockTables;
+use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache, KvCache};
 use crate::model::linear::Linear;
 use crate::model::llama::{Layer, LlamaModel, TpRank};
 use crate::model::quant::IntLinear;
@@ -127,27 +128,6 @@ fn tiny_llama(tied: bool, w: Weights, seed: u64) -> LlamaModel {
     }
 }
 
-/// The paged addressing a device model reads; it never asks for host K/V rows.
-struct Tables {
-    tables: Vec<Vec<u32>>,
-    copies: Vec<BlockCopy>,
-}
-
-impl KvCache for Tables {
-    fn write(&mut self, _: usize, _: usize, _: usize, _: &[f32], _: &[f32]) {
-        unreachable!("a device model keeps K/V in its own pool")
-    }
-    fn key(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
-        unreachable!("a device model keeps K/V in its own pool")
-    }
-    fn value(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
-        unreachable!("a device model keeps K/V in its own pool")
-    }
-    fn paged_view(&self) -> Option<PagedView<'_>> {
-        Some(PagedView { block_size: BS, tables: &self.tables, copies: &self.copies })
-    }
-}
-
 /// One batch: (sequence, first position, tokens) chunks.
 type Step = Vec<(usize, usize, usize)>;
 
@@ -203,7 +183,7 @@ fn worst_error<R: Runtime>(gpu: Kernels<R>, tied: bool, w: Weights, storage: KvS
             logit_rows.push(rows.len() - 1);
         }
         let want = cpu.forward(&tokens, &rows, &mut host, &logit_rows);
-        let got = dev.try_forward(&tokens, &rows, &mut Tables { tables: tables.clone(), copies }, &logit_rows).unwrap();
+        let got = dev.try_forward(&tokens, &rows, &mut BlockTables { block_size: BS, tables: tables.clone(), copies }, &logit_rows).unwrap();
         assert_eq!(got.len(), want.len());
         for (g, w) in got.chunks(VOCAB).zip(want.chunks(VOCAB)) {
             let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
@@ -237,7 +217,7 @@ fn long_prefill_error<R: Runtime>(gpu: Kernels<R>, w: Weights) -> f32 {
     let mut worst = 0.0f32;
     for (t, r, l) in [(&tokens, &rows, &logit_rows), (&decode_tokens, &decode_rows, &vec![0, 1, 2, 3])] {
         let want = cpu.forward(t, r, &mut host, l);
-        let got = dev.try_forward(t, r, &mut Tables { tables: tables.clone(), copies: Vec::new() }, l).unwrap();
+        let got = dev.try_forward(t, r, &mut BlockTables { block_size: BS, tables: tables.clone(), copies: Vec::new() }, l).unwrap();
         for (g, w) in got.chunks(VOCAB).zip(want.chunks(VOCAB)) {
             let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
             worst = worst.max(g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale);
@@ -281,11 +261,11 @@ fn a_contiguous_cache_or_a_missing_pool_is_an_error() {
     let row = [BatchRow { seq: 0, pos: 0 }];
     let e = dev.try_forward(&[1], &row, &mut host, &[0]).unwrap_err();
     assert!(e.to_string().contains("paged KV cache"), "{e}");
-    let e = dev.try_forward(&[1], &row, &mut Tables { tables: vec![vec![0]], copies: vec![] }, &[0]).unwrap_err();
+    let e = dev.try_forward(&[1], &row, &mut BlockTables { block_size: BS, tables: vec![vec![0]], copies: vec![] }, &[0]).unwrap_err();
     assert!(e.to_string().contains("not allocated"), "{e}");
     dev.allocate(4, BS, KvStorage::F32).unwrap();
     assert!(dev.allocate(8, BS, KvStorage::F32).is_err(), "a second, different pool is refused");
-    let e = dev.try_forward(&[1], &row, &mut Tables { tables: vec![vec![9]], copies: vec![] }, &[0]).unwrap_err();
+    let e = dev.try_forward(&[1], &row, &mut BlockTables { block_size: BS, tables: vec![vec![9]], copies: vec![] }, &[0]).unwrap_err();
     assert!(e.to_string().contains("outside the device pool"), "{e}");
 }
 
@@ -335,7 +315,7 @@ fn logits_match_transformers(m: crate::model::LoadedModel, reference: &serde_jso
         let all: Vec<usize> = (0..toks.len()).collect();
         // Each case in its own blocks (4 cases x at most 4 blocks of 4).
         let table: Vec<u32> = (0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 4 + b).collect();
-        let got = m.model.try_forward(&toks, &rows, &mut Tables { tables: vec![table], copies: vec![] }, &all).unwrap();
+        let got = m.model.try_forward(&toks, &rows, &mut BlockTables { block_size: BS, tables: vec![table], copies: vec![] }, &all).unwrap();
         for (p, want) in case["logits"].as_array().unwrap().iter().enumerate() {
             for (v, w) in want.as_array().unwrap().iter().enumerate() {
                 worst = worst.max((got[p * vocab + v] - w.as_f64().unwrap() as f32).abs());
@@ -428,7 +408,7 @@ fn a_rank_failing_mid_step_fails_the_step_not_its_peers_or_the_next_step() {
     let toks = ids(&case["ids"]);
     let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
     let last = vec![toks.len() - 1];
-    let tables = || Tables { tables: vec![(0..toks.len().div_ceil(BS) as u32).collect()], copies: vec![] };
+    let tables = || BlockTables { block_size: BS, tables: vec![(0..toks.len().div_ceil(BS) as u32).collect()], copies: vec![] };
     let e = m.model.try_forward(&toks, &rows, &mut tables(), &last).unwrap_err();
     assert!(e.to_string().contains("injected launch failure"), "the failing rank's own error, not its peer's abort: {e}");
     let got = m.model.try_forward(&toks, &rows, &mut tables(), &last).unwrap();
@@ -458,7 +438,7 @@ fn ct_int4_error<R: Runtime + 'static>(tp: usize, gpu: impl Fn() -> Kernels<R>) 
         let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
         let all: Vec<usize> = (0..toks.len()).collect();
         let table: Vec<u32> = (0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 8 + b).collect();
-        let got = m.model.try_forward(&toks, &rows, &mut Tables { tables: vec![table], copies: vec![] }, &all).unwrap();
+        let got = m.model.try_forward(&toks, &rows, &mut BlockTables { block_size: BS, tables: vec![table], copies: vec![] }, &all).unwrap();
         let t = st.tensor(&format!("logits.transformers.{c}")).unwrap();
         let want: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         assert_eq!(want.len(), got.len());
