@@ -78,3 +78,70 @@ __device__ __forceinline__ float e2m1_to_f32(u32 c) {
     float mag = e == 0 ? 0.5f * (float)m : __uint_as_float(((e + 126u) << 23) | (m << 22)); // (1 + m/2) * 2^(e-1)
     return (c & 8u) ? -mag : mag;
 }
+
+// GEMV row tiles (int_gemv.cu, cubic_gemv.cu, mxfp4_gemv.cu, moe.cu). One warp per weight row
+// multiplies it with up to TOK activation rows, so the row is read once from DRAM per TOK tokens
+// (decode is bandwidth bound on the weight). A plain GEMV's tile is TOK consecutive tokens
+// (blockIdx.y); an MoE tile is up to TOK grouped assignments of one expert (moe.cu's moe_tiles).
+// Each weight format has one row body taking a RowTile, which both launch kinds call.
+#define TOK 8
+struct RowTile {
+    long row;            // weight row
+    int n;               // activation rows in use, 1..TOK (the same for the whole warp)
+    const float* x[TOK]; // activation rows (`cols` wide)
+    float* out[TOK];     // the output element of each
+};
+
+// Lane 0 stores the warp's sums. t.n is the same for the whole warp, so every lane takes part in
+// the shuffles, and a decode step (n = 1) reduces one accumulator instead of TOK.
+__device__ __forceinline__ void store_tile(const RowTile& t, const float* acc) {
+    for (int i = 0; i < TOK && i < t.n; i++) {
+        float s = warp_sum(acc[i]);
+        if (threadIdx.x % WARP == 0) *t.out[i] = s;
+    }
+}
+
+// A plain GEMV launch: out[n, rows] = x[n, cols] . W^T, warp -> row, blockIdx.y -> token tile.
+template <typename Body>
+__device__ __forceinline__ void dense_row_tile(const float* x, float* out, int rows, int cols, int n, Body body) {
+    int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (row >= rows) return; // whole warps leave together
+    RowTile t;
+    int t0 = blockIdx.y * TOK;
+    t.row = row;
+    t.n = min(TOK, n - t0);
+    for (int i = 0; i < TOK; i++) {
+        long tok = t0 + max(0, min(i, t.n - 1)); // unused slots repeat the last row: valid pointers
+        t.x[i] = x + tok * cols;
+        t.out[i] = out + tok * rows + row;
+    }
+    body(t);
+}
+
+// An MoE GEMV launch: warp -> row r of every expert's matrix; tiles (first grouped slot, slots,
+// local expert e) as moe.cu's moe_tiles writes them, grid-strided over blockIdx.y. Slot g is
+// assignment a = order[g]: out[a, r] = W[e * rows_per_expert + r, :] . x[a / x_div, :]. A tile
+// outside the launch's sizes (experts, assignments) is skipped, so a stale list stays in bounds.
+#define MOE_TILE_PARAMS                                                                              \
+    const float *__restrict__ x, int x_div, const int *__restrict__ order, const int *__restrict__ tiles, \
+        const int *__restrict__ tile_count, float *__restrict__ out, int rows_per_expert, int experts, int assignments
+#define MOE_TILE_ARGS x, x_div, order, tiles, tile_count, out, rows_per_expert, experts, assignments
+template <typename Body>
+__device__ __forceinline__ void moe_row_tiles(MOE_TILE_PARAMS, int cols, Body body) {
+    int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (r >= rows_per_expert) return; // whole warps leave together
+    int count = min(tile_count[0], assignments);
+    for (int ti = blockIdx.y; ti < count; ti += gridDim.y) {
+        int first = tiles[3 * ti], slots = tiles[3 * ti + 1], e = tiles[3 * ti + 2];
+        if (e < 0 || e >= experts || slots < 1 || slots > TOK || first < 0 || first > assignments - slots) continue;
+        RowTile t;
+        t.row = (long)e * rows_per_expert + r;
+        t.n = slots;
+        for (int i = 0; i < TOK; i++) {
+            long a = order[first + min(i, slots - 1)];
+            t.x[i] = x + a / x_div * cols;
+            t.out[i] = out + a * rows_per_expert + r;
+        }
+        body(t);
+    }
+}

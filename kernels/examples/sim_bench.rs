@@ -1,12 +1,12 @@
 //! Speed of the CPU simulator on the decode GEMV shapes of SmolLM2-135M (n = 1 token): the INT4
-//! fast path and the bf16 expert GEMV (a dense bf16 layer run through the same kernel shape), as
+//! fast path and the bf16 MoE expert GEMV (a dense bf16 layer run as one expert's one-token tile), as
 //! time per launch and simulated blocks (of 128 threads) per second.
 //!
 //!     cargo run --release -p kernels --example sim_bench
 
 use std::time::Instant;
 
-use kernels::gpu::Kernels;
+use kernels::gpu::{ExpertWeight, Kernels};
 use kernels::sim::{SimGpu, SimRuntime};
 
 fn main() {
@@ -42,12 +42,15 @@ fn bench(g: &SimGpu) {
         let dt = t.elapsed().as_secs_f64() / reps as f64;
         println!("int4_gemv {rows:>6}x{cols:<5} n=1: {:>8.2} ms/launch, {blocks:>6} blocks, {:>7.0} blocks/s", dt * 1e3, blocks as f64 / dt);
 
+        // One expert, one assignment: the MoE GEMV's one tile of one token.
         let wb = g.upload(&vec![0x3f80u16; rows * cols]).unwrap();
-        let (e, o) = (g.upload(&[0i32]).unwrap(), g.upload(&[0i32]).unwrap());
-        g.moe_expert_gemv_bf16(&wb, &x, &e, &o, &mut out, rows, cols, 1).unwrap();
+        let (offsets, order) = g.moe_group(&g.upload(&[0i32]).unwrap(), 1).unwrap();
+        let tiles = g.moe_tiles(&offsets, 1, 1).unwrap();
+        let w = ExpertWeight::Bf16 { w: &wb, rows, cols };
+        g.moe_gemv(w, rows, &x, 1, &order, &tiles, &mut out, 1).unwrap();
         let t = Instant::now();
         for _ in 0..reps {
-            g.moe_expert_gemv_bf16(&wb, &x, &e, &o, &mut out, rows, cols, 1).unwrap();
+            g.moe_gemv(w, rows, &x, 1, &order, &tiles, &mut out, 1).unwrap();
         }
         let dt = t.elapsed().as_secs_f64() / reps as f64;
         println!("bf16 gemv {rows:>6}x{cols:<5} n=1: {:>8.2} ms/launch, {blocks:>6} blocks, {:>7.0} blocks/s", dt * 1e3, blocks as f64 / dt);

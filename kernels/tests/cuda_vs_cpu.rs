@@ -12,10 +12,12 @@ use kernels::cpu::bitpack::PackedRows;
 use kernels::gpu::{Kernels, Runtime};
 use kernels::sim::SimGpu;
 
+mod moe_checks;
 mod prefill_gemm;
 mod test_data;
 
-use test_data::{codes, lcg, uniform};
+use moe_checks::*;
+use test_data::{codes, uniform};
 
 fn required(var: &str) -> bool {
     std::env::var_os(var).is_some_and(|v| v == "1")
@@ -99,6 +101,11 @@ on_every_runtime!(
     matmul_quant_matches_cpu_on_both_sides_of_the_threshold,
     gathers_and_bf16_narrowing_match_cpu,
     kv_batch_writes_and_block_copies_match_cpu,
+    moe_routing_matches_route_token_bit_for_bit,
+    moe_tiles_match_cpu_for_skewed_routing,
+    moe_gemv_matches_cpu_for_every_format,
+    moe_combine_matches_cpu,
+    moe_layer_end_to_end_matches_per_token_cpu,
 );
 
 /// Relative max error of `got` against `want`, scaled by the largest reference magnitude.
@@ -323,25 +330,6 @@ fn sampling_draws_the_same_tokens_as_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
         eprintln!("sampling T={temp} k={k} p={p}: {agree}/{seqs} identical draws, {} explained by f32 rounding of the reference", seqs - agree - unexplained.len());
         assert!(unexplained.len() <= t.unexplained_draws, "T={temp} k={k} p={p}: sequences {unexplained:?} differ: device {got:?} cpu {want:?}");
     }
-}
-
-fn moe_grouping_and_expert_gemv_match_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
-    let (tokens, k, num_experts, rows, cols) = (37, 4, 16, 48, 256);
-    let mut r = lcg(77);
-    let experts: Vec<i32> = (0..tokens * k).map(|_| (r() % num_experts as u32) as i32).collect();
-    let (off, order) = cpu::moe::group_by_expert(&experts, num_experts).unwrap();
-    let de = g.upload(&experts).unwrap();
-    let (doff, dorder) = g.moe_group(&de, num_experts).unwrap();
-    assert_eq!(g.download(&doff).unwrap(), off.iter().map(|&x| x as i32).collect::<Vec<_>>());
-    assert_eq!(g.download(&dorder).unwrap(), order.iter().map(|&x| x as i32).collect::<Vec<_>>());
-
-    let w: Vec<u16> = uniform(num_experts * rows * cols, 5, -0.1, 0.1).iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
-    let x = uniform(tokens * cols, 6, -1.0, 1.0);
-    let mut want = vec![0.0; tokens * k * rows];
-    cpu::moe::expert_gemv_bf16(&w, &x, &experts, &mut want, rows, cols, k);
-    let mut dout = g.zeros::<f32>(tokens * k * rows).unwrap();
-    g.moe_expert_gemv_bf16(&g.upload(&w).unwrap(), &g.upload(&x).unwrap(), &de, &dorder, &mut dout, rows, cols, k).unwrap();
-    assert_close("moe expert gemv bf16", &g.download(&dout).unwrap(), &want, t.gemv);
 }
 
 fn cublas_bf16_gemm_matches_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {

@@ -26,16 +26,16 @@ macro_rules! src {
 }
 
 pub const SOURCES: &[Source] = &[
-    src!("int_gemv.cu", ["int_gemv", "int4_gemv"]),
-    src!("cubic_gemv.cu", ["cubic_gemv"]),
-    src!("mxfp4_gemv.cu", ["mxfp4_gemv"]),
+    src!("int_gemv.cu", ["int_gemv", "int4_gemv", "moe_int_gemv", "moe_int4_gemv"]),
+    src!("cubic_gemv.cu", ["cubic_gemv", "moe_cubic_gemv"]),
+    src!("mxfp4_gemv.cu", ["mxfp4_gemv", "moe_mxfp4_gemv"]),
     src!("dequant.cu", ["dequant_int_bf16", "dequant_cubic_bf16", "dequant_mxfp4_bf16", "f32_to_bf16_rows"]),
     src!("norm.cu", ["rms_norm", "add_rms_norm"]),
     src!("rope.cu", ["rope_neox"]),
     src!("swiglu.cu", ["silu_mul"]),
     src!("paged_attention.cu", ["paged_attention_f32", "paged_attention_bf16", "paged_attention_fp8"]),
     src!("sampling.cu", ["sample_top_k_top_p"]),
-    src!("moe.cu", ["moe_count", "moe_offsets", "moe_scatter", "moe_expert_gemv_bf16"]),
+    src!("moe.cu", ["moe_count", "moe_offsets", "moe_scatter", "moe_tiles", "moe_gemv_bf16", "matmul_f32", "moe_route", "moe_combine"]),
     src!("gather.cu", ["gather_rows_f32", "gather_rows_bf16", "narrow_bf16"]),
     src!("kv_write.cu", ["kv_write_f32", "kv_write_bf16", "kv_write_fp8", "copy_span_f32", "copy_span_u16", "copy_span_u8"]),
 ];

@@ -10,7 +10,7 @@ use crate::cuda::CudaError;
 
 pub use crate::cpu::attention::PagedGeometry;
 
-/// Tokens per launch row-tile in the GEMV kernels (`TOK` in the .cu files).
+/// Tokens per launch row-tile in the GEMV kernels (`TOK` in cuda/prelude.cuh).
 pub const TOK: usize = 8;
 /// Warps per block in the GEMV kernels (`WARPS` in cubic_gemv.cu).
 pub const GEMV_WARPS: usize = 4;
@@ -103,9 +103,6 @@ pub struct GemmScratch<R: Runtime> {
     pub x: R::Buf<u16>,
 }
 
-/// `(offsets [num_experts + 1], order [assignments])` of [`Kernels::moe_group`], on the device.
-pub type ExpertGroups<R> = (<R as Runtime>::Buf<i32>, <R as Runtime>::Buf<i32>);
-
 /// A runtime with the kernel launch wrappers on top. Derefs to the runtime (its device info,
 /// stream, ...).
 pub struct Kernels<R: Runtime> {
@@ -173,8 +170,14 @@ impl<R: Runtime> Kernels<R> {
         Dims::new((rows.div_ceil(GEMV_WARPS) as u32, n.div_ceil(TOK) as u32, 1), (GEMV_WARPS * 32) as u32)
     }
 
-    fn check_gemv(rows: usize, cols: usize, x: &R::Buf<f32>, out: &R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+    pub(crate) fn check_gemv(rows: usize, cols: usize, x: &R::Buf<f32>, out: &R::Buf<f32>, n: usize) -> Result<(), CudaError> {
         check(n > 0 && x.len() >= n * cols && out.len() >= n * rows, || format!("gemv: x {} / out {} elements for n={n}, {rows}x{cols}", x.len(), out.len()))
+    }
+
+    /// Whether INT weights take the 4-bit word kernels (`int4_gemv`, `moe_int4_gemv`): each lane
+    /// reads whole 32-bit words, so rows must start on a word and groups hold whole words.
+    pub(crate) fn int4_fast_path(w: &DevGrouped<R>) -> bool {
+        w.packed.bits == 4 && w.packed.stride.is_multiple_of(4) && w.group_size.is_multiple_of(8)
     }
 
     /// `out[n, rows] = x[n, cols] · Wᵀ` for pack-quantized INT weights (4-bit word fast path when
@@ -182,7 +185,7 @@ impl<R: Runtime> Kernels<R> {
     pub fn int_gemv(&self, w: &DevGrouped<R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
         let p = &w.packed;
         Self::check_gemv(p.rows, p.cols, x, out, n)?;
-        let fast = p.bits == 4 && p.stride.is_multiple_of(4) && w.group_size.is_multiple_of(8);
+        let fast = Self::int4_fast_path(w);
         let mut args = vec![A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&w.p0), A::F32s(&w.p1), A::F32s(x), A::F32s(out), A::I32(p.rows as i32), A::I32(p.cols as i32)];
         if !fast {
             args.push(A::I32(p.bits as i32));
@@ -250,7 +253,7 @@ impl<R: Runtime> Kernels<R> {
         Ok(Self::flat_dims(count))
     }
 
-    fn check_grouped(what: &str, w: &DevGrouped<R>) -> Result<(), CudaError> {
+    pub(crate) fn check_grouped(what: &str, w: &DevGrouped<R>) -> Result<(), CudaError> {
         let p = &w.packed;
         let groups = if w.group_size == 0 { 0 } else { p.rows * p.cols.div_ceil(w.group_size) };
         check((1..=8).contains(&p.bits) && w.group_size > 0, || format!("{what}: {}-bit codes, group size {}", p.bits, w.group_size))?;
@@ -375,30 +378,6 @@ impl<R: Runtime> Kernels<R> {
         self.go("sample_top_k_top_p", Dims::new((seqs as u32, 1, 1), 1024), &args)
     }
 
-    /// Groups `experts` (assignment → expert id, all in range: the router guarantees it) by expert;
-    /// returns `(offsets [num_experts + 1], order [assignments])` on the device.
-    pub fn moe_group(&self, experts: &R::Buf<i32>, num_experts: usize) -> Result<ExpertGroups<R>, CudaError> {
-        let a = experts.len();
-        let counts = self.zeros::<i32>(num_experts)?;
-        let offsets = self.zeros::<i32>(num_experts + 1)?;
-        let order = self.zeros::<i32>(a)?;
-        self.go("moe_count", Self::flat_dims(a), &[A::I32s(experts), A::I32(a as i32), A::I32s(&counts)])?;
-        self.go("moe_offsets", Dims::new((1, 1, 1), 32), &[A::I32s(&counts), A::I32(num_experts as i32), A::I32s(&offsets)])?;
-        self.go("moe_scatter", Dims::new((num_experts as u32, 1, 1), 256), &[A::I32s(experts), A::I32(a as i32), A::I32s(&offsets), A::I32s(&order)])?;
-        Ok((offsets, order))
-    }
-
-    /// `out[a, :] = W[experts[a]] · x[a / k]` in grouped order (bf16 weights [experts, rows, cols]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_expert_gemv_bf16(&self, weights: &R::Buf<u16>, x: &R::Buf<f32>, experts: &R::Buf<i32>, order: &R::Buf<i32>, out: &mut R::Buf<f32>, rows: usize, cols: usize, k: usize) -> Result<(), CudaError> {
-        let a = experts.len();
-        check(k > 0 && a % k == 0 && order.len() == a && x.len() >= a / k * cols && out.len() >= a * rows, || "moe_expert_gemv: buffer sizes".into())?;
-        // One grid row per assignment: CUDA caps gridDim.y at 65535 (callers chunk larger batches).
-        check(a <= 65535, || format!("moe_expert_gemv: {a} assignments in one launch (at most 65535)"))?;
-        let args = [A::U16s(weights), A::F32s(x), A::I32s(experts), A::I32s(order), A::F32s(out), A::I32(rows as i32), A::I32(cols as i32), A::I32(k as i32)];
-        self.go("moe_expert_gemv_bf16", Dims::new((rows.div_ceil(GEMV_WARPS) as u32, a as u32, 1), (GEMV_WARPS * 32) as u32), &args)
-    }
-
     /// `out[r] = src[rows[r]]` for `d`-wide f32 rows (embedding lookup, logit-row pick). Row ids
     /// are the caller's (token ids checked against the vocabulary, batch rows in range).
     pub fn gather_rows_f32(&self, src: &R::Buf<f32>, rows: &R::Buf<i32>, out: &mut R::Buf<f32>, n: usize, d: usize) -> Result<(), CudaError> {
@@ -490,6 +469,7 @@ mod tests {
     #[derive(Default)]
     struct Recorder {
         launched: RefCell<Vec<&'static str>>,
+        grids: RefCell<Vec<(u32, u32, u32)>>,
     }
 
     impl Runtime for Recorder {
@@ -513,8 +493,9 @@ mod tests {
         fn synchronize(&self) -> Result<(), CudaError> {
             Ok(())
         }
-        unsafe fn launch(&self, kernel: &'static str, _dims: Dims, _args: &[KArg<'_, Self>]) -> Result<(), CudaError> {
+        unsafe fn launch(&self, kernel: &'static str, dims: Dims, _args: &[KArg<'_, Self>]) -> Result<(), CudaError> {
             self.launched.borrow_mut().push(kernel);
+            self.grids.borrow_mut().push(dims.grid);
             Ok(())
         }
         fn gemm_bf16(&self, _x: &Host<u16>, _w: &Host<u16>, _out: &mut Host<f32>, _n: usize, _k: usize, _m: usize) -> Result<(), CudaError> {
@@ -591,5 +572,45 @@ mod tests {
         let msg = k.matmul_quant(QuantWeight::Cubic(&short_params), &x, &mut out, n, &mut scratch).unwrap_err().to_string();
         assert!(msg.contains("group parameters"), "{msg}");
         assert!(k.rt.launched.borrow().is_empty());
+    }
+
+    /// The MoE GEMV picks its format's kernel, the INT 4-bit word path under int_gemv's
+    /// condition, and grid-strides its tiles when there are more than gridDim.y allows.
+    #[test]
+    fn moe_gemv_launches_the_format_kernel_and_caps_the_tile_grid() {
+        use crate::gpu::moe::ExpertWeight;
+        let k = Kernels::new(Recorder::default());
+        let (w3, w4) = (int_weight(&k, 3), int_weight(&k, 4));
+        let mx = k.upload_mxfp4(ROWS, COLS, &vec![0u8; ROWS * COLS / 2], &[127u8; ROWS * COLS / 32]).unwrap();
+        let wb = k.zeros::<u16>(ROWS * COLS).unwrap();
+        let a = 70_000;
+        let (x, order) = (k.zeros::<f32>(a * COLS).unwrap(), k.zeros::<i32>(a).unwrap());
+        let tiles = k.moe_tiles(&k.zeros(2).unwrap(), 1, a).unwrap();
+        let mut out = k.zeros::<f32>(a * ROWS / 2).unwrap();
+        let cases = [
+            (ExpertWeight::Int(&w3), "moe_int_gemv", "int_gemv"),
+            (ExpertWeight::Int(&w4), "moe_int4_gemv", "int4_gemv"),
+            (ExpertWeight::Cubic(&w4), "moe_cubic_gemv", "cubic_gemv"),
+            (ExpertWeight::Mxfp4(&mx), "moe_mxfp4_gemv", "mxfp4_gemv"),
+            (ExpertWeight::Bf16 { w: &wb, rows: ROWS, cols: COLS }, "moe_gemv_bf16", ""),
+        ];
+        for (w, moe, plain) in cases {
+            k.rt.launched.borrow_mut().clear();
+            k.rt.grids.borrow_mut().clear();
+            k.moe_gemv(w, ROWS / 2, &x, 1, &order, &tiles, &mut out, a).unwrap();
+            assert_eq!((k.rt.launched.borrow()[0], k.rt.grids.borrow()[0]), (moe, (5, 65535, 1)));
+            let q = match w {
+                ExpertWeight::Int(g) => QuantWeight::Int(g),
+                ExpertWeight::Cubic(g) => QuantWeight::Cubic(g),
+                ExpertWeight::Mxfp4(m) => QuantWeight::Mxfp4(m),
+                ExpertWeight::Bf16 { .. } => continue,
+            };
+            k.rt.launched.borrow_mut().clear();
+            k.quant_gemv(q, &x, &mut out, 1).unwrap();
+            assert_eq!(k.rt.launched.borrow()[0], plain);
+        }
+        k.rt.grids.borrow_mut().clear();
+        k.moe_gemv(ExpertWeight::Int(&w4), ROWS, &x, 1, &order, &tiles, &mut out, 3).unwrap();
+        assert_eq!(k.rt.grids.borrow()[0], (10, 3, 1), "one grid row per possible tile");
     }
 }
