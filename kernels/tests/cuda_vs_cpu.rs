@@ -12,8 +12,11 @@ use kernels::cpu::bitpack::PackedRows;
 use kernels::gpu::{Kernels, Runtime};
 use kernels::sim::SimGpu;
 
+mod mla_checks;
 mod prefill_gemm;
 mod test_data;
+
+use mla_checks::*;
 
 use test_data::{codes, lcg, uniform};
 
@@ -99,6 +102,10 @@ on_every_runtime!(
     matmul_quant_matches_cpu_on_both_sides_of_the_threshold,
     gathers_and_bf16_narrowing_match_cpu,
     kv_batch_writes_and_block_copies_match_cpu,
+    mla_pieces_match_cpu,
+    kv_stores_match_cpu_bit_for_bit,
+    latent_pool_writes_copies_and_attends_like_cpu,
+    absorbed_mla_equals_expanded_attention,
 );
 
 /// Relative max error of `got` against `want`, scaled by the largest reference magnitude.
