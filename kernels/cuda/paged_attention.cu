@@ -1,41 +1,51 @@
 // Paged attention for decode (one query token per sequence) over the engine's block pool
-// (host/src/engine/block_pool.rs): K and V of one layer are [block][slot][kv_heads * head_dim],
-// FP8 scales [block][slot][kv_heads] (one per head). Sequence s reads its positions through
-// block_tables[s * max_blocks + pos / block_size]. CPU reference: kernels/src/cpu/attention.rs.
+// (host/src/engine/block_pool.rs). Sequence s reads its positions through
+// block_tables[s * max_blocks + pos / block_size]: pool row = block * block_size + pos % block_size.
+// Two families share `attend` and differ only in how a position's key and value are read:
+// * paged_attention_*: GQA heads. K and V of one layer are [pool row][kv_heads * head_dim], FP8
+//   scales [pool row][kv_heads] (one per head); query head h reads kv head h / (heads / kv_heads).
+//   head_dim <= 256. CPU reference: kernels/src/cpu/attention.rs.
+// * mla_attention_*: DeepSeek MLA over the latent cache, absorbed form. Each pool row holds the
+//   latent c [lora] (the pool's K) and the rotary key kr [rope] (its V), FP8 with one scale per
+//   row of each; the query is q_lat [lora] ‖ q_rope [rope], the key c ‖ kr and the value c, so the
+//   output is the latent context [lora]. lora <= 1024, rope <= 256. CPU reference:
+//   kernels/src/cpu/mla.rs.
 //
-// One block per (sequence, query head), one warp per position in a strided loop: each warp
-// computes its score, the block keeps a running softmax (max, sum) and the weighted V row in
-// shared memory. head_dim <= 256. GQA: query head h reads kv head h / (heads / kv_heads).
-#define MAX_D 256
+// One block per (query row, query head), one warp per position in a strided loop: each warp
+// computes its score, keeps a running softmax (max, sum) and the weighted value row in shared
+// memory; the warps' partial softmaxes are merged at the end.
 #define WARPS 4
+#define MAX_D 256
+#define MLA_MAX_LORA 1024
+#define MLA_MAX_ROPE 256
 
-template <typename Load>
-__device__ void attend(const float* __restrict__ q, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-                       float* __restrict__ out, int heads, int kv_heads, int head_dim, int block_size, int max_blocks,
-                       float softmax_scale, Load load) {
-    __shared__ float qs[MAX_D];
-    __shared__ float acc[WARPS][MAX_D];
+// Attention of the block's query over positions 0..len of one sequence (`table`: its block
+// table row). Query = qa[0..da] followed by qb[0..db]; key element i of pool row r is
+// load.key(r, i) (i < da + db), value element i is load.value(r, i) (i < dv); out[0..dv].
+// Empty sequences give zeros.
+template <int MAX_K, int MAX_V, typename Load>
+__device__ void attend(const float* __restrict__ qa, int da, const float* __restrict__ qb, int db, int dv,
+                       const int* __restrict__ table, int len, int block_size, float softmax_scale,
+                       float* __restrict__ out, Load load) {
+    __shared__ float qs[MAX_K];
+    __shared__ float acc[WARPS][MAX_V];
     __shared__ float wmax[WARPS], wsum[WARPS];
-    int s = blockIdx.x, h = blockIdx.y;
-    int kvh = h / (heads / kv_heads);
     int lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
-    int len = seq_lens[s];
-    const float* qr = q + ((long)s * heads + h) * head_dim;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = qr[i] * softmax_scale;
-    for (int i = lane; i < head_dim; i += WARP) acc[w][i] = 0.0f;
+    int dk = da + db;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) qs[i] = (i < da ? qa[i] : qb[i - da]) * softmax_scale;
+    for (int i = lane; i < dv; i += WARP) acc[w][i] = 0.0f;
     __syncthreads();
     // Per-warp online softmax over the positions this warp owns.
     float m = __int_as_float(0xff800000), l = 0.0f;
     for (int pos = w; pos < len; pos += WARPS) {
-        int blk = block_tables[(long)s * max_blocks + pos / block_size];
-        long row = (long)blk * block_size + pos % block_size;
+        long row = (long)table[pos / block_size] * block_size + pos % block_size;
         float dot = 0.0f;
-        for (int i = lane; i < head_dim; i += WARP) dot += qs[i] * load(0, row, kvh, i);
+        for (int i = lane; i < dk; i += WARP) dot += qs[i] * load.key(row, i);
         dot = warp_sum(dot);
         float m2 = fmaxf(m, dot);
         float corr = expf(m - m2), p = expf(dot - m2);
         l = l * corr + p;
-        for (int i = lane; i < head_dim; i += WARP) acc[w][i] = acc[w][i] * corr + p * load(1, row, kvh, i);
+        for (int i = lane; i < dv; i += WARP) acc[w][i] = acc[w][i] * corr + p * load.value(row, i);
         m = m2;
     }
     if (lane == 0) { wmax[w] = m; wsum[w] = l; }
@@ -45,51 +55,98 @@ __device__ void attend(const float* __restrict__ q, const int* __restrict__ bloc
     for (int i = 0; i < WARPS; i++) M = fmaxf(M, wmax[i]);
     float L = 0.0f;
     for (int i = 0; i < WARPS; i++) L += wsum[i] * (wmax[i] == M ? 1.0f : expf(wmax[i] - M));
-    float* o = out + ((long)s * heads + h) * head_dim;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+    for (int i = threadIdx.x; i < dv; i += blockDim.x) {
         float v = 0.0f;
         for (int k = 0; k < WARPS; k++)
             if (wsum[k] > 0.0f) v += acc[k][i] * expf(wmax[k] - M);
-        o[i] = len > 0 ? v / L : 0.0f;
+        out[i] = len > 0 ? v / L : 0.0f;
     }
 }
 
-struct LoadF32 {
-    const float* k; const float* v; int width, head_dim;
-    __device__ float operator()(int which, long row, int kvh, int i) const {
-        return (which ? v : k)[row * width + kvh * head_dim + i];
-    }
+// Element `at` of a pool buffer in one storage type; `scale_at` indexes the FP8 scales.
+struct F32Rows {
+    const float* p;
+    __device__ float at(long at, long scale_at) const { return p[at]; }
 };
-struct LoadBf16 {
-    const u16* k; const u16* v; int width, head_dim;
-    __device__ float operator()(int which, long row, int kvh, int i) const {
-        return bf16_to_f32((which ? v : k)[row * width + kvh * head_dim + i]);
-    }
+struct Bf16Rows {
+    const u16* p;
+    __device__ float at(long at, long scale_at) const { return bf16_to_f32(p[at]); }
 };
-struct LoadFp8 {
-    const u8* k; const u8* v; const float* ks; const float* vs; int width, head_dim, kv_heads;
-    __device__ float operator()(int which, long row, int kvh, int i) const {
-        float sc = (which ? vs : ks)[row * kv_heads + kvh];
-        return e4m3_to_f32((which ? v : k)[row * width + kvh * head_dim + i]) * sc;
-    }
+struct Fp8Rows {
+    const u8* p; const float* scales;
+    __device__ float at(long at, long scale_at) const { return e4m3_to_f32(p[at]) * scales[scale_at]; }
 };
+
+// GQA: kv head `kvh` of K/V rows [kv_heads * head_dim], one scale per (row, kv head).
+template <typename S>
+struct HeadRows {
+    S k, v; int kv_heads, head_dim, kvh;
+    __device__ float key(long row, int i) const { return k.at((row * kv_heads + kvh) * head_dim + i, row * kv_heads + kvh); }
+    __device__ float value(long row, int i) const { return v.at((row * kv_heads + kvh) * head_dim + i, row * kv_heads + kvh); }
+};
+
+// MLA: key = latent ‖ rotary key, value = latent; one scale per row of each.
+template <typename S>
+struct LatentRows {
+    S c, kr; int lora, rope;
+    __device__ float key(long row, int i) const { return i < lora ? c.at(row * lora + i, row) : kr.at(row * rope + (i - lora), row); }
+    __device__ float value(long row, int i) const { return c.at(row * lora + i, row); }
+};
+
+template <typename S>
+__device__ void paged_head(const float* q, S k, S v, const int* block_tables, const int* seq_lens, float* out, int heads,
+                           int kv_heads, int head_dim, int block_size, int max_blocks, float softmax_scale) {
+    int s = blockIdx.x, h = blockIdx.y;
+    HeadRows<S> ld{k, v, kv_heads, head_dim, h / (heads / kv_heads)};
+    long qh = ((long)s * heads + h) * head_dim;
+    attend<MAX_D, MAX_D>(q + qh, head_dim, q, 0, head_dim, block_tables + (long)s * max_blocks, seq_lens[s], block_size,
+                         softmax_scale, out + qh, ld);
+}
 
 extern "C" __global__ void paged_attention_f32(const float* q, const float* k, const float* v, const int* block_tables,
                                                const int* seq_lens, float* out, int heads, int kv_heads, int head_dim,
                                                int block_size, int max_blocks, float softmax_scale) {
-    LoadF32 ld{k, v, kv_heads * head_dim, head_dim};
-    attend(q, block_tables, seq_lens, out, heads, kv_heads, head_dim, block_size, max_blocks, softmax_scale, ld);
+    paged_head(q, F32Rows{k}, F32Rows{v}, block_tables, seq_lens, out, heads, kv_heads, head_dim, block_size, max_blocks, softmax_scale);
 }
 extern "C" __global__ void paged_attention_bf16(const float* q, const u16* k, const u16* v, const int* block_tables,
                                                 const int* seq_lens, float* out, int heads, int kv_heads, int head_dim,
                                                 int block_size, int max_blocks, float softmax_scale) {
-    LoadBf16 ld{k, v, kv_heads * head_dim, head_dim};
-    attend(q, block_tables, seq_lens, out, heads, kv_heads, head_dim, block_size, max_blocks, softmax_scale, ld);
+    paged_head(q, Bf16Rows{k}, Bf16Rows{v}, block_tables, seq_lens, out, heads, kv_heads, head_dim, block_size, max_blocks, softmax_scale);
 }
 extern "C" __global__ void paged_attention_fp8(const float* q, const u8* k, const u8* v, const float* k_scales,
                                                const float* v_scales, const int* block_tables, const int* seq_lens,
                                                float* out, int heads, int kv_heads, int head_dim, int block_size,
                                                int max_blocks, float softmax_scale) {
-    LoadFp8 ld{k, v, k_scales, v_scales, kv_heads * head_dim, head_dim, kv_heads};
-    attend(q, block_tables, seq_lens, out, heads, kv_heads, head_dim, block_size, max_blocks, softmax_scale, ld);
+    paged_head(q, Fp8Rows{k, k_scales}, Fp8Rows{v, v_scales}, block_tables, seq_lens, out, heads, kv_heads, head_dim, block_size,
+               max_blocks, softmax_scale);
+}
+
+// One block per (token, head): ctx[t, h, 0..lora] over token t's lens[t] positions.
+template <typename S>
+__device__ void latent_head(const float* q_lat, const float* q_rope, S c, S kr, const int* block_tables, const int* lens,
+                            float* ctx, int heads, int lora, int rope, int block_size, int max_blocks, float softmax_scale) {
+    int t = blockIdx.x, h = blockIdx.y;
+    long th = (long)t * heads + h;
+    LatentRows<S> ld{c, kr, lora, rope};
+    attend<MLA_MAX_LORA + MLA_MAX_ROPE, MLA_MAX_LORA>(q_lat + th * lora, lora, q_rope + th * rope, rope, lora,
+                                                      block_tables + (long)t * max_blocks, lens[t], block_size, softmax_scale,
+                                                      ctx + th * lora, ld);
+}
+
+extern "C" __global__ void mla_attention_f32(const float* q_lat, const float* q_rope, const float* c, const float* kr,
+                                             const int* block_tables, const int* lens, float* ctx, int heads, int lora,
+                                             int rope, int block_size, int max_blocks, float softmax_scale) {
+    latent_head(q_lat, q_rope, F32Rows{c}, F32Rows{kr}, block_tables, lens, ctx, heads, lora, rope, block_size, max_blocks, softmax_scale);
+}
+extern "C" __global__ void mla_attention_bf16(const float* q_lat, const float* q_rope, const u16* c, const u16* kr,
+                                              const int* block_tables, const int* lens, float* ctx, int heads, int lora,
+                                              int rope, int block_size, int max_blocks, float softmax_scale) {
+    latent_head(q_lat, q_rope, Bf16Rows{c}, Bf16Rows{kr}, block_tables, lens, ctx, heads, lora, rope, block_size, max_blocks, softmax_scale);
+}
+extern "C" __global__ void mla_attention_fp8(const float* q_lat, const float* q_rope, const u8* c, const u8* kr,
+                                             const float* c_scales, const float* kr_scales, const int* block_tables,
+                                             const int* lens, float* ctx, int heads, int lora, int rope, int block_size,
+                                             int max_blocks, float softmax_scale) {
+    latent_head(q_lat, q_rope, Fp8Rows{c, c_scales}, Fp8Rows{kr, kr_scales}, block_tables, lens, ctx, heads, lora, rope, block_size,
+                max_blocks, softmax_scale);
 }

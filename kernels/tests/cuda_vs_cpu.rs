@@ -12,10 +12,12 @@ use kernels::cpu::bitpack::PackedRows;
 use kernels::gpu::{Kernels, Runtime};
 use kernels::sim::SimGpu;
 
+mod mla_checks;
 mod moe_checks;
 mod prefill_gemm;
 mod test_data;
 
+use mla_checks::*;
 use moe_checks::*;
 use test_data::{codes, uniform};
 
@@ -106,6 +108,10 @@ on_every_runtime!(
     moe_gemv_matches_cpu_for_every_format,
     moe_combine_matches_cpu,
     moe_layer_end_to_end_matches_per_token_cpu,
+    mla_pieces_match_cpu,
+    kv_stores_match_cpu_bit_for_bit,
+    latent_pool_writes_copies_and_attends_like_cpu,
+    absorbed_mla_equals_expanded_attention,
 );
 
 /// Relative max error of `got` against `want`, scaled by the largest reference magnitude.

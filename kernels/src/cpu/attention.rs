@@ -28,12 +28,18 @@ pub struct PagedGeometry {
 impl KvBlocks<'_> {
     /// Element `i` of kv head `h` at pool row `row` (= block * block_size + slot) of K or V.
     fn get(&self, value: bool, row: usize, h: usize, i: usize, g: &PagedGeometry) -> f32 {
-        let at = row * g.kv_heads * g.head_dim + h * g.head_dim + i;
+        self.element(value, row, g.kv_heads * g.head_dim, g.kv_heads, h * g.head_dim + i)
+    }
+
+    /// Element `i` of pool row `row` of K or V, for rows `width` wide with `groups` FP8 scales
+    /// each (element `i` in group `i / (width / groups)`). K and V may differ in width (MLA).
+    pub fn element(&self, value: bool, row: usize, width: usize, groups: usize, i: usize) -> f32 {
+        let at = row * width + i;
         match self {
             KvBlocks::F32 { k, v } => (if value { v } else { k })[at],
             KvBlocks::Bf16 { k, v } => half::bf16::from_bits((if value { v } else { k })[at]).to_f32(),
             KvBlocks::Fp8 { k, v, k_scales, v_scales } => {
-                let s = (if value { v_scales } else { k_scales })[row * g.kv_heads + h];
+                let s = (if value { v_scales } else { k_scales })[row * groups + i / (width / groups)];
                 E4M3_TO_F32[(if value { v } else { k })[at] as usize] * s
             }
         }

@@ -6,33 +6,60 @@ use super::fp8::quantize_e4m3;
 
 /// `kc[slots[t]] = k[t]`, `vc[slots[t]] = v[t]` for rows of `width`.
 pub fn kv_write_f32(k: &[f32], v: &[f32], slots: &[i32], width: usize, kc: &mut [f32], vc: &mut [f32]) {
-    for (t, &row) in slots.iter().enumerate() {
-        let (src, dst) = (t * width..(t + 1) * width, row as usize * width..(row as usize + 1) * width);
-        kc[dst.clone()].copy_from_slice(&k[src.clone()]);
-        vc[dst].copy_from_slice(&v[src]);
-    }
+    kv_store_f32(k, slots, width, kc);
+    kv_store_f32(v, slots, width, vc);
 }
 
 /// As [`kv_write_f32`] into bf16 (round to nearest even).
 pub fn kv_write_bf16(k: &[f32], v: &[f32], slots: &[i32], width: usize, kc: &mut [u16], vc: &mut [u16]) {
-    for (t, &row) in slots.iter().enumerate() {
-        for i in 0..width {
-            kc[row as usize * width + i] = half::bf16::from_f32(k[t * width + i]).to_bits();
-            vc[row as usize * width + i] = half::bf16::from_f32(v[t * width + i]).to_bits();
-        }
-    }
+    kv_store_bf16(k, slots, width, kc);
+    kv_store_bf16(v, slots, width, vc);
 }
 
 /// E4M3 codes with one scale per (pool row, kv head), as the host block pool quantises.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_write_fp8(k: &[f32], v: &[f32], slots: &[i32], kv_heads: usize, head_dim: usize, kc: &mut [u8], vc: &mut [u8], ks: &mut [f32], vs: &mut [f32]) {
-    let width = kv_heads * head_dim;
+    store_fp8_groups(k, slots, kv_heads * head_dim, kv_heads, kc, ks);
+    store_fp8_groups(v, slots, kv_heads * head_dim, kv_heads, vc, vs);
+}
+
+/// One tensor's rows: `cache[slots[t]] = x[t]` for rows of `width` (the stores of a pool whose
+/// key and value rows differ in width, such as MLA's latent and rotary key).
+pub fn kv_store_f32(x: &[f32], slots: &[i32], width: usize, cache: &mut [f32]) {
     for (t, &row) in slots.iter().enumerate() {
         let row = row as usize;
-        for h in 0..kv_heads {
-            let (src, dst) = (t * width + h * head_dim..t * width + (h + 1) * head_dim, row * width + h * head_dim..row * width + (h + 1) * head_dim);
-            ks[row * kv_heads + h] = quantize_e4m3(&k[src.clone()], &mut kc[dst.clone()]);
-            vs[row * kv_heads + h] = quantize_e4m3(&v[src], &mut vc[dst]);
+        cache[row * width..(row + 1) * width].copy_from_slice(&x[t * width..(t + 1) * width]);
+    }
+}
+
+/// As [`kv_store_f32`] into bf16 (round to nearest even).
+pub fn kv_store_bf16(x: &[f32], slots: &[i32], width: usize, cache: &mut [u16]) {
+    for (t, &row) in slots.iter().enumerate() {
+        let row = row as usize;
+        for (c, &f) in cache[row * width..(row + 1) * width].iter_mut().zip(&x[t * width..(t + 1) * width]) {
+            *c = half::bf16::from_f32(f).to_bits();
+        }
+    }
+}
+
+/// As [`kv_store_f32`] into E4M3 codes with one scale per pool row (`scales[slots[t]]`): the host
+/// block pool's quantisation of a row with one scale group.
+pub fn kv_store_fp8(x: &[f32], slots: &[i32], width: usize, codes: &mut [u8], scales: &mut [f32]) {
+    store_fp8_groups(x, slots, width, 1, codes, scales);
+}
+
+/// Rows of `width` in `groups` equal groups, each quantised with its own scale
+/// (`scales[row * groups + group]`).
+fn store_fp8_groups(x: &[f32], slots: &[i32], width: usize, groups: usize, codes: &mut [u8], scales: &mut [f32]) {
+    if width == 0 {
+        return;
+    }
+    let g = width / groups;
+    for (t, &row) in slots.iter().enumerate() {
+        let row = row as usize;
+        for h in 0..groups {
+            let (src, dst) = (t * width + h * g..t * width + (h + 1) * g, row * width + h * g..row * width + (h + 1) * g);
+            scales[row * groups + h] = quantize_e4m3(&x[src], &mut codes[dst]);
         }
     }
 }
@@ -57,5 +84,22 @@ mod tests {
         kv_write_fp8(&k, &v, &[3, 1], 2, 1, &mut k8, &mut v8, &mut ks, &mut vs);
         assert_eq!(E4M3_TO_F32[k8[7] as usize] * ks[7], 1.0);
         assert_eq!(E4M3_TO_F32[k8[3] as usize] * ks[3], 3.0);
+    }
+
+    #[test]
+    fn single_tensor_stores_keep_one_scale_per_row() {
+        let x = [1.0f32, -2.0, 0.5, 3.0, 0.0, 0.25];
+        let mut c = vec![0.0f32; 12];
+        kv_store_f32(&x, &[3, 0], 3, &mut c);
+        assert_eq!((&c[9..], &c[..3]), (&x[..3], &x[3..]));
+        let mut b = vec![0u16; 12];
+        kv_store_bf16(&x, &[3, 0], 3, &mut b);
+        assert_eq!(half::bf16::from_bits(b[10]).to_f32(), -2.0);
+        let (mut codes, mut scales) = (vec![0u8; 12], vec![0.0f32; 4]);
+        kv_store_fp8(&x, &[3, 0], 3, &mut codes, &mut scales);
+        // amax / 448 per row: 2 for row 3, 3 for row 0; the amax element decodes exactly.
+        assert_eq!((scales[3], scales[0]), (2.0 / 448.0, 3.0 / 448.0));
+        assert_eq!(E4M3_TO_F32[codes[10] as usize] * scales[3], -2.0);
+        assert_eq!(E4M3_TO_F32[codes[0] as usize] * scales[0], 3.0);
     }
 }

@@ -18,3 +18,4 @@ pub mod sample;
 pub mod moe;
 pub mod gather;
 pub mod kv_write;
+pub mod mla;

@@ -12,14 +12,65 @@ pub enum KvStorage {
     Fp8,
 }
 
-enum Layer<R: Runtime> {
+/// One layer's K and V rows (for MLA: latents and rotary keys) in the pool's storage type: K
+/// `[pool row][key_width]`, V `[pool row][value_width]`, FP8 scales `[pool row][groups]` each.
+pub(crate) enum KvLayer<R: Runtime> {
     F32 { k: R::Buf<f32>, v: R::Buf<f32> },
     Bf16 { k: R::Buf<u16>, v: R::Buf<u16> },
     Fp8 { k: R::Buf<u8>, v: R::Buf<u8>, ks: R::Buf<f32>, vs: R::Buf<f32> },
 }
 
+/// A layer's row widths and FP8 scale groups per row.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RowShape {
+    pub key_width: usize,
+    pub value_width: usize,
+    pub groups: usize,
+}
+
+impl<R: Runtime> KvLayer<R> {
+    /// Zeroed storage for `rows` pool rows (a zero width still gets a 1-element buffer).
+    pub(crate) fn new(gpu: &Kernels<R>, storage: KvStorage, rows: usize, s: RowShape) -> Result<Self, CudaError> {
+        let (nk, nv) = (rows * s.key_width, rows * s.value_width);
+        Ok(match storage {
+            KvStorage::F32 => KvLayer::F32 { k: gpu.zeros(nk)?, v: gpu.zeros(nv)? },
+            KvStorage::Bf16 => KvLayer::Bf16 { k: gpu.zeros(nk)?, v: gpu.zeros(nv)? },
+            KvStorage::Fp8 => KvLayer::Fp8 { k: gpu.zeros(nk)?, v: gpu.zeros(nv)?, ks: gpu.zeros(rows * s.groups)?, vs: gpu.zeros(rows * s.groups)? },
+        })
+    }
+
+    /// Copies pool rows `src..src + n` onto `dst..dst + n` (non-overlapping), K, V and scales.
+    pub(crate) fn copy_rows(&mut self, gpu: &Kernels<R>, src: usize, dst: usize, n: usize, s: RowShape) -> Result<(), CudaError> {
+        let (kw, vw) = (s.key_width, s.value_width);
+        match self {
+            KvLayer::F32 { k, v } => copy_pair([(k, kw), (v, vw)], src, dst, n, |b, a, d, l| gpu.copy_span_f32(b, a, d, l)),
+            KvLayer::Bf16 { k, v } => copy_pair([(k, kw), (v, vw)], src, dst, n, |b, a, d, l| gpu.copy_span_u16(b, a, d, l)),
+            KvLayer::Fp8 { k, v, ks, vs } => {
+                copy_pair([(k, kw), (v, vw)], src, dst, n, |b, a, d, l| gpu.copy_span_u8(b, a, d, l))?;
+                copy_pair([(ks, s.groups), (vs, s.groups)], src, dst, n, |b, a, d, l| gpu.copy_span_f32(b, a, d, l))
+            }
+        }
+    }
+}
+
+/// `copy(buf, src·w, dst·w, n·w)` for each (buffer, row width) pair; zero-width rows (MLA without
+/// a rotary slice) hold nothing to copy.
+fn copy_pair<B>(pair: [(&mut B, usize); 2], src: usize, dst: usize, n: usize, copy: impl Fn(&mut B, usize, usize, usize) -> Result<(), CudaError>) -> Result<(), CudaError> {
+    for (buf, w) in pair {
+        if n * w > 0 {
+            copy(buf, src * w, dst * w, n * w)?;
+        }
+    }
+    Ok(())
+}
+
+/// GQA rows: `kv_heads` heads of `head_dim` for K and V, one FP8 scale per head.
+fn heads_shape(kv_heads: usize, head_dim: usize) -> RowShape {
+    RowShape { key_width: kv_heads * head_dim, value_width: kv_heads * head_dim, groups: kv_heads }
+}
+
 pub struct DeviceKvPool<R: Runtime> {
-    layers: Vec<Layer<R>>,
+    layers: Vec<KvLayer<R>>,
     pub num_blocks: usize,
     pub block_size: usize,
     pub kv_heads: usize,
@@ -27,23 +78,14 @@ pub struct DeviceKvPool<R: Runtime> {
     pub storage: KvStorage,
 }
 
-fn bad(msg: String) -> CudaError {
+pub(crate) fn bad(msg: String) -> CudaError {
     CudaError::BadArgs(msg)
 }
 
 impl<R: Runtime> DeviceKvPool<R> {
     pub fn new(gpu: &Kernels<R>, layers: usize, num_blocks: usize, block_size: usize, kv_heads: usize, head_dim: usize, storage: KvStorage) -> Result<Self, CudaError> {
-        let n = num_blocks * block_size * kv_heads * head_dim;
-        let rows = num_blocks * block_size * kv_heads;
-        let layers = (0..layers)
-            .map(|_| {
-                Ok(match storage {
-                    KvStorage::F32 => Layer::F32 { k: gpu.zeros(n)?, v: gpu.zeros(n)? },
-                    KvStorage::Bf16 => Layer::Bf16 { k: gpu.zeros(n)?, v: gpu.zeros(n)? },
-                    KvStorage::Fp8 => Layer::Fp8 { k: gpu.zeros(n)?, v: gpu.zeros(n)?, ks: gpu.zeros(rows)?, vs: gpu.zeros(rows)? },
-                })
-            })
-            .collect::<Result<_, CudaError>>()?;
+        let shape = heads_shape(kv_heads, head_dim);
+        let layers = (0..layers).map(|_| KvLayer::new(gpu, storage, num_blocks * block_size, shape)).collect::<Result<_, CudaError>>()?;
         tracing::info!(num_blocks, block_size, ?storage, "device KV pool allocated");
         Ok(Self { layers, num_blocks, block_size, kv_heads, head_dim, storage })
     }
@@ -70,9 +112,9 @@ impl<R: Runtime> DeviceKvPool<R> {
     pub fn write_rows(&mut self, gpu: &Kernels<R>, layer: usize, k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, n: usize) -> Result<(), CudaError> {
         let (w, kvh, hd) = (self.width(), self.kv_heads, self.head_dim);
         match self.layers.get_mut(layer).ok_or_else(|| bad(format!("kv write: no layer {layer}")))? {
-            Layer::F32 { k: dk, v: dv } => gpu.kv_write_f32(k, v, slots, dk, dv, n, w),
-            Layer::Bf16 { k: dk, v: dv } => gpu.kv_write_bf16(k, v, slots, dk, dv, n, w),
-            Layer::Fp8 { k: dk, v: dv, ks, vs } => gpu.kv_write_fp8(k, v, slots, dk, dv, ks, vs, n, kvh, hd),
+            KvLayer::F32 { k: dk, v: dv } => gpu.kv_write_f32(k, v, slots, dk, dv, n, w),
+            KvLayer::Bf16 { k: dk, v: dv } => gpu.kv_write_bf16(k, v, slots, dk, dv, n, w),
+            KvLayer::Fp8 { k: dk, v: dv, ks, vs } => gpu.kv_write_fp8(k, v, slots, dk, dv, ks, vs, n, kvh, hd),
         }
     }
 
@@ -85,28 +127,9 @@ impl<R: Runtime> DeviceKvPool<R> {
         if slots == 0 || src == dst {
             return Ok(());
         }
-        let (w, kvh, bs) = (self.width(), self.kv_heads, self.block_size);
+        let (shape, bs) = (heads_shape(self.kv_heads, self.head_dim), self.block_size);
         for layer in &mut self.layers {
-            match layer {
-                Layer::F32 { k, v } => {
-                    for buf in [k, v] {
-                        gpu.copy_span_f32(buf, src * bs * w, dst * bs * w, slots * w)?;
-                    }
-                }
-                Layer::Bf16 { k, v } => {
-                    for buf in [k, v] {
-                        gpu.copy_span_u16(buf, src * bs * w, dst * bs * w, slots * w)?;
-                    }
-                }
-                Layer::Fp8 { k, v, ks, vs } => {
-                    for buf in [k, v] {
-                        gpu.copy_span_u8(buf, src * bs * w, dst * bs * w, slots * w)?;
-                    }
-                    for buf in [ks, vs] {
-                        gpu.copy_span_f32(buf, src * bs * kvh, dst * bs * kvh, slots * kvh)?;
-                    }
-                }
-            }
+            layer.copy_rows(gpu, src * bs, dst * bs, slots, shape)?;
         }
         Ok(())
     }
@@ -117,9 +140,9 @@ impl<R: Runtime> DeviceKvPool<R> {
     pub fn attention(&self, gpu: &Kernels<R>, layer: usize, heads: usize, max_blocks: usize, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
         let geo = PagedGeometry { heads, kv_heads: self.kv_heads, head_dim: self.head_dim, block_size: self.block_size, max_blocks };
         match self.layers.get(layer).ok_or_else(|| bad(format!("kv attention: no layer {layer}")))? {
-            Layer::F32 { k, v } => gpu.paged_attention_f32(&geo, q, k, v, tables, lens, scale, out),
-            Layer::Bf16 { k, v } => gpu.paged_attention_bf16(&geo, q, k, v, tables, lens, scale, out),
-            Layer::Fp8 { k, v, ks, vs } => gpu.paged_attention_fp8(&geo, q, k, v, ks, vs, tables, lens, scale, out),
+            KvLayer::F32 { k, v } => gpu.paged_attention_f32(&geo, q, k, v, tables, lens, scale, out),
+            KvLayer::Bf16 { k, v } => gpu.paged_attention_bf16(&geo, q, k, v, tables, lens, scale, out),
+            KvLayer::Fp8 { k, v, ks, vs } => gpu.paged_attention_fp8(&geo, q, k, v, ks, vs, tables, lens, scale, out),
         }
     }
 }

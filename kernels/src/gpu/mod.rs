@@ -2,9 +2,14 @@
 //! name) and [`Kernels`], each kernel's size-checked launch wrapper written once over it.
 pub mod kernels;
 pub mod kv_pool;
+pub mod kv_store;
+pub mod latent_pool;
+pub mod mla;
 pub mod moe;
 pub mod runtime;
 
+pub use crate::cpu::mla::LatentGeometry;
 pub use kernels::{DevGrouped, DevMxfp4, DevPacked, GemmScratch, Kernels, MatmulPath, PagedGeometry, QuantWeight, GEMM_MIN_TOKENS};
+pub use latent_pool::DeviceLatentPool;
 pub use moe::{ExpertGroups, ExpertWeight, MoeTiles, Routed};
 pub use runtime::{DevBuf, Dims, Elem, KArg, Runtime};

@@ -1,0 +1,121 @@
+//! Launch wrappers of DeepSeek MLA's device kernels (`kernels/cuda/mla.cu` and the
+//! `mla_attention_*` kernels of `kernels/cuda/paged_attention.cu`); CPU references in
+//! `crate::cpu::mla` and `crate::cpu::rope::rope_rows`. The host composes an MLA layer from these,
+//! the cache stores of [`super::kv_store`] (through [`super::latent_pool::DeviceLatentPool`]) and
+//! the generic kernels (RMSNorm, GEMVs).
+
+use super::kernels::check;
+use super::runtime::{DevBuf, Dims, KArg as A};
+use super::{Kernels, Runtime};
+use crate::cpu::mla::LatentGeometry;
+use crate::cuda::CudaError;
+
+/// Largest latent (`kv_lora_rank`) and rotary widths the attention kernels hold in shared memory
+/// (`MLA_MAX_LORA`, `MLA_MAX_ROPE` in paged_attention.cu); DeepSeek-V3 uses 512 and 64.
+pub const MLA_MAX_LORA: usize = 1024;
+pub const MLA_MAX_ROPE: usize = 256;
+/// Rotary pairs per row `rope_rows` handles (32 lanes × `ROPE_PAIRS` in mla.cu).
+pub const ROPE_ROWS_MAX_PAIRS: usize = 256;
+/// Warps per block and tokens per tile of `head_matvec_bf16` (`HM_WARPS`, `HM_TOK` in mla.cu).
+const HM_WARPS: usize = 4;
+const HM_TOK: usize = 8;
+/// CUDA's limit on gridDim.y and gridDim.z.
+const GRID_YZ_MAX: usize = 65535;
+
+impl<R: Runtime> Kernels<R> {
+    /// `out[r, 0..count] = src[r, offset..offset + count]` for `r < rows` (src rows `width` wide).
+    pub fn copy_cols(&self, src: &R::Buf<f32>, out: &mut R::Buf<f32>, rows: usize, width: usize, offset: usize, count: usize) -> Result<(), CudaError> {
+        check(offset + count <= width && width <= i32::MAX as usize, || format!("copy_cols: columns {offset}..{} of rows {width} wide", offset + count))?;
+        check(src.len() >= rows * width && out.len() >= rows * count, || format!("copy_cols: src {} / out {} elements for {rows} rows of {width} -> {count}", src.len(), out.len()))?;
+        if rows * count == 0 {
+            return Ok(()); // nothing to copy, and CUDA refuses an empty grid
+        }
+        let dims = Self::elementwise_dims("copy_cols", rows * count)?;
+        self.go("copy_cols", dims, &[A::F32s(src), A::F32s(out), A::I64(rows as i64), A::I32(width as i32), A::I32(offset as i32), A::I32(count as i32)])
+    }
+
+    /// RoPE on dense rows of dim = 2 * inv_freq.len(): row r (of tokens * rows_per_token) belongs
+    /// to token r / rows_per_token and rotates by positions[token]; with `interleave` the row's
+    /// pairs (x0,x1),(x2,x3).. are first reordered to (x0,x2,..,x1,x3,..) (DeepSeek), then
+    /// rotate-half, then every element is multiplied by `attention_factor` (YaRN; skipped when it
+    /// is 1.0): exactly [`crate::cpu::rope::rope_rows`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_rows(&self, x: &mut R::Buf<f32>, positions: &R::Buf<i32>, inv_freq: &R::Buf<f32>, tokens: usize, rows_per_token: usize, interleave: bool, attention_factor: f32) -> Result<(), CudaError> {
+        let half = inv_freq.len();
+        let rows = tokens * rows_per_token;
+        check(half <= ROPE_ROWS_MAX_PAIRS, || format!("rope_rows: {half} rotary pairs (at most {ROPE_ROWS_MAX_PAIRS})"))?;
+        check(x.len() >= rows * 2 * half && positions.len() >= tokens, || format!("rope_rows: x {} / positions {} for {tokens} tokens x {rows_per_token} rows of {}", x.len(), positions.len(), 2 * half))?;
+        if rows == 0 || half == 0 {
+            return Ok(());
+        }
+        // One warp per row, 4 per block.
+        check(rows.div_ceil(4) <= i32::MAX as usize, || format!("rope_rows: {rows} rows exceed one launch's grid"))?;
+        let dims = Dims::new((rows.div_ceil(4) as u32, 1, 1), 128);
+        let args = [A::F32s(x), A::I32s(positions), A::F32s(inv_freq), A::I64(rows as i64), A::I32(rows_per_token as i32), A::I32(half as i32), A::I32(interleave as i32), A::F32(attention_factor)];
+        self.go("rope_rows", dims, &args)
+    }
+
+    /// out[t, h, r] = sum_c W[h, r, c] * x[t, h, c]; W bf16 bits [heads, rows, cols], x
+    /// [tokens, heads, cols], out [tokens, heads, rows] (MLA's per-head `W_ukᵀ` and `W_uv`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_matvec_bf16(&self, w: &R::Buf<u16>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, tokens: usize, heads: usize, rows: usize, cols: usize) -> Result<(), CudaError> {
+        check(w.len() >= heads * rows * cols && x.len() >= tokens * heads * cols && out.len() >= tokens * heads * rows, || format!("head_matvec_bf16: w {} / x {} / out {} elements for {tokens} tokens x {heads} heads of {rows}x{cols}", w.len(), x.len(), out.len()))?;
+        check(heads <= GRID_YZ_MAX && tokens <= i32::MAX as usize && cols <= i32::MAX as usize && rows.div_ceil(HM_WARPS) <= i32::MAX as usize, || format!("head_matvec_bf16: {tokens} tokens x {heads} heads of {rows}x{cols} exceed one launch's grid"))?;
+        if tokens * heads * rows == 0 {
+            return Ok(());
+        }
+        // Token tiles beyond gridDim.z's limit are covered by the kernel's stride loop.
+        let dims = Dims::new((rows.div_ceil(HM_WARPS) as u32, heads as u32, tokens.div_ceil(HM_TOK).min(GRID_YZ_MAX) as u32), (HM_WARPS * 32) as u32);
+        self.go("head_matvec_bf16", dims, &[A::U16s(w), A::F32s(x), A::F32s(out), A::I32(tokens as i32), A::I32(heads as i32), A::I32(rows as i32), A::I32(cols as i32)])
+    }
+
+    /// x[i] *= 1 / (1 + exp(-g[i])) for i < n (MLA output gate).
+    pub fn sigmoid_mul(&self, x: &mut R::Buf<f32>, g: &R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+        check(x.len() >= n && g.len() >= n, || format!("sigmoid_mul: x {} / g {} elements for {n}", x.len(), g.len()))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let dims = Self::elementwise_dims("sigmoid_mul", n)?;
+        self.go("sigmoid_mul", dims, &[A::F32s(x), A::F32s(g), A::I64(n as i64)])
+    }
+
+    /// Absorbed MLA attention over an f32 latent cache (`c` the latents `[pool row][lora]`, `kr`
+    /// the rotary keys `[pool row][rope]`), one query token per entry of `lens`: see
+    /// [`crate::cpu::mla::mla_attention`]. As with paged attention, the caller guarantees the block
+    /// tables and lengths stay inside the pool.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_attention_f32(&self, g: &LatentGeometry, q_lat: &R::Buf<f32>, q_rope: &R::Buf<f32>, c: &R::Buf<f32>, kr: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, ctx: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        self.mla_attention("mla_attention_f32", g, q_lat, q_rope, [A::F32s(c), A::F32s(kr)], tables, lens, scale, ctx)
+    }
+
+    /// As [`Self::mla_attention_f32`] over bf16 (bit patterns) rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_attention_bf16(&self, g: &LatentGeometry, q_lat: &R::Buf<f32>, q_rope: &R::Buf<f32>, c: &R::Buf<u16>, kr: &R::Buf<u16>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, ctx: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        self.mla_attention("mla_attention_bf16", g, q_lat, q_rope, [A::U16s(c), A::U16s(kr)], tables, lens, scale, ctx)
+    }
+
+    /// As [`Self::mla_attention_f32`] over E4M3 rows with one scale per pool row of each.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_attention_fp8(&self, g: &LatentGeometry, q_lat: &R::Buf<f32>, q_rope: &R::Buf<f32>, c: &R::Buf<u8>, kr: &R::Buf<u8>, c_scales: &R::Buf<f32>, kr_scales: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, ctx: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        // A scale for every stored row (kr is a 1-element placeholder when rope is 0).
+        check(c_scales.len() * g.lora >= c.len() && (g.rope == 0 || kr_scales.len() * g.rope >= kr.len()), || format!("mla_attention_fp8: {} / {} scales for {} / {} codes", c_scales.len(), kr_scales.len(), c.len(), kr.len()))?;
+        self.mla_attention("mla_attention_fp8", g, q_lat, q_rope, [A::U8s(c), A::U8s(kr), A::F32s(c_scales), A::F32s(kr_scales)], tables, lens, scale, ctx)
+    }
+
+    /// Size checks and launch of the three storage variants; `cache` is the kernel's cache
+    /// arguments (latents, rotary keys and, for FP8, their scales).
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention<const N: usize>(&self, name: &'static str, g: &LatentGeometry, q_lat: &R::Buf<f32>, q_rope: &R::Buf<f32>, cache: [A<'_, R>; N], tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, ctx: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        let (n, heads, lora, rope) = (lens.len(), g.heads, g.lora, g.rope);
+        check((1..=MLA_MAX_LORA).contains(&lora) && rope <= MLA_MAX_ROPE, || format!("{name}: latent {lora} / rotary {rope} wide (at most {MLA_MAX_LORA} / {MLA_MAX_ROPE}, latent at least 1)"))?;
+        check((1..=GRID_YZ_MAX).contains(&heads) && n <= i32::MAX as usize && g.block_size > 0, || format!("{name}: {n} tokens x {heads} heads, block size {}", g.block_size))?;
+        check(q_lat.len() >= n * heads * lora && q_rope.len() >= n * heads * rope && ctx.len() >= n * heads * lora && tables.len() >= n * g.max_blocks, || format!("{name}: q_lat {} / q_rope {} / ctx {} / tables {} elements for {n} tokens", q_lat.len(), q_rope.len(), ctx.len(), tables.len()))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut args: Vec<A<'_, R>> = vec![A::F32s(q_lat), A::F32s(q_rope)];
+        args.extend(cache);
+        args.extend([A::I32s(tables), A::I32s(lens), A::F32s(ctx), A::I32(heads as i32), A::I32(lora as i32), A::I32(rope as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)]);
+        self.go(name, Dims::new((n as u32, heads as u32, 1), 128), &args)
+    }
+}
