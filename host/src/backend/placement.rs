@@ -1,12 +1,13 @@
 //! Where the model's forward runs, from `--device`: the CPU model as loaded, or, for CUDA
-//! devices, a Llama moved onto them (`model::device_llama`), one device per tensor-parallel rank
-//! with NCCL between them. Other architectures keep the CPU forward and the log says so; a device
+//! devices, a Llama or DeepSeek-V3 moved onto them (`model::device_llama`,
+//! `model::device_deepseek`), one device per rank with NCCL between them. Other architectures
+//! (Kimi-Linear) keep the CPU forward and the log says so; a device
 //! that cannot be opened is an error naming the cause for an explicit `cuda:N`, and a logged
 //! fallback for `auto`.
 
 use super::DeviceSpec;
 use crate::mesh::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
-use crate::model::device_llama::{device_llama_ranks, place_on_devices};
+use crate::model::device::{device_ranks, place_on_devices};
 use crate::model::LoadedModel;
 
 /// Moves `m` to the device(s) `spec` names (unchanged for `cpu`): one device per tensor-parallel
@@ -16,9 +17,9 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, Str
         return Ok(m);
     }
     // Decided before a device is opened: a model without a device forward stays on the CPU.
-    let Some(ranks) = device_llama_ranks(&m).map(<[_]>::len) else {
+    let Some(ranks) = device_ranks(&m) else {
         if *spec == DeviceSpec::Sim {
-            return Err("--device sim: the simulator runs the Llama device forward only; this model has none".into());
+            return Err("--device sim: the simulator runs the device forwards (Llama, DeepSeek-V3) only; this model has none".into());
         }
         tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
         return Ok(m);

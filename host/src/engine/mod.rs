@@ -5,7 +5,7 @@ pub mod api;
 pub mod block_pool;
 pub mod core;
 mod fair_share;
-mod paged_kv;
+pub(crate) mod paged_kv;
 pub mod recurrent_slots;
 mod sequence;
 

@@ -4,6 +4,7 @@ pub mod config;
 pub mod decoder;
 pub mod deepseek;
 pub mod device;
+pub mod device_deepseek;
 pub mod device_llama;
 pub mod error;
 pub mod ggml;

@@ -16,9 +16,21 @@ use kernels::gpu::{DevGrouped, DevMxfp4, Kernels, Runtime};
 use crate::model::linear::Linear;
 use crate::model::ForwardError;
 
+/// How dense (unquantized) weights are held on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DenseWeights {
+    /// bf16, multiplied by the bf16 GEMM (cuBLAS) with bf16-rounded activations: serving.
+    Bf16,
+    /// f32 with f32 activations (the `matmul_f32` kernel, no tensor cores): the device then
+    /// differs from the CPU model only in summation order, which accuracy checks rely on when a
+    /// rounding-sized difference can change a discrete choice (MoE routing).
+    F32,
+}
+
 /// One linear layer's weight on the device.
 pub enum DevLinear<R: Runtime> {
     Bf16 { w: R::Buf<u16>, rows: usize, cols: usize },
+    F32 { w: R::Buf<f32>, rows: usize, cols: usize },
     Int(DevGrouped<R>),
     Cubic(DevGrouped<R>),
     Mxfp4(DevMxfp4<R>),
@@ -28,6 +40,7 @@ pub enum DevLinear<R: Runtime> {
 /// fused gate+up projection that `silu_mul` reads as `[tokens, 2 · intermediate]`).
 enum Parts {
     Bf16 { rows: usize, cols: usize, data: Vec<u16> },
+    F32 { rows: usize, cols: usize, data: Vec<f32> },
     Grouped { cubic: bool, bits: u32, rows: usize, cols: usize, stride: usize, bytes: Vec<u8>, group_size: usize, p0: Vec<f32>, p1: Vec<f32> },
     Mxfp4 { rows: usize, cols: usize, packed: Vec<u8>, scales: Vec<u8> },
 }
@@ -46,8 +59,9 @@ fn grouped(cubic: bool, packed: &PackedRows, group_size: usize, params: &[[f32; 
     }
 }
 
-fn parts(name: &str, l: &Linear) -> Result<Parts, ForwardError> {
+fn parts(name: &str, l: &Linear, dense: DenseWeights) -> Result<Parts, ForwardError> {
     Ok(match l {
+        Linear::Dense(t) if dense == DenseWeights::F32 => Parts::F32 { rows: t.shape[0], cols: t.shape[1], data: t.as_slice().to_vec() },
         Linear::Dense(t) => Parts::Bf16 { rows: t.shape[0], cols: t.shape[1], data: kernels::cpu::gather::narrow_bf16(t.as_slice()) },
         Linear::Int(q) => {
             if q.perm.is_some() {
@@ -77,6 +91,10 @@ fn stack(name: &str, a: Parts, b: Parts) -> Result<Parts, ForwardError> {
             data.extend(d2);
             Parts::Bf16 { rows: rows + r2, cols, data }
         }
+        (Parts::F32 { rows, cols, mut data }, Parts::F32 { rows: r2, cols: c2, data: d2 }) if cols == c2 => {
+            data.extend(d2);
+            Parts::F32 { rows: rows + r2, cols, data }
+        }
         (
             Parts::Grouped { cubic, bits, rows, cols, stride, mut bytes, group_size, mut p0, mut p1 },
             Parts::Grouped { cubic: c2, bits: b2, rows: r2, cols: k2, stride: s2, bytes: y2, group_size: g2, p0: q0, p1: q1 },
@@ -98,6 +116,7 @@ fn stack(name: &str, a: Parts, b: Parts) -> Result<Parts, ForwardError> {
 fn upload<R: Runtime>(gpu: &Kernels<R>, p: Parts) -> Result<DevLinear<R>, ForwardError> {
     Ok(match p {
         Parts::Bf16 { rows, cols, data } => DevLinear::Bf16 { w: gpu.upload(&data)?, rows, cols },
+        Parts::F32 { rows, cols, data } => DevLinear::F32 { w: gpu.upload(&data)?, rows, cols },
         Parts::Grouped { cubic, bits, rows, cols, stride, bytes, group_size, p0, p1 } => {
             let g = gpu.upload_grouped(gpu.upload_packed(bits, rows, cols, stride, &bytes)?, group_size, &p0, &p1)?;
             if cubic { DevLinear::Cubic(g) } else { DevLinear::Int(g) }
@@ -107,24 +126,29 @@ fn upload<R: Runtime>(gpu: &Kernels<R>, p: Parts) -> Result<DevLinear<R>, Forwar
 }
 
 impl<R: Runtime> DevLinear<R> {
+    /// Dense weights as bf16 (the serving form).
     pub fn upload(gpu: &Kernels<R>, name: &str, l: &Linear) -> Result<Self, ForwardError> {
-        upload(gpu, parts(name, l)?)
+        Self::upload_as(gpu, name, l, DenseWeights::Bf16)
+    }
+
+    pub fn upload_as(gpu: &Kernels<R>, name: &str, l: &Linear, dense: DenseWeights) -> Result<Self, ForwardError> {
+        upload(gpu, parts(name, l, dense)?)
     }
 
     /// `a` and `b` stacked by rows into one weight (one GEMM for both).
     pub fn upload_stacked(gpu: &Kernels<R>, name: &str, a: &Linear, b: &Linear) -> Result<Self, ForwardError> {
-        Self::upload_rows(gpu, name, &[a, b])
+        Self::upload_rows(gpu, name, &[a, b], DenseWeights::Bf16)
     }
 
     /// Every weight of `list` stacked by rows, in order, into one device weight: a fused
     /// projection, or a layer's routed experts (expert `e`'s matrix is rows
     /// `e · rows_per_expert ..`), which must then share one storage format and layout.
-    pub fn upload_rows(gpu: &Kernels<R>, name: &str, list: &[&Linear]) -> Result<Self, ForwardError> {
+    pub fn upload_rows(gpu: &Kernels<R>, name: &str, list: &[&Linear], dense: DenseWeights) -> Result<Self, ForwardError> {
         let mut it = list.iter();
         let first = it.next().ok_or_else(|| ForwardError::Invalid(format!("{name}: nothing to upload")))?;
-        let mut all = parts(name, first)?;
+        let mut all = parts(name, first, dense)?;
         for l in it {
-            all = stack(name, all, parts(name, l)?)?;
+            all = stack(name, all, parts(name, l, dense)?)?;
         }
         upload(gpu, all)
     }
@@ -132,7 +156,7 @@ impl<R: Runtime> DevLinear<R> {
     /// (rows, cols) of the whole (possibly stacked) weight.
     pub fn shape(&self) -> (usize, usize) {
         match self {
-            DevLinear::Bf16 { rows, cols, .. } => (*rows, *cols),
+            DevLinear::Bf16 { rows, cols, .. } | DevLinear::F32 { rows, cols, .. } => (*rows, *cols),
             DevLinear::Int(g) | DevLinear::Cubic(g) => (g.packed.rows, g.packed.cols),
             DevLinear::Mxfp4(m) => (m.rows, m.cols),
         }
@@ -142,7 +166,7 @@ impl<R: Runtime> DevLinear<R> {
     /// weights, which are bf16 already).
     pub fn dequant_elements(&self) -> usize {
         match self {
-            DevLinear::Bf16 { .. } => 0,
+            DevLinear::Bf16 { .. } | DevLinear::F32 { .. } => 0,
             DevLinear::Int(g) | DevLinear::Cubic(g) => g.packed.rows * g.packed.cols,
             DevLinear::Mxfp4(m) => m.rows * m.cols,
         }
@@ -156,6 +180,10 @@ impl<R: Runtime> DevLinear<R> {
             DevLinear::Bf16 { w, rows, cols } => {
                 gpu.narrow_bf16(x, &mut scratch.x, n * cols)?;
                 gpu.gemm_bf16(&scratch.x, w, out, n, *cols, *rows)?;
+                return Ok(());
+            }
+            DevLinear::F32 { w, rows, cols } => {
+                gpu.matmul_f32(x, w, out, n, *rows, *cols)?;
                 return Ok(());
             }
             DevLinear::Int(g) => QuantWeight::Int(g),

@@ -7,7 +7,7 @@
 //! returns — which is fine because queries and cached keys are reordered the same way and only
 //! their dot products are used.
 
-use kernels::cpu::rope::Rope;
+use kernels::cpu::rope::{rope_rows, Rope};
 
 use super::config::{yarn_get_mscale, MlaRope, Yarn};
 
@@ -28,23 +28,11 @@ impl MlaRotary {
         Self { rope: Rope::from_inv_freq(inv_freq), interleave: cfg.interleave, attention_factor, dim }
     }
 
-    /// Rotates every `dim`-wide slice of `x` for position `pos`.
+    /// Rotates every `dim`-wide slice of `x` for position `pos` (`kernels::cpu::rope::rope_rows`,
+    /// the device kernel's reference).
     pub fn apply(&self, x: &mut [f32], pos: usize) {
-        let d = self.dim;
-        if self.interleave {
-            let mut tmp = vec![0.0f32; d];
-            for s in x.chunks_exact_mut(d) {
-                for i in 0..d / 2 {
-                    tmp[i] = s[2 * i];
-                    tmp[d / 2 + i] = s[2 * i + 1];
-                }
-                s.copy_from_slice(&tmp);
-            }
-        }
-        self.rope.apply(x, d, pos);
-        if self.attention_factor != 1.0 {
-            x.iter_mut().for_each(|v| *v *= self.attention_factor);
-        }
+        debug_assert_eq!(self.rope.inv_freq().len() * 2, self.dim);
+        rope_rows(x, pos, self.rope.inv_freq(), self.interleave, self.attention_factor);
     }
 }
 

@@ -12,24 +12,11 @@ use serde_json::Value;
 use super::mlp::Activation;
 use crate::model::error::LoadError;
 
-/// How router logits become per-expert scores.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Scoring {
-    Softmax,
-    Sigmoid,
-}
-
-/// How the top-k experts are chosen from the scores.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TopkMethod {
-    /// Plain top-k over all experts.
-    Greedy,
-    /// DeepSeek-V2: keep the `topk_group` groups with the highest max score, top-k inside them.
-    GroupLimitedGreedy,
-    /// DeepSeek-V3 / Kimi: selection on `score + e_score_correction_bias`, groups ranked by the sum
-    /// of their two best biased scores; the weights are the unbiased scores.
-    NoauxTc,
-}
+/// How router logits become per-expert scores, and how the top-k experts are chosen from them
+/// (greedy; DeepSeek-V2's group-limited greedy; DeepSeek-V3 / Kimi noaux_tc): the routing code
+/// itself lives in `kernels::cpu::moe` so the CPU router and the device kernel share one
+/// reference.
+pub use kernels::cpu::moe::{RouterScoring as Scoring, RouterTopk as TopkMethod};
 
 /// Tensor names of one expert's three projections (the checkpoint's, not transformers' fused form).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -7,7 +7,9 @@
 
 use kernels::cpu::matmul::matmul_t;
 
-use super::config::{MoeConfig, Scoring, TopkMethod};
+use kernels::cpu::moe::{route_token, RouterSpec};
+
+use super::config::MoeConfig;
 use crate::model::error::LoadError;
 use crate::model::source::WeightSource;
 use crate::model::tensor::Tensor;
@@ -73,14 +75,9 @@ impl Routing {
 pub struct Router {
     /// `[num_experts, hidden]`.
     pub(crate) weight: Tensor,
+    /// `e_score_correction_bias`, present iff the method is noaux_tc.
     pub(crate) bias: Option<Vec<f32>>,
-    pub(crate) scoring: Scoring,
-    pub(crate) method: TopkMethod,
-    pub(crate) n_group: usize,
-    pub(crate) topk_group: usize,
-    pub(crate) top_k: usize,
-    pub(crate) normalize: bool,
-    pub(crate) scale: f32,
+    pub(crate) spec: RouterSpec,
 }
 
 impl Router {
@@ -102,17 +99,17 @@ impl Router {
     pub fn new(cfg: &MoeConfig, weight: Tensor, bias: Option<Vec<f32>>) -> Self {
         assert_eq!(weight.shape, [cfg.num_experts, cfg.hidden_size], "router weight shape");
         let bias = if cfg.uses_bias() { Some(bias.unwrap_or_else(|| vec![0.0; cfg.num_experts])) } else { None };
-        Self {
-            weight,
-            bias,
+        let spec = RouterSpec {
             scoring: cfg.scoring,
             method: cfg.topk_method,
+            num_experts: cfg.num_experts,
             n_group: cfg.n_group,
             topk_group: cfg.topk_group,
             top_k: cfg.top_k,
             normalize: cfg.norm_topk_prob,
             scale: cfg.routed_scaling_factor,
-        }
+        };
+        Self { weight, bias, spec }
     }
 
     pub fn num_experts(&self) -> usize {
@@ -134,76 +131,24 @@ impl Router {
     pub fn route(&self, x: &[f32], n: usize) -> Routing {
         let logits = self.logits(x, n);
         let e = self.num_experts();
-        let mut experts = Vec::with_capacity(n * self.top_k);
-        let mut weights = Vec::with_capacity(n * self.top_k);
+        let k = self.spec.top_k;
+        let mut experts = Vec::with_capacity(n * k);
+        let mut weights = Vec::with_capacity(n * k);
         for row in logits.chunks_exact(e) {
-            let (ids, ws) = self.select(row);
+            // One token: scores, group mask, top-k, weights (the device kernel's reference).
+            let (ids, ws) = route_token(&self.spec, row, self.bias.as_deref());
             experts.extend(ids);
             weights.extend(ws);
         }
-        Routing { top_k: self.top_k, experts, weights }
+        Routing { top_k: k, experts, weights }
     }
-
-    /// One token: scores, group mask, top-k, weights.
-    fn select(&self, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {
-        let scores: Vec<f32> = match self.scoring {
-            Scoring::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
-            Scoring::Softmax => {
-                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let exp: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
-                let sum: f32 = exp.iter().sum();
-                exp.into_iter().map(|v| v / sum).collect()
-            }
-        };
-        let mut choice: Vec<f32> = match &self.bias {
-            Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
-            None => scores.clone(),
-        };
-        if self.method != TopkMethod::Greedy && self.topk_group < self.n_group {
-            let per = choice.len() / self.n_group;
-            let group_score: Vec<f32> = choice
-                .chunks_exact(per)
-                .map(|g| match self.method {
-                    TopkMethod::NoauxTc => top_indices(g, 2).iter().map(|&i| g[i]).sum(),
-                    _ => g.iter().copied().fold(f32::NEG_INFINITY, f32::max),
-                })
-                .collect();
-            let keep = top_indices(&group_score, self.topk_group);
-            for (gi, g) in choice.chunks_exact_mut(per).enumerate() {
-                if !keep.contains(&gi) {
-                    g.fill(f32::NEG_INFINITY);
-                }
-            }
-        }
-        let ids = top_indices(&choice, self.top_k);
-        let mut ws: Vec<f32> = ids.iter().map(|&i| scores[i]).collect();
-        if self.normalize {
-            // transformers adds 1e-20 so an all-zero choice cannot divide by zero.
-            let denom = ws.iter().sum::<f32>() + 1e-20;
-            ws.iter_mut().for_each(|w| *w /= denom);
-        }
-        ws.iter_mut().for_each(|w| *w *= self.scale);
-        (ids.into_iter().map(|i| i as u32).collect(), ws)
-    }
-}
-
-/// Indices of the `k` largest values, largest first; ties go to the lower index. NaN counts as
-/// smallest, so a NaN logit can never be chosen over a real one.
-fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..v.len()).collect();
-    let key = |i: usize| if v[i].is_nan() { f32::NEG_INFINITY } else { v[i] };
-    let k = k.min(v.len());
-    if k < idx.len() {
-        idx.select_nth_unstable_by(k, |&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
-        idx.truncate(k);
-    }
-    idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
-    idx
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::moe::config::{Scoring, TopkMethod};
+    use kernels::cpu::moe::top_indices;
 
     fn cfg(scoring: Scoring, method: TopkMethod, n_group: usize, topk_group: usize, top_k: usize) -> MoeConfig {
         MoeConfig { scoring, topk_method: method, n_group, topk_group, ..MoeConfig::plain(8, 8, top_k, 4) }

@@ -1,0 +1,355 @@
+//! The DeepSeek-V3 forward on a device ([`Runtime`]: CUDA, or the simulator in tests): MLA
+//! attention in the absorbed form over a compressed latent paged cache, dense SwiGLU layers, and
+//! MoE layers routed, grouped and run on the device (router, top-k, grouping into per-expert
+//! tiles, expert GEMVs in the checkpoint's own format, weighted combine, shared experts).
+//!
+//! Multi-device: built from the ranks of `mesh::ExpertParallelDeepseek`, one device per rank.
+//! Every rank holds the non-expert weights and its contiguous range of each MoE layer's routed
+//! experts; it runs the whole batch, adds the weighted outputs of only the experts it holds (the
+//! shared experts on rank 0), and an all-reduce ([`DeviceCollective`], NCCL on CUDA) sums the
+//! ranks' partial MoE outputs. Ranks loaded with the MLA heads split too
+//! (`--tensor-parallel-size`) also all-reduce their partial `o_proj` outputs. Only rank 0 computes
+//! logits (the others would compute the same).
+//!
+//! Numerics follow `DeviceLlama`: dense weights bf16 (exact for bf16 checkpoints), activations
+//! rounded to bf16 entering dense GEMMs, the absorbed `kv_b_proj` halves in bf16; norms, RoPE,
+//! attention, routing (f32 router weights) and residuals in f32. Tested against
+//! `DeepseekV3Model::forward` and transformers.
+
+mod upload;
+#[cfg(test)]
+mod tests;
+
+use kernels::gpu::kernels::GemmScratch;
+use kernels::gpu::latent_pool::DeviceLatentPool;
+use kernels::gpu::kv_pool::KvStorage;
+use kernels::gpu::{Kernels, Runtime};
+
+use super::config::ModelConfig;
+use super::deepseek::DeepseekV3Model;
+use super::device::ranks::{run_step, RankState};
+use super::device::step::{checked_step, StepInputs};
+use super::device::weights::DenseWeights;
+use super::kv::{BatchRow, BlockCopy, CacheLayout, KvCache, LayerKvShape, PagedView};
+use super::{DeviceKv, ForwardError, LanguageModel, LoadedModel};
+use crate::mesh::device_collective::{DeviceCollective, DeviceGroup, SoleRank};
+use upload::{DevFfn, DevLayer, DevMla, DevMoe, DevQ};
+
+fn invalid(msg: String) -> ForwardError {
+    ForwardError::Invalid(msg)
+}
+
+/// Everything one device holds, behind one lock.
+struct DeviceState<R: Runtime> {
+    gpu: Kernels<R>,
+    rank: usize,
+    /// The MLA heads are split over the ranks: `o_proj` outputs are partial sums.
+    split_heads: bool,
+    /// bf16 `[vocab, hidden]`: the embedding gather's table and, when tied, the output weight.
+    embed: R::Buf<u16>,
+    layers: Vec<DevLayer<R>>,
+    norm: R::Buf<f32>,
+    lm_head: Option<super::device::weights::DevLinear<R>>,
+    pool: Option<DeviceLatentPool<R>>,
+    /// Dequantisation buffer for the prefill GEMM path (sized once for the largest packed dense
+    /// weight) and the bf16 activations (sized per step).
+    scratch: GemmScratch<R>,
+    /// The widest input any dense projection takes (sizes `scratch.x`).
+    max_in: usize,
+}
+
+/// A DeepSeek-V3 on one device, or its expert-parallel ranks on one device each.
+pub struct DeviceDeepseek<R: Runtime> {
+    cfg: ModelConfig,
+    describe: String,
+    /// (kv_lora_rank, qk_rope_head_dim): what each layer caches per token.
+    latent: (usize, usize),
+    ranks: Vec<RankState<DeviceState<R>>>,
+    group: Box<dyn DeviceGroup<R>>,
+}
+
+impl<R: Runtime> DeviceDeepseek<R> {
+    /// Uploads a whole model to `gpu`.
+    pub fn from_model(m: &DeepseekV3Model, gpu: Kernels<R>) -> Result<Self, ForwardError> {
+        Self::from_ranks(std::slice::from_ref(m), vec![gpu], Box::new(SoleRank))
+    }
+
+    /// Uploads rank `r` (`ranks[r]`, from `ExpertParallelDeepseek`) to `gpus[r]`; the ranks sum
+    /// their partial outputs through `group`. Dense weights in bf16 (serving).
+    pub fn from_ranks(ranks: &[DeepseekV3Model], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<Self, ForwardError> {
+        Self::from_ranks_with(ranks, gpus, group, DenseWeights::Bf16)
+    }
+
+    /// As [`Self::from_ranks`] with dense weights held as `dense` says.
+    pub fn from_ranks_with(ranks: &[DeepseekV3Model], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Self, ForwardError> {
+        let size = ranks.len();
+        if size == 0 || gpus.len() != size || group.world_size() != size {
+            return Err(invalid(format!("{size} expert-parallel ranks, {} devices and a group of {}: one device per rank", gpus.len(), group.world_size())));
+        }
+        for (r, m) in ranks.iter().enumerate() {
+            if (m.ep.rank, m.ep.size) != (r, size) {
+                return Err(invalid(format!("device {r} was given expert-parallel rank {} of {} (expected rank {r} of {size})", m.ep.rank, m.ep.size)));
+            }
+        }
+        let first = ranks[0].layers.first().ok_or_else(|| invalid("a DeepSeek model without layers".into()))?;
+        let latent = (first.attn.cfg.kv_lora_rank, first.attn.cfg.qk_rope_head_dim);
+        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DeviceState::upload(m, gpu, dense).map(RankState::new)).collect::<Result<Vec<_>, _>>()?;
+        let names: Vec<String> = states.iter().map(|s| s.lock().gpu.describe()).collect();
+        let describe = if size == 1 { names[0].clone() } else { format!("{size} expert-parallel ranks on {}", names.join(", ")) };
+        Ok(Self { cfg: ranks[0].cfg.clone(), describe, latent, ranks: states, group })
+    }
+
+    /// The device(s), as the runtime names them.
+    pub fn device(&self) -> &str {
+        &self.describe
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn forward_ranks(&self, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
+        let pool = self.ranks[0].lock().pool.as_ref().map(|p| (p.num_blocks, p.block_size));
+        let inp = checked_step(&self.cfg, tokens, rows, view, logit_rows, pool)?;
+        let comms = if self.ranks.len() > 1 { self.group.step_comms()? } else { Vec::new() };
+        let parts = run_step(&self.ranks, &comms, |state, comm| state.forward(&self.cfg, view.copies, &inp, comm))?;
+        Ok(parts.into_iter().next().unwrap_or_default())
+    }
+}
+
+impl<R: Runtime> DeviceState<R> {
+    /// This rank's part of one step. Returns the logits on rank 0 and nothing on the others.
+    /// `inp` and `copies` were checked against the pool by [`checked_step`], so an error here
+    /// is this device's failure, never ranks disagreeing about the batch.
+    fn forward(&mut self, cfg: &ModelConfig, copies: &[BlockCopy], inp: &StepInputs, comm: &dyn DeviceCollective<R>) -> Result<Vec<f32>, ForwardError> {
+        let parallel = comm.world_size() > 1;
+        let Self { gpu, rank, split_heads, embed, layers, norm, lm_head, pool, scratch, max_in } = self;
+        let pool = pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
+        for c in copies {
+            pool.copy_block(gpu, c.src as usize, c.dst as usize, c.slots)?;
+        }
+        let n = inp.ids.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let (d, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let step = Step {
+            n,
+            positions: gpu.upload(&inp.positions)?,
+            slots: gpu.upload(&inp.slots)?,
+            tables: gpu.upload(&inp.tables)?,
+            lens: gpu.upload(&inp.lens)?,
+            max_blocks: inp.max_blocks,
+        };
+        let ids = gpu.upload(&inp.ids)?;
+        let mut hidden = gpu.zeros::<f32>(n * d)?;
+        let mut normed = gpu.zeros::<f32>(n * d)?;
+        let mut delta = gpu.zeros::<f32>(n * d)?;
+        scratch.x = gpu.zeros::<u16>(n * *max_in)?;
+
+        gpu.gather_rows_bf16(embed, &ids, &mut hidden, n, d)?;
+        let first = layers.first().ok_or_else(|| invalid("a model without layers".into()))?;
+        gpu.rms_norm(&hidden, &first.attn_norm, &mut normed, n, eps)?;
+        let last = layers.len() - 1;
+        for (li, l) in layers.iter().enumerate() {
+            l.attn.forward(gpu, pool, li, &normed, &step, scratch, &mut delta)?;
+            if *split_heads && parallel {
+                comm.all_reduce_sum(gpu, &mut delta, n * d)?;
+            }
+            gpu.add_rms_norm(&mut hidden, &delta, &l.ffn_norm, &mut normed, n, eps)?;
+            match &l.ffn {
+                DevFfn::Dense(mlp) => mlp.forward(gpu, &normed, n, scratch, &mut delta)?,
+                DevFfn::Moe(moe) => {
+                    moe.forward(gpu, *rank, &normed, n, scratch, &mut delta)?;
+                    if parallel {
+                        comm.all_reduce_sum(gpu, &mut delta, n * d)?;
+                    }
+                }
+            }
+            if li < last {
+                gpu.add_rms_norm(&mut hidden, &delta, &layers[li + 1].attn_norm, &mut normed, n, eps)?;
+            }
+        }
+        let m = inp.logit_rows.len();
+        if m == 0 || *rank != 0 {
+            gpu.synchronize()?;
+            return Ok(Vec::new());
+        }
+        // Only the rows that need logits take the last residual add, the final norm and the
+        // vocabulary projection.
+        let picked = gpu.upload(&inp.logit_rows)?;
+        let (mut hm, mut dm, mut ym) = (gpu.zeros::<f32>(m * d)?, gpu.zeros::<f32>(m * d)?, gpu.zeros::<f32>(m * d)?);
+        gpu.gather_rows_f32(&hidden, &picked, &mut hm, m, d)?;
+        gpu.gather_rows_f32(&delta, &picked, &mut dm, m, d)?;
+        gpu.add_rms_norm(&mut hm, &dm, norm, &mut ym, m, eps)?;
+        let vocab = cfg.vocab_size;
+        let mut logits = gpu.zeros::<f32>(m * vocab)?;
+        match lm_head {
+            Some(h) => h.forward(gpu, &ym, scratch, &mut logits, m)?,
+            None => {
+                gpu.narrow_bf16(&ym, &mut scratch.x, m * d)?;
+                gpu.gemm_bf16(&scratch.x, embed, &mut logits, m, d, vocab)?;
+            }
+        }
+        let mut out = gpu.download(&logits)?;
+        out.truncate(m * vocab);
+        Ok(out)
+    }
+}
+
+/// One step's per-token device inputs, shared by every layer.
+struct Step<R: Runtime> {
+    n: usize,
+    positions: R::Buf<i32>,
+    slots: R::Buf<i32>,
+    tables: R::Buf<i32>,
+    lens: R::Buf<i32>,
+    max_blocks: usize,
+}
+
+impl<R: Runtime> DevMla<R> {
+    /// `x` normed hidden states `[n, hidden]` in, this rank's `o_proj` output `[n, hidden]` out
+    /// (a partial sum when the heads are split). Writes the step's latent rows into `pool`.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(&self, gpu: &Kernels<R>, pool: &mut DeviceLatentPool<R>, layer: usize, x: &R::Buf<f32>, step: &Step<R>, scratch: &mut GemmScratch<R>, out: &mut R::Buf<f32>) -> Result<(), ForwardError> {
+        let n = step.n;
+        let (h, nope, rope, v, lora) = (self.heads, self.nope, self.rope, self.v, self.lora);
+        let qk = nope + rope;
+        let mut q = gpu.zeros::<f32>(n * h * qk)?;
+        match &self.q {
+            DevQ::Plain(p) => p.forward(gpu, x, scratch, &mut q, n)?,
+            DevQ::LowRank { a, norm, b } => {
+                let r = a.shape().0;
+                let (mut qa, mut qn) = (gpu.zeros::<f32>(n * r)?, gpu.zeros::<f32>(n * r)?);
+                a.forward(gpu, x, scratch, &mut qa, n)?;
+                gpu.rms_norm(&qa, norm, &mut qn, n, self.eps)?;
+                b.forward(gpu, &qn, scratch, &mut q, n)?;
+            }
+        }
+        // The shared latent: [c_kv | k_rope] per token; c_kv normed into the cache's key row.
+        let mut ckv = gpu.zeros::<f32>(n * (lora + rope))?;
+        self.kv_a.forward(gpu, x, scratch, &mut ckv, n)?;
+        let (mut raw, mut latent, mut k_rope) = (gpu.zeros::<f32>(n * lora)?, gpu.zeros::<f32>(n * lora)?, gpu.zeros::<f32>(n * rope)?);
+        gpu.copy_cols(&ckv, &mut raw, n, lora + rope, 0, lora)?;
+        gpu.rms_norm(&raw, &self.kv_a_norm, &mut latent, n, self.eps)?;
+        let (mut q_nope, mut q_rope) = (gpu.zeros::<f32>(n * h * nope)?, gpu.zeros::<f32>(n * h * rope)?);
+        gpu.copy_cols(&q, &mut q_nope, n * h, qk, 0, nope)?;
+        if rope > 0 {
+            gpu.copy_cols(&ckv, &mut k_rope, n, lora + rope, lora, rope)?;
+            gpu.copy_cols(&q, &mut q_rope, n * h, qk, nope, rope)?;
+            if let Some(r) = &self.rotary {
+                gpu.rope_rows(&mut q_rope, &step.positions, &r.inv_freq, n, h, r.interleave, r.attention_factor)?;
+                gpu.rope_rows(&mut k_rope, &step.positions, &r.inv_freq, n, 1, r.interleave, r.attention_factor)?;
+            }
+        }
+        // Every row's latent first: a prefill row attends to the rows before it in this batch.
+        pool.write_rows(gpu, layer, &latent, &k_rope, &step.slots, n)?;
+        // Absorbed attention: the key up-projection folded into the query, the value
+        // up-projection applied to the attention-weighted latent (docs/mla.md).
+        let mut q_lat = gpu.zeros::<f32>(n * h * lora)?;
+        gpu.head_matvec_bf16(&self.w_uk_t, &q_nope, &mut q_lat, n, h, lora, nope)?;
+        let mut ctx = gpu.zeros::<f32>(n * h * lora)?;
+        pool.attention(gpu, layer, h, step.max_blocks, &q_lat, &q_rope, &step.tables, &step.lens, self.scale, &mut ctx)?;
+        let mut o = gpu.zeros::<f32>(n * h * v)?;
+        gpu.head_matvec_bf16(&self.w_uv, &ctx, &mut o, n, h, v, lora)?;
+        if let Some(g) = &self.gate {
+            let mut gv = gpu.zeros::<f32>(n * h * v)?;
+            g.forward(gpu, x, scratch, &mut gv, n)?;
+            gpu.sigmoid_mul(&mut o, &gv, n * h * v)?;
+        }
+        self.o.forward(gpu, &o, scratch, out, n)
+    }
+}
+
+impl<R: Runtime> DevMoe<R> {
+    /// The routed experts this rank holds (weighted) plus, on rank 0, the shared experts:
+    /// `out[n, hidden]` is overwritten with this rank's partial sum.
+    fn forward(&self, gpu: &Kernels<R>, rank: usize, x: &R::Buf<f32>, n: usize, scratch: &mut GemmScratch<R>, out: &mut R::Buf<f32>) -> Result<(), ForwardError> {
+        use kernels::gpu::moe::Routed;
+        let (e, k, d, inter) = (self.spec.num_experts, self.spec.top_k, self.hidden, self.inter);
+        let held = self.held.len();
+        let a = n * k;
+        let mut logits = gpu.zeros::<f32>(n * e)?;
+        gpu.matmul_f32(x, &self.router, &mut logits, n, e, d)?;
+        let mut routed = Routed { experts: gpu.zeros(a)?, weights: gpu.zeros(a)?, local: gpu.zeros(a)? };
+        gpu.moe_route(&logits, self.bias.as_ref(), &self.spec, n, self.held.clone(), &mut routed)?;
+        // Bucket `held` collects the assignments of experts other ranks hold.
+        let (offsets, order) = gpu.moe_group(&routed.local, held + 1)?;
+        let tiles = gpu.moe_tiles(&offsets, held, a)?;
+        let mut gate_up = gpu.zeros::<f32>(a * 2 * inter)?;
+        gpu.moe_gemv(self.gate_up.expert_weight(), 2 * inter, x, k, &order, &tiles, &mut gate_up, a)?;
+        let mut act = gpu.zeros::<f32>(a * inter)?;
+        gpu.silu_mul(&gate_up, &mut act, a, inter)?;
+        let mut y = gpu.zeros::<f32>(a * d)?;
+        gpu.moe_gemv(self.down.expert_weight(), d, &act, 1, &order, &tiles, &mut y, a)?;
+        match (&self.shared, rank) {
+            (Some(s), 0) => s.forward(gpu, x, n, scratch, out)?,
+            _ => *out = gpu.zeros::<f32>(n * d)?,
+        }
+        gpu.moe_combine(&y, &routed.weights, &routed.local, held, n, k, d, out)?;
+        Ok(())
+    }
+}
+
+impl<R: Runtime> LanguageModel for DeviceDeepseek<R> {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// One latent layer per (layer, rank): each device keeps its own copy of the latent rows,
+    /// as the CPU expert-parallel model does, and the engine sizes its block budget from it.
+    fn cache_layout(&self) -> CacheLayout {
+        let (lora, rope) = self.latent;
+        let shape = LayerKvShape { key_width: lora, value_width: rope, groups: 1 };
+        CacheLayout::uniform(self.cfg.num_layers() * self.ranks(), shape)
+    }
+
+    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
+        match self.try_forward(tokens, rows, kv, logit_rows) {
+            Ok(l) => l,
+            Err(e) => panic!("DeviceDeepseek::forward: {e} (callers that can see device errors use try_forward)"),
+        }
+    }
+
+    fn try_forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
+        let view = kv.paged_view().ok_or_else(|| invalid("the device forward needs a paged KV cache (its latent rows live in the device pool); contiguous caches are not supported".into()))?;
+        self.forward_ranks(tokens, rows, &view, logit_rows)
+    }
+
+    fn device_kv(&self) -> Option<&dyn DeviceKv> {
+        Some(self)
+    }
+}
+
+impl<R: Runtime> DeviceKv for DeviceDeepseek<R> {
+    /// The same blocks on every rank, each holding the full latent rows.
+    fn allocate(&self, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
+        let (lora, rope) = self.latent;
+        for rank in &self.ranks {
+            let mut st = rank.lock();
+            if let Some(p) = &st.pool {
+                if (p.num_blocks, p.block_size, p.storage) == (num_blocks, block_size, storage) {
+                    continue;
+                }
+                return Err(invalid(format!("the device KV pool is already allocated ({} blocks of {}, {:?})", p.num_blocks, p.block_size, p.storage)));
+            }
+            let pool = DeviceLatentPool::new(&st.gpu, self.cfg.num_layers(), num_blocks, block_size, lora, rope, storage)?;
+            st.gpu.synchronize()?;
+            st.pool = Some(pool);
+        }
+        Ok(())
+    }
+}
+
+/// Moves a loaded DeepSeek-V3 (whole, or its expert-parallel ranks) onto `gpus`, one rank per
+/// device, exchanging partial sums through `group`.
+pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<LoadedModel, ForwardError> {
+    let Some(ranks) = m.model.deepseek_ranks() else {
+        return Err(invalid("not a DeepSeek-V3 model".into()));
+    };
+    if ranks.len() != gpus.len() {
+        return Err(invalid(format!("the model is loaded as {} expert-parallel rank(s) but {} device(s) were given: one device per rank (--tensor-parallel-size must equal the number of devices)", ranks.len(), gpus.len())));
+    }
+    let dev = DeviceDeepseek::from_ranks(ranks, gpus, group)?;
+    Ok(LoadedModel { model: Box::new(dev), ..m })
+}

@@ -1,0 +1,270 @@
+//! A loaded `DeepseekV3Model` (rank) in device form: each projection in its checkpoint format
+//! (`DevLinear`), gate and up fused, every routed expert a layer's rank holds stacked into one
+//! weight per projection (so one grouped GEMV runs them all), the absorbed `kv_b_proj` halves
+//! as bf16 per-head matrices, RoPE's inverse frequencies. What the device forward cannot run
+//! (SiTU experts, latent MoE, experts in mixed formats) is refused with the reason, and the
+//! caller keeps the CPU forward.
+
+use std::ops::Range;
+
+use kernels::cpu::gather::narrow_bf16;
+use kernels::cpu::moe::RouterSpec;
+use kernels::gpu::kernels::GemmScratch;
+use kernels::gpu::moe::ExpertWeight;
+use kernels::gpu::{Kernels, Runtime};
+
+use super::{invalid, DeviceState};
+use crate::model::deepseek::{DeepseekV3Model, Ffn};
+use crate::model::device::weights::{DenseWeights, DevLinear};
+use crate::model::mla::layer::QPath;
+use crate::model::mla::MlaLayer;
+use crate::model::moe::mlp::{Activation, GatedMlp};
+use crate::model::moe::MoeLayer;
+use crate::model::ForwardError;
+
+pub(super) struct DevLayer<R: Runtime> {
+    pub attn_norm: R::Buf<f32>,
+    pub attn: DevMla<R>,
+    pub ffn_norm: R::Buf<f32>,
+    pub ffn: DevFfn<R>,
+}
+
+pub(super) enum DevQ<R: Runtime> {
+    Plain(DevLinear<R>),
+    LowRank { a: DevLinear<R>, norm: R::Buf<f32>, b: DevLinear<R> },
+}
+
+pub(super) struct DevRotary<R: Runtime> {
+    pub inv_freq: R::Buf<f32>,
+    pub interleave: bool,
+    pub attention_factor: f32,
+}
+
+pub(super) struct DevMla<R: Runtime> {
+    pub q: DevQ<R>,
+    /// `[kv_lora + rope, hidden]`: the latent and the shared rotary key.
+    pub kv_a: DevLinear<R>,
+    pub kv_a_norm: R::Buf<f32>,
+    /// bf16 `[heads][lora][nope]`: `W_uk` per head, transposed so the query absorption is a
+    /// per-head matrix-vector product.
+    pub w_uk_t: R::Buf<u16>,
+    /// bf16 `[heads][v][lora]`.
+    pub w_uv: R::Buf<u16>,
+    pub gate: Option<DevLinear<R>>,
+    pub o: DevLinear<R>,
+    pub rotary: Option<DevRotary<R>>,
+    /// This rank's heads.
+    pub heads: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v: usize,
+    pub lora: usize,
+    pub scale: f32,
+    /// The latent norms' epsilon (`MlaConfig::lora_norm_eps`).
+    pub eps: f32,
+}
+
+/// A SwiGLU MLP: the dense layers and the shared experts.
+pub(super) struct DevMlp<R: Runtime> {
+    pub gate_up: DevLinear<R>,
+    pub down: DevLinear<R>,
+    pub inter: usize,
+}
+
+/// One layer's routed experts this rank holds, one projection stacked by rows. Dense experts are
+/// always bf16 (the expert GEMV multiplies f32 activations by them, so a bf16 checkpoint's
+/// experts are exact); built only by [`ExpertStack::upload`].
+pub(super) struct ExpertStack<R: Runtime>(DevLinear<R>);
+
+pub(super) struct DevMoe<R: Runtime> {
+    /// f32 `[experts, hidden]`: the choice of experts must not depend on bf16 rounding.
+    pub router: R::Buf<f32>,
+    pub bias: Option<R::Buf<f32>>,
+    pub spec: RouterSpec,
+    pub held: Range<usize>,
+    pub hidden: usize,
+    pub inter: usize,
+    /// Expert `e - held.start`'s gate rows then up rows.
+    pub gate_up: ExpertStack<R>,
+    pub down: ExpertStack<R>,
+    pub shared: Option<DevMlp<R>>,
+}
+
+pub(super) enum DevFfn<R: Runtime> {
+    Dense(DevMlp<R>),
+    Moe(DevMoe<R>),
+}
+
+impl<R: Runtime> ExpertStack<R> {
+    fn upload(gpu: &Kernels<R>, name: &str, list: &[&crate::model::linear::Linear]) -> Result<Self, ForwardError> {
+        Ok(Self(DevLinear::upload_rows(gpu, name, list, DenseWeights::Bf16)?))
+    }
+
+    pub fn expert_weight(&self) -> ExpertWeight<'_, R> {
+        match &self.0 {
+            DevLinear::Bf16 { w, rows, cols } => ExpertWeight::Bf16 { w, rows: *rows, cols: *cols },
+            DevLinear::F32 { .. } => unreachable!("ExpertStack::upload stores dense experts as bf16"),
+            DevLinear::Int(g) => ExpertWeight::Int(g),
+            DevLinear::Cubic(g) => ExpertWeight::Cubic(g),
+            DevLinear::Mxfp4(m) => ExpertWeight::Mxfp4(m),
+        }
+    }
+}
+
+impl<R: Runtime> DevMlp<R> {
+    fn upload(gpu: &Kernels<R>, name: &str, m: &GatedMlp, dense: DenseWeights) -> Result<Self, ForwardError> {
+        if m.activation != Activation::Silu {
+            return Err(invalid(format!("{name}: the device forward runs SwiGLU MLPs only ({:?} is not)", m.activation)));
+        }
+        Ok(Self {
+            gate_up: DevLinear::upload_rows(gpu, &format!("{name}.gate_proj+up_proj"), &[&m.gate, &m.up], dense)?,
+            down: DevLinear::upload_as(gpu, &format!("{name}.down_proj"), &m.down, dense)?,
+            inter: m.gate.out_features(),
+        })
+    }
+
+    /// `out[n, hidden] = down(silu(gate x) · up x)`.
+    pub fn forward(&self, gpu: &Kernels<R>, x: &R::Buf<f32>, n: usize, scratch: &mut GemmScratch<R>, out: &mut R::Buf<f32>) -> Result<(), ForwardError> {
+        let mut gate_up = gpu.zeros::<f32>(n * 2 * self.inter)?;
+        self.gate_up.forward(gpu, x, scratch, &mut gate_up, n)?;
+        let mut act = gpu.zeros::<f32>(n * self.inter)?;
+        gpu.silu_mul(&gate_up, &mut act, n, self.inter)?;
+        self.down.forward(gpu, &act, scratch, out, n)
+    }
+
+    fn linears(&self) -> [&DevLinear<R>; 2] {
+        [&self.gate_up, &self.down]
+    }
+}
+
+impl<R: Runtime> DevMoe<R> {
+    fn upload(gpu: &Kernels<R>, name: &str, moe: &MoeLayer, dense: DenseWeights) -> Result<Self, ForwardError> {
+        if moe.latent.is_some() {
+            return Err(invalid(format!("{name}: latent MoE (routed experts in a narrower width) has no device forward yet")));
+        }
+        let experts = &moe.experts;
+        let held = experts.held();
+        let list: Vec<&GatedMlp> = held.clone().map(|e| experts.get(e)).collect();
+        if let Some(m) = list.iter().find(|m| m.activation != Activation::Silu) {
+            return Err(invalid(format!("{name}: the device forward runs SwiGLU experts only ({:?} is not)", m.activation)));
+        }
+        let inter = list.first().map_or(0, |m| m.gate.out_features());
+        let gate_up: Vec<_> = list.iter().flat_map(|m| [&m.gate, &m.up]).collect();
+        let down: Vec<_> = list.iter().map(|m| &m.down).collect();
+        let weight = &moe.router.weight;
+        Ok(Self {
+            router: gpu.upload(weight.as_slice())?,
+            bias: moe.router.bias.as_ref().map(|b| gpu.upload(b)).transpose()?,
+            spec: moe.router.spec,
+            hidden: moe.hidden_size(),
+            inter,
+            gate_up: ExpertStack::upload(gpu, &format!("{name}.experts[{held:?}].gate_proj+up_proj"), &gate_up)?,
+            down: ExpertStack::upload(gpu, &format!("{name}.experts[{held:?}].down_proj"), &down)?,
+            shared: moe.shared.as_ref().map(|s| DevMlp::upload(gpu, &format!("{name}.shared_experts"), s, dense)).transpose()?,
+            held,
+        })
+    }
+}
+
+impl<R: Runtime> DevMla<R> {
+    fn upload(gpu: &Kernels<R>, name: &str, l: &MlaLayer, dense: DenseWeights) -> Result<Self, ForwardError> {
+        let lin = |leaf: &str, w: &crate::model::linear::Linear| DevLinear::upload_as(gpu, &format!("{name}.{leaf}"), w, dense);
+        let cfg = &l.cfg;
+        let (h, nope, rope, v, lora) = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+        let q = match &l.q {
+            QPath::Plain(p) => DevQ::Plain(lin("q_proj", p)?),
+            QPath::LowRank { a, norm, b } => DevQ::LowRank { a: lin("q_a_proj", a)?, norm: gpu.upload(norm.as_slice())?, b: lin("q_b_proj", b)? },
+        };
+        // W_uk is [heads][nope][lora]; the device wants each head's transpose [lora][nope].
+        let uk = &l.absorbed.w_uk;
+        let mut uk_t = vec![0.0f32; uk.len()];
+        for hh in 0..h {
+            let (src, dst) = (&uk[hh * nope * lora..(hh + 1) * nope * lora], &mut uk_t[hh * nope * lora..(hh + 1) * nope * lora]);
+            for i in 0..nope {
+                for c in 0..lora {
+                    dst[c * nope + i] = src[i * lora + c];
+                }
+            }
+        }
+        let rotary = l.rotary.as_ref().map(|r| Ok::<_, ForwardError>(DevRotary { inv_freq: gpu.upload(r.rope.inv_freq())?, interleave: r.interleave, attention_factor: r.attention_factor })).transpose()?;
+        Ok(Self {
+            q,
+            kv_a: lin("kv_a_proj_with_mqa", &l.kv_a)?,
+            kv_a_norm: gpu.upload(l.kv_a_norm.as_slice())?,
+            w_uk_t: gpu.upload(&narrow_bf16(&uk_t))?,
+            w_uv: gpu.upload(&narrow_bf16(&l.absorbed.w_uv))?,
+            gate: l.gate.as_ref().map(|g| lin("g_proj", g)).transpose()?,
+            o: lin("o_proj", &l.o)?,
+            rotary,
+            heads: h,
+            nope,
+            rope,
+            v,
+            lora,
+            scale: l.scale,
+            eps: cfg.lora_norm_eps,
+        })
+    }
+
+    fn linears(&self) -> Vec<&DevLinear<R>> {
+        let mut all = match &self.q {
+            DevQ::Plain(p) => vec![p],
+            DevQ::LowRank { a, b, .. } => vec![a, b],
+        };
+        all.extend([&self.kv_a, &self.o]);
+        all.extend(self.gate.as_ref());
+        all
+    }
+}
+
+impl<R: Runtime> DeviceState<R> {
+    /// Uploads one rank's weights (all of them for a single device), dense projections as
+    /// `dense` says.
+    pub(super) fn upload(m: &DeepseekV3Model, gpu: Kernels<R>, dense: DenseWeights) -> Result<Self, ForwardError> {
+        let cfg = &m.cfg;
+        let mut layers = Vec::with_capacity(m.layers.len());
+        for (i, l) in m.layers.iter().enumerate() {
+            let name = format!("model.layers.{i}");
+            let ffn = match &l.ffn {
+                Ffn::Dense(mlp) => DevFfn::Dense(DevMlp::upload(&gpu, &format!("{name}.mlp"), mlp, dense)?),
+                Ffn::Moe(moe) => DevFfn::Moe(DevMoe::upload(&gpu, &format!("{name}.mlp"), moe, dense)?),
+                Ffn::ExpertParallel(ep) => DevFfn::Moe(DevMoe::upload(&gpu, &format!("{name}.mlp"), ep.layer(), dense)?),
+            };
+            layers.push(DevLayer {
+                attn_norm: gpu.upload(l.attn_norm.as_slice())?,
+                attn: DevMla::upload(&gpu, &format!("{name}.self_attn"), &l.attn, dense)?,
+                ffn_norm: gpu.upload(l.ffn_norm.as_slice())?,
+                ffn,
+            });
+            tracing::debug!(layer = i, of = m.layers.len(), "DeepSeek layer uploaded to the device");
+        }
+        let embed = gpu.upload(&narrow_bf16(m.embed.as_slice()))?;
+        let lm_head = match (&m.lm_head, dense) {
+            (Some(h), _) => Some(DevLinear::upload_as(&gpu, "lm_head", h, dense)?),
+            // Tied: the bf16 gather table doubles as the output weight, unless f32 is asked for.
+            (None, DenseWeights::Bf16) => None,
+            (None, DenseWeights::F32) => Some(DevLinear::upload_as(&gpu, "lm_head (tied)", &crate::model::linear::Linear::Dense(crate::model::tensor::Tensor::owned(m.embed.shape.clone(), m.embed.as_slice().to_vec())), dense)?),
+        };
+        let norm = gpu.upload(m.norm.as_slice())?;
+        gpu.synchronize()?;
+        // Every dense projection the step may run: the prefill GEMM's dequantisation buffer is
+        // sized for the largest packed one, the bf16 activations for the widest input.
+        let dense: Vec<&DevLinear<R>> = layers
+            .iter()
+            .flat_map(|l| {
+                let mut v = l.attn.linears();
+                match &l.ffn {
+                    DevFfn::Dense(mlp) => v.extend(mlp.linears()),
+                    DevFfn::Moe(moe) => v.extend(moe.shared.iter().flat_map(DevMlp::linears)),
+                }
+                v
+            })
+            .chain(lm_head.as_ref())
+            .collect();
+        let largest = dense.iter().map(|l| l.dequant_elements()).max().unwrap_or(0);
+        let max_in = dense.iter().map(|l| l.shape().1).chain([cfg.hidden_size]).max().unwrap_or(cfg.hidden_size);
+        let scratch = gpu.gemm_scratch(largest, 1)?;
+        tracing::info!(device = %gpu.describe(), ep_rank = m.ep.rank, ep_size = m.ep.size, split_heads = m.split_heads, layers = layers.len(), "DeepSeek-V3 weights uploaded to the device");
+        Ok(DeviceState { gpu, rank: m.ep.rank, split_heads: m.split_heads, embed, layers, norm, lm_head, pool: None, scratch, max_in })
+    }
+}
