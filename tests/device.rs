@@ -146,3 +146,44 @@ fn bench_engine_runs_the_device_forward_within_the_models_context() {
     assert!(stderr.contains("K/V live in the device pool"), "{stderr}");
     assert!(stdout.contains("| aggregate decode, 2 streams |") && stdout.contains("| TTFT 126-token prompt, cold |"), "{stdout}");
 }
+
+/// DeepSeek-V3 (MLA, MoE) through the command line on the simulator: `generate` with f32 dense
+/// weights (`--dtype float32`: the CPU forward's numbers to summation order, so greedy text
+/// must match) on one device and on two (`--tensor-parallel-size 2`: MLA heads and routed
+/// experts split), and `bench engine` in the serving precision with the latent rows in the
+/// device pool.
+#[test]
+fn deepseek_runs_on_the_simulator_like_the_cpu() {
+    if !simulator_built("deepseek_runs_on_the_simulator_like_the_cpu") {
+        return;
+    }
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/deepseek_v3/model");
+    let run = |device: &str, tp: &str| {
+        let out = wasmserve(&["--device", device, "--dtype", "float32", "generate", "--model", model.to_str().unwrap(), "--prompt", "hello world", "--max-tokens", "12", "--ignore-eos", "--tensor-parallel-size", tp]);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "--device {device} tp={tp}: {err}");
+        assert!(!err.contains("forward runs on the CPU"), "{err}");
+        if device == "sim" {
+            assert!(err.contains("DeepSeek-V3 weights uploaded to the device"), "{err}");
+        }
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let cpu = run("cpu", "1");
+    assert!(!cpu.trim().is_empty());
+    assert_eq!(run("sim", "1"), cpu);
+    assert_eq!(run("sim", "2"), cpu);
+
+    let out = wasmserve(&["--device", "sim", "bench", "engine", "--model", model.to_str().unwrap(), "--concurrency", "1,2", "--steps", "2"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stderr.contains("K/V live in the device pool"), "{stderr}");
+    assert!(stdout.contains("| aggregate decode, 2 streams |"), "{stdout}");
+}
+
+#[test]
+fn a_bad_dtype_is_a_clear_error() {
+    let out = wasmserve(&["--dtype", "float8", "generate", "--prompt", "hi"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("unknown dtype 'float8' (expected bfloat16 or float32)"), "{err}");
+}

@@ -20,6 +20,11 @@ struct Cli {
     /// device forward on the CUDA-kernel simulator: for development and tests only (slow).
     #[arg(long, global = true, env = "WASMSERVE_DEVICE", default_value = "cpu", value_parser = wasmserve::backend::DeviceSpec::parse)]
     device: wasmserve::backend::DeviceSpec,
+    /// How a device holds dense (unquantized) weights: `bfloat16` (bf16 GEMMs with bf16-rounded
+    /// inputs, as bf16 serving engines run) or `float32` (f32 weights and GEMM inputs: the CPU
+    /// forward's numbers to summation order, slower). The CPU forward always computes in f32.
+    #[arg(long, global = true, env = "WASMSERVE_DTYPE", default_value = "bfloat16", value_parser = wasmserve::model::device::weights::DenseWeights::parse)]
+    dtype: wasmserve::model::device::weights::DenseWeights,
     #[command(subcommand)]
     command: Command,
 }
@@ -151,9 +156,9 @@ fn main() -> Result<()> {
         tracing::warn!("this command's forward runs on the CPU; `serve`, `generate` and `bench engine` run a Llama or DeepSeek-V3 model's forward on the device");
     }
     match cli.command {
-        Command::Generate(args) => run_generate(args, &cli.device),
-        Command::Serve(args) => wasmserve::server::run_on(args, &cli.device),
-        Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args, &cli.device),
+        Command::Generate(args) => run_generate(args, &cli.device, cli.dtype),
+        Command::Serve(args) => wasmserve::server::run_on(args, &cli.device, cli.dtype),
+        Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args, &cli.device, cli.dtype),
         Command::Bench(BenchCommand::Perplexity(args)) => wasmserve::perplexity::run(args),
         Command::Bench(BenchCommand::Decode(args)) => wasmserve::decode_bench::run(args),
         Command::Bench(BenchCommand::Moe(args)) => wasmserve::moe_bench::run(args),
@@ -163,8 +168,8 @@ fn main() -> Result<()> {
     }
 }
 
-fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec) -> Result<()> {
-    let m = wasmserve::backend::place_model(a.model.load()?, device).map_err(anyhow::Error::msg)?;
+fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec, dense: wasmserve::model::device::weights::DenseWeights) -> Result<()> {
+    let m = wasmserve::backend::place_model(a.model.load()?, device, dense).map_err(anyhow::Error::msg)?;
     let prompt = if let Some(p) = &a.prompt {
         p.clone()
     } else {
@@ -221,8 +226,8 @@ fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec) -> Res
     Ok(())
 }
 
-fn run_bench_engine(a: BenchEngineArgs, device: &wasmserve::backend::DeviceSpec) -> Result<()> {
-    let model = std::sync::Arc::new(wasmserve::backend::place_model(a.model.load()?, device).map_err(anyhow::Error::msg)?);
+fn run_bench_engine(a: BenchEngineArgs, device: &wasmserve::backend::DeviceSpec, dense: wasmserve::model::device::weights::DenseWeights) -> Result<()> {
+    let model = std::sync::Arc::new(wasmserve::backend::place_model(a.model.load()?, device, dense).map_err(anyhow::Error::msg)?);
     let max_streams = a.concurrency.iter().copied().max().unwrap_or(1);
     let cfg = wasmserve::engine::EngineConfig {
         max_num_seqs: max_streams.max(64),

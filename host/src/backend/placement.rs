@@ -7,12 +7,14 @@
 
 use super::DeviceSpec;
 use crate::mesh::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
+use crate::model::device::weights::DenseWeights;
 use crate::model::device::{device_ranks, place_on_devices};
 use crate::model::LoadedModel;
 
 /// Moves `m` to the device(s) `spec` names (unchanged for `cpu`): one device per tensor-parallel
-/// rank, so `--device cuda:0,1` goes with `--tensor-parallel-size 2`.
-pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, String> {
+/// rank, so `--device cuda:0,1` goes with `--tensor-parallel-size 2`. `dense` (`--dtype`) is how
+/// a device holds dense weights; the CPU forward always computes in f32.
+pub fn place_model(m: LoadedModel, spec: &DeviceSpec, dense: DenseWeights) -> Result<LoadedModel, String> {
     if *spec == DeviceSpec::Cpu {
         return Ok(m);
     }
@@ -26,7 +28,7 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, Str
     };
     let ordinals: Vec<usize> = match spec {
         DeviceSpec::Cpu => unreachable!("handled above"),
-        DeviceSpec::Sim => return onto_sim(m, ranks),
+        DeviceSpec::Sim => return onto_sim(m, ranks, dense),
         DeviceSpec::Cuda(ords) => ords.clone(),
         DeviceSpec::Auto => (0..ranks).collect(),
     };
@@ -36,7 +38,7 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, Str
             ordinals.len()
         ));
     }
-    match onto_cuda(m, &ordinals) {
+    match onto_cuda(m, &ordinals, dense) {
         Placed::Moved(m) => {
             tracing::info!(?ordinals, "the model's forward runs on the CUDA device(s)");
             Ok(m)
@@ -52,11 +54,11 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec) -> Result<LoadedModel, Str
 
 /// `--device sim` (development and tests): the device forward on the CUDA-kernel simulator, one
 /// simulated device per tensor-parallel rank, their all-reduces staged through the host.
-fn onto_sim(m: LoadedModel, ranks: usize) -> Result<LoadedModel, String> {
+fn onto_sim(m: LoadedModel, ranks: usize, dense: DenseWeights) -> Result<LoadedModel, String> {
     let gpus = (0..ranks).map(|_| kernels::sim::SimGpu::sim()).collect::<Result<Vec<_>, _>>().map_err(|e| format!("--device sim: {e}"))?;
     let group: Box<dyn DeviceGroup<_>> = if ranks == 1 { Box::new(SoleRank) } else { Box::new(LocalDeviceGroup { world: ranks }) };
     tracing::warn!(ranks, "--device sim: the model's forward runs on the CUDA-kernel simulator (a development/test device, far slower than --device cpu)");
-    place_on_devices(m, gpus, group).map_err(|e| format!("--device sim: {e}"))
+    place_on_devices(m, gpus, group, dense).map_err(|e| format!("--device sim: {e}"))
 }
 
 // Without the `cuda` feature only `Unavailable` is ever built.
@@ -70,7 +72,7 @@ enum Placed {
 }
 
 #[cfg(feature = "cuda")]
-fn onto_cuda(m: LoadedModel, ordinals: &[usize]) -> Placed {
+fn onto_cuda(m: LoadedModel, ordinals: &[usize], dense: DenseWeights) -> Placed {
     use kernels::cuda::launch::Gpu;
     use kernels::cuda::nvrtc::PtxCache;
     let cache = PtxCache::new(PtxCache::default_dir());
@@ -86,14 +88,14 @@ fn onto_cuda(m: LoadedModel, ordinals: &[usize]) -> Placed {
             Err(e) => return Placed::Unavailable(m, e.to_string()),
         }
     };
-    match place_on_devices(m, gpus, group) {
+    match place_on_devices(m, gpus, group, dense) {
         Ok(m) => Placed::Moved(m),
         Err(e) => Placed::Failed(e.to_string()),
     }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn onto_cuda(m: LoadedModel, _ordinals: &[usize]) -> Placed {
+fn onto_cuda(m: LoadedModel, _ordinals: &[usize], _dense: DenseWeights) -> Placed {
     Placed::Unavailable(m, kernels::cuda::CudaError::NotBuilt.to_string())
 }
 
@@ -110,9 +112,9 @@ mod tests {
     /// device is opened, naming both numbers and the fix.
     #[test]
     fn device_count_must_match_the_tensor_parallel_size() {
-        let e = place_model(tiny_tp(2), &DeviceSpec::Cuda(vec![0])).err().unwrap();
+        let e = place_model(tiny_tp(2), &DeviceSpec::Cuda(vec![0]), DenseWeights::Bf16).err().unwrap();
         assert!(e.contains("names 1 device(s) but the model is loaded as 2 tensor-parallel rank(s)") && e.contains("--device cuda:0,1 --tensor-parallel-size 2"), "{e}");
-        let e = place_model(tiny_tp(1), &DeviceSpec::Cuda(vec![0, 1])).err().unwrap();
+        let e = place_model(tiny_tp(1), &DeviceSpec::Cuda(vec![0, 1]), DenseWeights::Bf16).err().unwrap();
         assert!(e.contains("names 2 device(s) but the model is loaded as 1"), "{e}");
     }
 
@@ -123,7 +125,7 @@ mod tests {
             eprintln!("SKIPPED sim_places_one_simulated_device_per_rank: the simulator was not built");
             return;
         }
-        let m = place_model(tiny_tp(2), &DeviceSpec::Sim).unwrap();
+        let m = place_model(tiny_tp(2), &DeviceSpec::Sim, DenseWeights::Bf16).unwrap();
         assert!(m.model.device_kv().is_some(), "the forward runs on the (simulated) devices");
         assert_eq!(m.model.cache_layout().layers.len(), 4, "2 layers x 2 ranks");
     }

@@ -149,12 +149,12 @@ impl ServeArgs {
 
 /// Loads the model, starts the engine and serves until a shutdown signal (forward on the CPU).
 pub fn run(args: ServeArgs) -> Result<()> {
-    run_on(args, &crate::backend::DeviceSpec::Cpu)
+    run_on(args, &crate::backend::DeviceSpec::Cpu, crate::model::device::weights::DenseWeights::Bf16)
 }
 
 /// [`run`] with the model's forward placed by `--device` (`backend::place_model`: a Llama on a
 /// CUDA device runs the device forward with its K/V in device memory).
-pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec) -> Result<()> {
+pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec, dense: crate::model::device::weights::DenseWeights) -> Result<()> {
     if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
     }
@@ -169,7 +169,7 @@ pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec) -> Result<()
         None => None,
     };
     let model = crate::model::load_tp(&args.model, args.tensor_parallel_size).with_context(|| format!("loading {}", args.model.display()))?;
-    let model = Arc::new(crate::backend::place_model(model, device).map_err(anyhow::Error::msg)?);
+    let model = Arc::new(crate::backend::place_model(model, device, dense).map_err(anyhow::Error::msg)?);
     let template: Option<Arc<dyn ChatTemplate>> = match model.tokenizer.chat_template.as_deref() {
         None => {
             tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");

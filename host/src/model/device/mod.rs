@@ -12,8 +12,11 @@ pub(crate) mod ref_runtime;
 
 use kernels::gpu::{Kernels, Runtime};
 
+use super::device_deepseek::DeviceDeepseek;
+use super::device_llama::DeviceLlama;
 use super::{ForwardError, LoadedModel};
 use crate::mesh::device_collective::DeviceGroup;
+use weights::DenseWeights;
 
 /// How many devices `m`'s device forward runs on (one per rank: a whole model, or the ranks it
 /// was loaded as), `None` for architectures without a device forward (Kimi-Linear), which keep
@@ -22,11 +25,25 @@ pub fn device_ranks(m: &LoadedModel) -> Option<usize> {
     m.model.llama_ranks().map(<[_]>::len).or_else(|| m.model.deepseek_ranks().map(<[_]>::len))
 }
 
-/// Moves `m` onto `gpus`, one rank per device, the ranks exchanging partial sums through
-/// `group`; a model without a device forward is given back unchanged (logged).
-pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<LoadedModel, ForwardError> {
-    if m.model.deepseek_ranks().is_some() {
-        return super::device_deepseek::place_on_devices(m, gpus, group);
+/// Moves `m` onto `gpus`, one rank per device (the model must have been loaded with as many
+/// ranks: `--tensor-parallel-size`), the ranks exchanging partial sums through `group`, dense
+/// weights held as `dense` says; a model without a device forward is given back unchanged
+/// (logged). The host copy of the weights is dropped.
+pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<LoadedModel, ForwardError> {
+    let Some(ranks) = device_ranks(&m) else {
+        tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
+        return Ok(m);
+    };
+    if ranks != gpus.len() {
+        return Err(ForwardError::Invalid(format!(
+            "the model is loaded as {ranks} tensor-parallel rank(s) but {} device(s) were given: one device per rank (--tensor-parallel-size must equal the number of devices)",
+            gpus.len()
+        )));
     }
-    super::device_llama::place_on_devices(m, gpus, group)
+    let model: Box<dyn super::LanguageModel> = match (m.model.llama_ranks(), m.model.deepseek_ranks()) {
+        (Some(l), _) => Box::new(DeviceLlama::from_ranks_with(l, gpus, group, dense)?),
+        (None, Some(d)) => Box::new(DeviceDeepseek::from_ranks_with(d, gpus, group, dense)?),
+        (None, None) => unreachable!("device_ranks found ranks"),
+    };
+    Ok(LoadedModel { model, ..m })
 }

@@ -193,6 +193,10 @@ impl Runtime for RefRuntime {
                     cpu::quant_int::IntMatrix::new(p, group, &p0, &p1).matmul_t(x, out, n);
                 }
             }
+            "matmul_f32" => {
+                let (rows, cols, n) = (int(a, 3), int(a, 4), int(a, 5));
+                cpu::matmul::matmul_t(&f32s(a, 1).borrow()[..n * cols], &f32s(a, 0).borrow()[..rows * cols], &mut f32s(a, 2).borrow_mut()[..n * rows], n, cols, rows);
+            }
             "mxfp4_gemv" => {
                 let (rows, cols, n) = (int(a, 4), int(a, 5), int(a, 6));
                 let m = cpu::mxfp4::Mxfp4Matrix::new(rows, cols, &u8s(a, 0).borrow()[..rows * cols / 2], &u8s(a, 1).borrow());

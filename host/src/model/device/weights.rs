@@ -27,6 +27,18 @@ pub enum DenseWeights {
     F32,
 }
 
+impl DenseWeights {
+    /// `--dtype`: `bfloat16` (also `bf16`, `auto`) or `float32` (also `f32`, `float`), as vLLM
+    /// spells them.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" | "bfloat16" | "bf16" => Ok(Self::Bf16),
+            "float32" | "f32" | "float" => Ok(Self::F32),
+            other => Err(format!("unknown dtype '{other}' (expected bfloat16 or float32)")),
+        }
+    }
+}
+
 /// One linear layer's weight on the device.
 pub enum DevLinear<R: Runtime> {
     Bf16 { w: R::Buf<u16>, rows: usize, cols: usize },

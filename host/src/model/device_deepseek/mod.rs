@@ -31,7 +31,7 @@ use super::device::ranks::{run_step, RankState};
 use super::device::step::{checked_step, StepInputs};
 use super::device::weights::DenseWeights;
 use super::kv::{BatchRow, BlockCopy, CacheLayout, KvCache, LayerKvShape, PagedView};
-use super::{DeviceKv, ForwardError, LanguageModel, LoadedModel};
+use super::{DeviceKv, ForwardError, LanguageModel};
 use crate::mesh::device_collective::{DeviceCollective, DeviceGroup, SoleRank};
 use upload::{DevFfn, DevLayer, DevMla, DevMoe, DevQ};
 
@@ -339,17 +339,4 @@ impl<R: Runtime> DeviceKv for DeviceDeepseek<R> {
         }
         Ok(())
     }
-}
-
-/// Moves a loaded DeepSeek-V3 (whole, or its expert-parallel ranks) onto `gpus`, one rank per
-/// device, exchanging partial sums through `group`.
-pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<LoadedModel, ForwardError> {
-    let Some(ranks) = m.model.deepseek_ranks() else {
-        return Err(invalid("not a DeepSeek-V3 model".into()));
-    };
-    if ranks.len() != gpus.len() {
-        return Err(invalid(format!("the model is loaded as {} expert-parallel rank(s) but {} device(s) were given: one device per rank (--tensor-parallel-size must equal the number of devices)", ranks.len(), gpus.len())));
-    }
-    let dev = DeviceDeepseek::from_ranks(ranks, gpus, group)?;
-    Ok(LoadedModel { model: Box::new(dev), ..m })
 }

@@ -25,7 +25,7 @@ use kernels::gpu::{Kernels, Runtime};
 use super::config::ModelConfig;
 use super::device::ranks::{run_step, RankState};
 use super::device::step::{checked_step, StepInputs};
-use super::device::weights::DevLinear;
+use super::device::weights::{DenseWeights, DevLinear};
 use super::kv::{BatchRow, BlockCopy, CacheLayout, KvCache, LayerKvShape, PagedView};
 use super::llama::{LlamaModel, TpRank};
 use super::{DeviceKv, ForwardError, LanguageModel, LoadedModel};
@@ -92,7 +92,13 @@ impl<R: Runtime> DeviceLlama<R> {
 
     /// Uploads tensor-parallel rank `r`'s weights (`ranks[r]`, loaded with
     /// `LlamaModel::load_rank`) to `gpus[r]`; the ranks exchange partial sums through `group`.
+    /// Dense weights in bf16 (serving).
     pub fn from_ranks(ranks: &[LlamaModel], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<Self, ForwardError> {
+        Self::from_ranks_with(ranks, gpus, group, DenseWeights::Bf16)
+    }
+
+    /// As [`Self::from_ranks`] with dense weights held as `dense` says.
+    pub fn from_ranks_with(ranks: &[LlamaModel], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Self, ForwardError> {
         let size = ranks.len();
         if size == 0 || gpus.len() != size || group.world_size() != size {
             return Err(invalid(format!("{size} tensor-parallel ranks, {} devices and a group of {}: one device per rank", gpus.len(), group.world_size())));
@@ -102,7 +108,7 @@ impl<R: Runtime> DeviceLlama<R> {
                 return Err(invalid(format!("device {r} was given tensor-parallel rank {} of {} (expected rank {r} of {size})", m.tp.rank, m.tp.size)));
             }
         }
-        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DeviceState::upload(m, gpu).map(RankState::new)).collect::<Result<Vec<_>, _>>()?;
+        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DeviceState::upload(m, gpu, dense).map(RankState::new)).collect::<Result<Vec<_>, _>>()?;
         let names: Vec<String> = states.iter().map(|s| s.lock().gpu.describe()).collect();
         let describe = if size == 1 { names[0].clone() } else { format!("{size} tensor-parallel ranks on {}", names.join(", ")) };
         Ok(Self { cfg: ranks[0].cfg.clone(), describe, ranks: states, group })
@@ -145,7 +151,7 @@ fn stitch_vocab(parts: &[Vec<f32>], m: usize, vocab: usize) -> Vec<f32> {
 
 impl<R: Runtime> DeviceState<R> {
     /// Uploads one rank's weights (all of them for a single device).
-    fn upload(m: &LlamaModel, gpu: Kernels<R>) -> Result<Self, ForwardError> {
+    fn upload(m: &LlamaModel, gpu: Kernels<R>, dense: DenseWeights) -> Result<Self, ForwardError> {
         let cfg = &m.cfg;
         let d = cfg.hidden_size;
         let up = |t: &super::tensor::Tensor| gpu.upload(t.as_slice());
@@ -154,13 +160,13 @@ impl<R: Runtime> DeviceState<R> {
             let name = |w: &str| format!("model.layers.{i}.{w}");
             layers.push(DevLayer {
                 attn_norm: up(&l.attn_norm)?,
-                q: DevLinear::upload(&gpu, &name("self_attn.q_proj"), &l.q)?,
-                k: DevLinear::upload(&gpu, &name("self_attn.k_proj"), &l.k)?,
-                v: DevLinear::upload(&gpu, &name("self_attn.v_proj"), &l.v)?,
-                o: DevLinear::upload(&gpu, &name("self_attn.o_proj"), &l.o)?,
+                q: DevLinear::upload_as(&gpu, &name("self_attn.q_proj"), &l.q, dense)?,
+                k: DevLinear::upload_as(&gpu, &name("self_attn.k_proj"), &l.k, dense)?,
+                v: DevLinear::upload_as(&gpu, &name("self_attn.v_proj"), &l.v, dense)?,
+                o: DevLinear::upload_as(&gpu, &name("self_attn.o_proj"), &l.o, dense)?,
                 ffn_norm: up(&l.ffn_norm)?,
-                gate_up: DevLinear::upload_stacked(&gpu, &name("mlp.gate_proj+up_proj"), &l.gate, &l.up)?,
-                down: DevLinear::upload(&gpu, &name("mlp.down_proj"), &l.down)?,
+                gate_up: DevLinear::upload_rows(&gpu, &name("mlp.gate_proj+up_proj"), &[&l.gate, &l.up], dense)?,
+                down: DevLinear::upload_as(&gpu, &name("mlp.down_proj"), &l.down, dense)?,
             });
         }
         debug_assert_eq!(m.embed.len(), m.vocab.len() * d);
@@ -169,7 +175,12 @@ impl<R: Runtime> DeviceState<R> {
             table.resize(table.len() + d, 0);
         }
         let embed = gpu.upload(&table)?;
-        let lm_head = m.lm_head.as_ref().map(|h| DevLinear::upload(&gpu, "lm_head", h)).transpose()?;
+        let lm_head = match (&m.lm_head, dense) {
+            (Some(h), _) => Some(DevLinear::upload_as(&gpu, "lm_head", h, dense)?),
+            // Tied: the bf16 gather table doubles as the output weight, unless f32 is asked for.
+            (None, DenseWeights::Bf16) => None,
+            (None, DenseWeights::F32) => Some(DevLinear::upload_as(&gpu, "lm_head (tied)", &super::linear::Linear::Dense(super::tensor::Tensor::owned(m.embed.shape.clone(), m.embed.as_slice().to_vec())), dense)?),
+        };
         let (norm, inv_freq) = (up(&m.norm)?, gpu.upload(m.rope.inv_freq())?);
         gpu.synchronize()?;
         let inter = m.layers.first().map_or(0, |l| l.gate.out_features());
@@ -331,30 +342,14 @@ impl<R: Runtime> DeviceKv for DeviceLlama<R> {
     }
 }
 
-/// The Llama ranks of `m` when it has a device forward (one per device: a whole model, or the
-/// ranks of `--tensor-parallel-size`), `None` for architectures without one (they keep the CPU
-/// forward). Placement asks before opening devices; [`place_on_devices`] asks again.
-pub fn device_llama_ranks(m: &LoadedModel) -> Option<&[LlamaModel]> {
-    m.model.llama_ranks()
-}
-
 /// Moves a loaded model onto `gpu` when it is a whole Llama (the weights are uploaded, the host
 /// copy is dropped); other architectures keep the CPU forward.
 pub fn place_on_device<R: Runtime + 'static>(m: LoadedModel, gpu: Kernels<R>) -> Result<LoadedModel, ForwardError> {
     place_on_devices(m, vec![gpu], Box::new(SoleRank))
 }
 
-/// Moves a loaded Llama onto `gpus`, one tensor-parallel rank per device (the model must have
-/// been loaded with as many ranks), exchanging partial sums through `group`; other
-/// architectures keep the CPU forward.
+/// Moves a loaded model onto `gpus`, one tensor-parallel rank per device, dense weights in bf16
+/// (`model::device::place_on_devices`).
 pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<LoadedModel, ForwardError> {
-    let Some(ranks) = device_llama_ranks(&m) else {
-        tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
-        return Ok(m);
-    };
-    if ranks.len() != gpus.len() {
-        return Err(invalid(format!("the model is loaded as {} tensor-parallel rank(s) but {} device(s) were given: one device per rank (--tensor-parallel-size must equal the number of devices)", ranks.len(), gpus.len())));
-    }
-    let dev = DeviceLlama::from_ranks(ranks, gpus, group)?;
-    Ok(LoadedModel { model: Box::new(dev), ..m })
+    super::device::place_on_devices(m, gpus, group, DenseWeights::Bf16)
 }

@@ -16,6 +16,7 @@ use crate::model::device::ref_runtime::RefRuntime;
 use super::DeviceLlama;
 use crate::model::config::ModelConfig;
 use crate::model::device::step::BlockTables;
+use crate::model::device::weights::DenseWeights;
 use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache, KvCache};
 use crate::model::linear::Linear;
 use crate::model::llama::{Layer, LlamaModel, TpRank};
@@ -134,8 +135,12 @@ type Step = Vec<(usize, usize, usize)>;
 /// Runs `steps` through both models and returns the worst logit error relative to the largest
 /// reference logit of its row.
 fn worst_error<R: Runtime>(gpu: Kernels<R>, tied: bool, w: Weights, storage: KvStorage) -> f32 {
+    worst_error_with(gpu, tied, w, storage, DenseWeights::Bf16)
+}
+
+fn worst_error_with<R: Runtime>(gpu: Kernels<R>, tied: bool, w: Weights, storage: KvStorage, dense: DenseWeights) -> f32 {
     let cpu = tiny_llama(tied, w, 7);
-    let dev = DeviceLlama::from_llama(&cpu, gpu).unwrap();
+    let dev = DeviceLlama::from_ranks_with(std::slice::from_ref(&cpu), vec![gpu], Box::new(crate::mesh::device_collective::SoleRank), dense).unwrap();
     dev.allocate(BLOCKS, BS, storage).unwrap();
     let mut rng = Rng(99);
     // Sequence 3 forks sequence 0 after its 6-token prompt (same prompt), then decodes on its own.
@@ -237,6 +242,17 @@ fn reference_runtime_matches_the_cpu_llama_dense_tied_and_untied() {
             eprintln!("dense tied={tied} {storage:?}: worst relative logit error {e:.2e}");
             assert!(e < tol, "tied={tied} {storage:?}: {e}");
         }
+    }
+}
+
+/// `--dtype float32`: dense weights and their inputs stay f32 (the tied head gets an f32 copy of
+/// the embedding), so only summation order differs from the CPU model.
+#[test]
+fn reference_runtime_with_f32_dense_weights_matches_the_cpu_llama_to_rounding() {
+    for tied in [true, false] {
+        let e = worst_error_with(Kernels::new(RefRuntime), tied, Weights::Dense, KvStorage::F32, DenseWeights::F32);
+        eprintln!("f32 dense tied={tied}: worst relative logit error {e:.2e}");
+        assert!(e < 1e-5, "tied={tied}: {e}");
     }
 }
 
