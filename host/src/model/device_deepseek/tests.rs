@@ -318,7 +318,7 @@ fn a_contiguous_cache_a_missing_pool_or_mismatched_ranks_are_errors() {
     let e = DeviceDeepseek::from_ranks(deepseek(&ep), vec![SimGpu::sim().unwrap()], Box::new(SoleRank)).err().unwrap();
     assert!(e.to_string().contains("one device per rank"), "{e}");
     let e = crate::model::device::place_on_devices(ep, vec![Kernels::new(kernels::sim::SimRuntime::new().unwrap())], Box::new(SoleRank), DenseWeights::Bf16).err().unwrap();
-    assert!(e.to_string().contains("2 rank(s) but 1 device(s)"), "{e}");
+    assert!(e.to_string().contains("2 tensor-parallel rank(s) but 1 device(s)"), "{e}");
 }
 
 /// The same checks on CUDA device 0 (skipped, saying why, without one; `WASMSERVE_REQUIRE_GPU=1`
