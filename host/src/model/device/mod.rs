@@ -9,6 +9,8 @@ pub mod step;
 pub mod weights;
 #[cfg(test)]
 pub(crate) mod ref_runtime;
+#[cfg(test)]
+pub(crate) mod test_util;
 
 use kernels::gpu::{Kernels, Runtime};
 

@@ -18,6 +18,7 @@ use super::DeviceDeepseek;
 use crate::mesh::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
 use crate::model::deepseek::DeepseekV3Model;
 use crate::model::device::step::BlockTables;
+use crate::model::device::test_util::{self, ids, sim};
 use crate::model::device::weights::DenseWeights;
 use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache};
 use crate::model::{DeviceKv as _, LanguageModel, LoadedModel};
@@ -25,16 +26,6 @@ use crate::model::{DeviceKv as _, LanguageModel, LoadedModel};
 const BS: usize = 4;
 const BLOCKS: usize = 64;
 
-fn sim(test: &str) -> Option<SimGpu> {
-    match SimGpu::sim() {
-        Ok(g) => Some(g),
-        Err(e) if std::env::var_os("WASMSERVE_REQUIRE_SIM").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
-        Err(e) => {
-            eprintln!("SKIPPED {test}: {e}");
-            None
-        }
-    }
-}
 
 fn fixture() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/deepseek_v3/model")
@@ -44,9 +35,6 @@ fn reference() -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap()).unwrap()
 }
 
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
 
 fn floats(v: &serde_json::Value) -> Vec<f32> {
     v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
@@ -141,7 +129,7 @@ fn mixed_batch_errors<R: Runtime>(cpu: &dyn LanguageModel, dev: &DeviceDeepseek<
         // Every row's logits: more rows to compare, prefill positions included.
         let logit_rows: Vec<usize> = (0..rows.len()).collect();
         for c in &copies {
-            host.copy_block(c.src, c.dst, c.slots as usize);
+            host.copy_block(c.src, c.dst, c.slots);
         }
         let mut paged = PagedKv { pool: &mut host, tables: tables.clone(), slots: vec![None; tables.len()], copies: Vec::new() };
         let want = cpu.forward(&tokens, &rows, &mut paged, &logit_rows);
@@ -234,39 +222,8 @@ fn sim_engine_greedy_matches_transformers_on_one_and_two_devices() {
 }
 
 fn engine_greedy_matches_transformers<R: Runtime + 'static>(m: LoadedModel, dev: DeviceDeepseek<R>, ranks: usize) {
-    use crate::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
-    use crate::sampling::SamplingParams;
-    let reference = reference();
-    {
-        let m = std::sync::Arc::new(LoadedModel { model: Box::new(dev), ..m });
-        let cfg = EngineConfig { block_size: BS, kv_cache_bytes: 1 << 20, max_num_batched_tokens: 7, ..Default::default() };
-        let mut core = EngineCore::try_new(m, cfg).unwrap();
-        assert!(core.pool().is_external(), "no host latent rows for a device model");
-        let mut rxs = Vec::new();
-        for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let n = if i == 0 { 2 } else { 1 };
-            let req = EngineRequest { prompt_ids: ids(&case["ids"]), sampling: SamplingParams::greedy(), max_tokens: 12, ignore_eos: true, n, ..Default::default() };
-            core.add_request(i as u64 + 1, req, tx).unwrap();
-            rxs.push((rx, ids(&case["greedy_ids"])[..12].to_vec()));
-        }
-        while core.step() {}
-        for (mut rx, want) in rxs {
-            let mut got: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
-            while let Ok(ev) = rx.try_recv() {
-                match ev {
-                    EngineEvent::Token { index, token, .. } => got.entry(index).or_default().push(token),
-                    EngineEvent::Error(e) => panic!("engine error: {e}"),
-                    _ => {}
-                }
-            }
-            assert!(!got.is_empty());
-            for (index, toks) in got {
-                assert_eq!(toks, want, "{ranks} device(s): greedy continuation {index}");
-            }
-        }
-        assert_eq!(core.pool().unreferenced(), core.pool().num_blocks(), "every block released");
-    }
+    let m = LoadedModel { model: Box::new(dev), ..m };
+    test_util::engine_greedy_matches_transformers(m, &reference(), BS, &format!("tiny DeepSeek-V3 on {ranks} device(s)"));
 }
 
 /// The routed experts quantized by `wasmserve quantize` (compressed-tensors INT4 with its 4-bit

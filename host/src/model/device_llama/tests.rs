@@ -16,6 +16,7 @@ use crate::model::device::ref_runtime::RefRuntime;
 use super::DeviceLlama;
 use crate::model::config::ModelConfig;
 use crate::model::device::step::BlockTables;
+use crate::model::device::test_util::{self, ids};
 use crate::model::device::weights::DenseWeights;
 use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache, KvCache};
 use crate::model::linear::Linear;
@@ -292,9 +293,6 @@ fn tiny_checkpoint() -> (crate::model::LoadedModel, serde_json::Value) {
     (crate::model::load(&dir).unwrap(), reference)
 }
 
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
 
 /// Through `place_on_device`, every position's logits against transformers' (f32 compute from the
 /// same bf16 weights). The device path rounds GEMM activations to bf16, so the bound is that
@@ -355,37 +353,7 @@ fn engine_serves_with_kv_in_the_device_pool<R: Runtime + 'static>(gpu: Kernels<R
 }
 
 fn engine_greedy_matches_transformers(m: crate::model::LoadedModel, reference: &serde_json::Value) {
-    use crate::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
-    use crate::sampling::SamplingParams;
-    let m = std::sync::Arc::new(m);
-    let cfg = EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, max_num_batched_tokens: 7, ..Default::default() };
-    let mut core = EngineCore::try_new(m, cfg).unwrap();
-    assert!(core.pool().is_external(), "no host K/V for a device model");
-    let mut rxs = Vec::new();
-    for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        // n = 2 on the first case: the second choice forks the prompt's blocks, copying the
-        // partial last one on the device (copy-on-write through the paged view).
-        let n = if i == 0 { 2 } else { 1 };
-        let req = EngineRequest { prompt_ids: ids(&case["ids"]), sampling: SamplingParams::greedy(), max_tokens: 12, ignore_eos: true, n, ..Default::default() };
-        core.add_request(i as u64 + 1, req, tx).unwrap();
-        rxs.push((rx, ids(&case["greedy_ids"])));
-    }
-    while core.step() {}
-    for (mut rx, want) in rxs {
-        let mut got: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
-        while let Ok(ev) = rx.try_recv() {
-            match ev {
-                EngineEvent::Token { index, token, .. } => got.entry(index).or_default().push(token),
-                EngineEvent::Error(e) => panic!("engine error: {e}"),
-                _ => {}
-            }
-        }
-        for (index, toks) in got {
-            assert_eq!(toks, want, "greedy continuation {index} through the device path");
-        }
-    }
-    assert_eq!(core.pool().unreferenced(), core.pool().num_blocks(), "every block released");
+    test_util::engine_greedy_matches_transformers(m, reference, BS, "tiny Llama");
 }
 
 /// Tensor parallelism over 2 and 4 devices: the heads, the MLP and the vocabulary split, the
@@ -535,16 +503,7 @@ mod sim {
     use super::*;
     use kernels::sim::SimGpu;
 
-    fn sim(test: &str) -> Option<SimGpu> {
-        match SimGpu::sim() {
-            Ok(g) => Some(g),
-            Err(e) if std::env::var_os("WASMSERVE_REQUIRE_SIM").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
-            Err(e) => {
-                eprintln!("SKIPPED {test}: {e}");
-                None
-            }
-        }
-    }
+    use crate::model::device::test_util::sim;
 
     #[test]
     fn matches_the_cpu_llama_dense_packed_and_every_kv_storage() {
