@@ -27,20 +27,20 @@ use kernels::gpu::{Kernels, Runtime};
 
 use super::config::ModelConfig;
 use super::deepseek::DeepseekV3Model;
-use super::device::ranks::{run_step, RankState};
-use super::device::step::{checked_step, StepInputs};
+use super::device::model::{check_ranks, DeviceModel, DeviceRank, Logits};
+use super::device::step::StepInputs;
 use super::device::weights::DenseWeights;
-use super::kv::{BatchRow, BlockCopy, CacheLayout, KvCache, LayerKvShape, PagedView};
-use super::{DeviceKv, ForwardError, LanguageModel};
-use crate::mesh::device_collective::{DeviceCollective, DeviceGroup, SoleRank};
+use super::kv::{BlockCopy, CacheLayout, LayerKvShape};
+use super::ForwardError;
+use crate::mesh::device_collective::{DeviceCollective, DeviceGroup};
 use upload::{DevFfn, DevLayer, DevMla, DevMoe, DevQ};
 
 fn invalid(msg: String) -> ForwardError {
     ForwardError::Invalid(msg)
 }
 
-/// Everything one device holds, behind one lock.
-struct DeviceState<R: Runtime> {
+/// Everything one device holds (one expert-parallel rank, or the whole model).
+pub struct DeepseekRank<R: Runtime> {
     gpu: Kernels<R>,
     rank: usize,
     /// The MLA heads are split over the ranks: `o_proj` outputs are partial sums.
@@ -56,24 +56,15 @@ struct DeviceState<R: Runtime> {
     scratch: GemmScratch<R>,
     /// The widest input any dense projection takes (sizes `scratch.x`).
     max_in: usize,
-}
-
-/// A DeepSeek-V3 on one device, or its expert-parallel ranks on one device each.
-pub struct DeviceDeepseek<R: Runtime> {
-    cfg: ModelConfig,
-    describe: String,
     /// (kv_lora_rank, qk_rope_head_dim): what each layer caches per token.
     latent: (usize, usize),
-    ranks: Vec<RankState<DeviceState<R>>>,
-    group: Box<dyn DeviceGroup<R>>,
 }
 
-impl<R: Runtime> DeviceDeepseek<R> {
-    /// Uploads a whole model to `gpu`.
-    pub fn from_model(m: &DeepseekV3Model, gpu: Kernels<R>) -> Result<Self, ForwardError> {
-        Self::from_ranks(std::slice::from_ref(m), vec![gpu], Box::new(SoleRank))
-    }
+/// A DeepSeek-V3 on one device, or its expert-parallel ranks on one device each; rank 0
+/// returns the logits.
+pub type DeviceDeepseek<R> = DeviceModel<DeepseekRank<R>>;
 
+impl<R: Runtime> DeviceModel<DeepseekRank<R>> {
     /// Uploads rank `r` (`ranks[r]`, from `ExpertParallelDeepseek`) to `gpus[r]`; the ranks sum
     /// their partial outputs through `group`. Dense weights in bf16 (serving).
     pub fn from_ranks(ranks: &[DeepseekV3Model], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<Self, ForwardError> {
@@ -82,48 +73,46 @@ impl<R: Runtime> DeviceDeepseek<R> {
 
     /// As [`Self::from_ranks`] with dense weights held as `dense` says.
     pub fn from_ranks_with(ranks: &[DeepseekV3Model], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Self, ForwardError> {
+        let positions: Vec<(usize, usize)> = ranks.iter().map(|m| (m.ep.rank, m.ep.size)).collect();
+        check_ranks("expert-parallel", &positions, gpus.len())?;
         let size = ranks.len();
-        if size == 0 || gpus.len() != size || group.world_size() != size {
-            return Err(invalid(format!("{size} expert-parallel ranks, {} devices and a group of {}: one device per rank", gpus.len(), group.world_size())));
-        }
-        for (r, m) in ranks.iter().enumerate() {
-            if (m.ep.rank, m.ep.size) != (r, size) {
-                return Err(invalid(format!("device {r} was given expert-parallel rank {} of {} (expected rank {r} of {size})", m.ep.rank, m.ep.size)));
-            }
-        }
         let first = ranks[0].layers.first().ok_or_else(|| invalid("a DeepSeek model without layers".into()))?;
-        let latent = (first.attn.cfg.kv_lora_rank, first.attn.cfg.qk_rope_head_dim);
-        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DeviceState::upload(m, gpu, dense).map(RankState::new)).collect::<Result<Vec<_>, _>>()?;
-        let names: Vec<String> = states.iter().map(|s| s.lock().gpu.describe()).collect();
-        let describe = if size == 1 { names[0].clone() } else { format!("{size} expert-parallel ranks on {}", names.join(", ")) };
-        Ok(Self { cfg: ranks[0].cfg.clone(), describe, latent, ranks: states, group })
-    }
-
-    /// The device(s), as the runtime names them.
-    pub fn device(&self) -> &str {
-        &self.describe
-    }
-
-    pub fn ranks(&self) -> usize {
-        self.ranks.len()
-    }
-
-    fn forward_ranks(&self, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
-        let pool = self.ranks[0].lock().pool.as_ref().map(|p| (p.num_blocks, p.block_size));
-        let inp = checked_step(&self.cfg, tokens, rows, view, logit_rows, pool)?;
-        let comms = if self.ranks.len() > 1 { self.group.step_comms()? } else { Vec::new() };
-        let parts = run_step(&self.ranks, &comms, |state, comm| state.forward(&self.cfg, view.copies, &inp, comm))?;
-        Ok(parts.into_iter().next().unwrap_or_default())
+        // One latent layer per (layer, rank): each device keeps its own copy of the latent rows,
+        // as the CPU expert-parallel model does, and the engine sizes its block budget from it.
+        let shape = LayerKvShape { key_width: first.attn.cfg.kv_lora_rank, value_width: first.attn.cfg.qk_rope_head_dim, groups: 1 };
+        let cfg = ranks[0].cfg.clone();
+        let layout = CacheLayout::uniform(cfg.num_layers() * size, shape);
+        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DeepseekRank::upload(m, gpu, dense)).collect::<Result<Vec<_>, _>>()?;
+        DeviceModel::new("DeviceDeepseek", cfg, states, group, layout, Logits::FirstRank)
     }
 }
 
-impl<R: Runtime> DeviceState<R> {
+impl<R: Runtime> DeviceRank for DeepseekRank<R> {
+    type Rt = R;
+
+    fn describe(&self) -> String {
+        self.gpu.describe()
+    }
+
+    fn pool(&self) -> Option<(usize, usize, KvStorage)> {
+        self.pool.as_ref().map(|p| (p.num_blocks, p.block_size, p.storage))
+    }
+
+    /// The full latent rows of every layer (attention is replicated or head-split, and every
+    /// head reads the same latent).
+    fn allocate(&mut self, cfg: &ModelConfig, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
+        let pool = DeviceLatentPool::new(&self.gpu, cfg.num_layers(), num_blocks, block_size, self.latent.0, self.latent.1, storage)?;
+        self.gpu.synchronize()?;
+        self.pool = Some(pool);
+        Ok(())
+    }
+
     /// This rank's part of one step. Returns the logits on rank 0 and nothing on the others.
-    /// `inp` and `copies` were checked against the pool by [`checked_step`], so an error here
-    /// is this device's failure, never ranks disagreeing about the batch.
+    /// `inp` and `copies` were checked against the pool by `step::checked_step`, so an error
+    /// here is this device's failure, never ranks disagreeing about the batch.
     fn forward(&mut self, cfg: &ModelConfig, copies: &[BlockCopy], inp: &StepInputs, comm: &dyn DeviceCollective<R>) -> Result<Vec<f32>, ForwardError> {
         let parallel = comm.world_size() > 1;
-        let Self { gpu, rank, split_heads, embed, layers, norm, lm_head, pool, scratch, max_in } = self;
+        let Self { gpu, rank, split_heads, embed, layers, norm, lm_head, pool, scratch, max_in, .. } = self;
         let pool = pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
         for c in copies {
             pool.copy_block(gpu, c.src as usize, c.dst as usize, c.slots)?;
@@ -287,56 +276,6 @@ impl<R: Runtime> DevMoe<R> {
             _ => *out = gpu.zeros::<f32>(n * d)?,
         }
         gpu.moe_combine(&y, &routed.weights, &routed.local, held, n, k, d, out)?;
-        Ok(())
-    }
-}
-
-impl<R: Runtime> LanguageModel for DeviceDeepseek<R> {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    /// One latent layer per (layer, rank): each device keeps its own copy of the latent rows,
-    /// as the CPU expert-parallel model does, and the engine sizes its block budget from it.
-    fn cache_layout(&self) -> CacheLayout {
-        let (lora, rope) = self.latent;
-        let shape = LayerKvShape { key_width: lora, value_width: rope, groups: 1 };
-        CacheLayout::uniform(self.cfg.num_layers() * self.ranks(), shape)
-    }
-
-    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
-        match self.try_forward(tokens, rows, kv, logit_rows) {
-            Ok(l) => l,
-            Err(e) => panic!("DeviceDeepseek::forward: {e} (callers that can see device errors use try_forward)"),
-        }
-    }
-
-    fn try_forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
-        let view = kv.paged_view().ok_or_else(|| invalid("the device forward needs a paged KV cache (its latent rows live in the device pool); contiguous caches are not supported".into()))?;
-        self.forward_ranks(tokens, rows, &view, logit_rows)
-    }
-
-    fn device_kv(&self) -> Option<&dyn DeviceKv> {
-        Some(self)
-    }
-}
-
-impl<R: Runtime> DeviceKv for DeviceDeepseek<R> {
-    /// The same blocks on every rank, each holding the full latent rows.
-    fn allocate(&self, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
-        let (lora, rope) = self.latent;
-        for rank in &self.ranks {
-            let mut st = rank.lock();
-            if let Some(p) = &st.pool {
-                if (p.num_blocks, p.block_size, p.storage) == (num_blocks, block_size, storage) {
-                    continue;
-                }
-                return Err(invalid(format!("the device KV pool is already allocated ({} blocks of {}, {:?})", p.num_blocks, p.block_size, p.storage)));
-            }
-            let pool = DeviceLatentPool::new(&st.gpu, self.cfg.num_layers(), num_blocks, block_size, lora, rope, storage)?;
-            st.gpu.synchronize()?;
-            st.pool = Some(pool);
-        }
         Ok(())
     }
 }

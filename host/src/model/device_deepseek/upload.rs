@@ -13,7 +13,7 @@ use kernels::gpu::kernels::GemmScratch;
 use kernels::gpu::moe::ExpertWeight;
 use kernels::gpu::{Kernels, Runtime};
 
-use super::{invalid, DeviceState};
+use super::{invalid, DeepseekRank};
 use crate::model::deepseek::{DeepseekV3Model, Ffn};
 use crate::model::device::weights::{DenseWeights, DevLinear};
 use crate::model::mla::layer::QPath;
@@ -217,7 +217,7 @@ impl<R: Runtime> DevMla<R> {
     }
 }
 
-impl<R: Runtime> DeviceState<R> {
+impl<R: Runtime> DeepseekRank<R> {
     /// Uploads one rank's weights (all of them for a single device), dense projections as
     /// `dense` says.
     pub(super) fn upload(m: &DeepseekV3Model, gpu: Kernels<R>, dense: DenseWeights) -> Result<Self, ForwardError> {
@@ -265,6 +265,7 @@ impl<R: Runtime> DeviceState<R> {
         let max_in = dense.iter().map(|l| l.shape().1).chain([cfg.hidden_size]).max().unwrap_or(cfg.hidden_size);
         let scratch = gpu.gemm_scratch(largest, 1)?;
         tracing::info!(device = %gpu.describe(), ep_rank = m.ep.rank, ep_size = m.ep.size, split_heads = m.split_heads, layers = layers.len(), "DeepSeek-V3 weights uploaded to the device");
-        Ok(DeviceState { gpu, rank: m.ep.rank, split_heads: m.split_heads, embed, layers, norm, lm_head, pool: None, scratch, max_in })
+        let latent = m.layers.first().map_or((0, 0), |l| (l.attn.cfg.kv_lora_rank, l.attn.cfg.qk_rope_head_dim));
+        Ok(DeepseekRank { gpu, rank: m.ep.rank, split_heads: m.split_heads, embed, layers, norm, lm_head, pool: None, scratch, max_in, latent })
     }
 }

@@ -23,14 +23,13 @@ use kernels::gpu::kv_pool::{DeviceKvPool, KvStorage};
 use kernels::gpu::{Kernels, Runtime};
 
 use super::config::ModelConfig;
-use super::device::ranks::{run_step, RankState};
-use super::device::step::{checked_step, StepInputs};
+use super::device::model::{check_ranks, DeviceModel, DeviceRank, Logits};
+use super::device::step::StepInputs;
 use super::device::weights::{DenseWeights, DevLinear};
-use super::kv::{BatchRow, BlockCopy, CacheLayout, KvCache, LayerKvShape, PagedView};
-use super::llama::{LlamaModel, TpRank};
-use super::{DeviceKv, ForwardError, LanguageModel, LoadedModel};
+use super::kv::{BlockCopy, CacheLayout, LayerKvShape};
+use super::llama::LlamaModel;
+use super::{ForwardError, LoadedModel};
 use crate::mesh::device_collective::{DeviceCollective, DeviceGroup, SoleRank};
-use crate::mesh::even_range;
 
 struct DevLayer<R: Runtime> {
     attn_norm: R::Buf<f32>,
@@ -53,8 +52,9 @@ struct Shard {
     vocab: Range<usize>,
 }
 
-/// Everything that lives on one device, behind one lock: launches go to one stream in order.
-struct DeviceState<R: Runtime> {
+/// Everything that lives on one device (one tensor-parallel rank, or the whole model): launches
+/// go to one stream in order.
+pub struct LlamaRank<R: Runtime> {
     gpu: Kernels<R>,
     shard: Shard,
     /// bf16 `[vocab rows, hidden]`: the embedding gather's table and, when tied, the output
@@ -72,19 +72,15 @@ struct DeviceState<R: Runtime> {
     scratch: GemmScratch<R>,
 }
 
-/// A Llama on one device, or split over several (one tensor-parallel rank per device).
-pub struct DeviceLlama<R: Runtime> {
-    cfg: ModelConfig,
-    describe: String,
-    ranks: Vec<RankState<DeviceState<R>>>,
-    group: Box<dyn DeviceGroup<R>>,
-}
+/// A Llama on one device, or split over several (one tensor-parallel rank per device): each
+/// rank returns its vocabulary columns of the logits, stitched on the host.
+pub type DeviceLlama<R> = DeviceModel<LlamaRank<R>>;
 
 fn invalid(msg: String) -> ForwardError {
     ForwardError::Invalid(msg)
 }
 
-impl<R: Runtime> DeviceLlama<R> {
+impl<R: Runtime> DeviceModel<LlamaRank<R>> {
     /// Uploads a whole (single-device) Llama's weights to `gpu`.
     pub fn from_llama(m: &LlamaModel, gpu: Kernels<R>) -> Result<Self, ForwardError> {
         Self::from_ranks(std::slice::from_ref(m), vec![gpu], Box::new(SoleRank))
@@ -99,57 +95,19 @@ impl<R: Runtime> DeviceLlama<R> {
 
     /// As [`Self::from_ranks`] with dense weights held as `dense` says.
     pub fn from_ranks_with(ranks: &[LlamaModel], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Self, ForwardError> {
+        let positions: Vec<(usize, usize)> = ranks.iter().map(|m| (m.tp.rank, m.tp.size)).collect();
+        check_ranks("tensor-parallel", &positions, gpus.len())?;
         let size = ranks.len();
-        if size == 0 || gpus.len() != size || group.world_size() != size {
-            return Err(invalid(format!("{size} tensor-parallel ranks, {} devices and a group of {}: one device per rank", gpus.len(), group.world_size())));
-        }
-        for (r, m) in ranks.iter().enumerate() {
-            if m.tp != (TpRank { rank: r, size }) {
-                return Err(invalid(format!("device {r} was given tensor-parallel rank {} of {} (expected rank {r} of {size})", m.tp.rank, m.tp.size)));
-            }
-        }
-        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DeviceState::upload(m, gpu, dense).map(RankState::new)).collect::<Result<Vec<_>, _>>()?;
-        let names: Vec<String> = states.iter().map(|s| s.lock().gpu.describe()).collect();
-        let describe = if size == 1 { names[0].clone() } else { format!("{size} tensor-parallel ranks on {}", names.join(", ")) };
-        Ok(Self { cfg: ranks[0].cfg.clone(), describe, ranks: states, group })
-    }
-
-    /// The device(s), as the runtime names them.
-    pub fn device(&self) -> &str {
-        &self.describe
-    }
-
-    pub fn tp_size(&self) -> usize {
-        self.ranks.len()
-    }
-
-    /// Every rank's step ([`run_step`]: each on its own thread, a failing rank releasing its
-    /// peers), then the logits stitched from the ranks' vocabulary columns.
-    fn forward_ranks(&self, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
-        let pool = self.ranks[0].lock().pool.as_ref().map(|p| (p.num_blocks, p.block_size));
-        let inp = checked_step(&self.cfg, tokens, rows, view, logit_rows, pool)?;
-        let comms = if self.ranks.len() > 1 { self.group.step_comms()? } else { Vec::new() };
-        let parts = run_step(&self.ranks, &comms, |state, comm| state.forward(&self.cfg, view.copies, &inp, comm))?;
-        if parts.len() == 1 {
-            return Ok(parts.into_iter().next().unwrap_or_default());
-        }
-        Ok(stitch_vocab(&parts, logit_rows.len(), self.cfg.vocab_size))
+        let states = ranks.iter().zip(gpus).map(|(m, gpu)| LlamaRank::upload(m, gpu, dense)).collect::<Result<Vec<_>, _>>()?;
+        // One layer per (layer, rank) of the rank's KV width, as the CPU tensor-parallel model
+        // has: the engine sizes its block budget from it, and each rank's pool holds its part.
+        let cfg = ranks[0].cfg.clone();
+        let layout = CacheLayout::uniform(cfg.num_layers() * size, LayerKvShape::heads(ranks[0].kv_heads, cfg.head_dim));
+        DeviceModel::new("DeviceLlama", cfg, states, group, layout, Logits::VocabColumns)
     }
 }
 
-/// Full `[m, vocab]` logits from rank `r`'s `[m, |even_range(vocab, ranks, r)|]` columns.
-fn stitch_vocab(parts: &[Vec<f32>], m: usize, vocab: usize) -> Vec<f32> {
-    let mut logits = vec![0.0f32; m * vocab];
-    for (r, part) in parts.iter().enumerate() {
-        let cols = even_range(vocab, parts.len(), r);
-        for (dst, src) in logits.chunks_exact_mut(vocab).zip(part.chunks_exact(cols.len().max(1))) {
-            dst[cols.clone()].copy_from_slice(src);
-        }
-    }
-    logits
-}
-
-impl<R: Runtime> DeviceState<R> {
+impl<R: Runtime> LlamaRank<R> {
     /// Uploads one rank's weights (all of them for a single device).
     fn upload(m: &LlamaModel, gpu: Kernels<R>, dense: DenseWeights) -> Result<Self, ForwardError> {
         let cfg = &m.cfg;
@@ -188,18 +146,35 @@ impl<R: Runtime> DeviceState<R> {
         let largest = layers.iter().flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate_up, &l.down]).chain(lm_head.as_ref()).map(DevLinear::dequant_elements).max().unwrap_or(0);
         let scratch = gpu.gemm_scratch(largest, 1)?;
         let shard = Shard { heads: m.heads, kv_heads: m.kv_heads, inter, vocab: m.vocab.clone() };
-        Ok(DeviceState { gpu, shard, embed, layers, norm, lm_head, inv_freq, pool: None, scratch })
+        Ok(LlamaRank { gpu, shard, embed, layers, norm, lm_head, inv_freq, pool: None, scratch })
     }
 }
 
-impl<R: Runtime> DeviceState<R> {
+impl<R: Runtime> DeviceRank for LlamaRank<R> {
+    type Rt = R;
+
+    fn describe(&self) -> String {
+        self.gpu.describe()
+    }
+
+    fn pool(&self) -> Option<(usize, usize, KvStorage)> {
+        self.pool.as_ref().map(|p| (p.num_blocks, p.block_size, p.storage))
+    }
+
+    /// This rank's KV heads of every layer.
+    fn allocate(&mut self, cfg: &ModelConfig, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
+        let pool = DeviceKvPool::new(&self.gpu, cfg.num_layers(), num_blocks, block_size, self.shard.kv_heads, cfg.head_dim, storage)?;
+        self.gpu.synchronize()?;
+        self.pool = Some(pool);
+        Ok(())
+    }
+
     /// This device's part of one step: the whole forward on a single device; on a
     /// tensor-parallel rank its heads and MLP slice, with `comm` summing the partial results, and
     /// its vocabulary columns of the logits (`[logit rows, |vocab slice|]`).
-    #[allow(clippy::too_many_arguments)]
     ///
-    /// `inp` and `copies` were checked against the pool by [`checked_step`], so on
-    /// a tensor-parallel rank an error here is a device's failure, never one rank disagreeing
+    /// `inp` and `copies` were checked against the pool by `step::checked_step`, so on a
+    /// tensor-parallel rank an error here is a device's failure, never one rank disagreeing
     /// with its peers about the batch.
     fn forward(&mut self, cfg: &ModelConfig, copies: &[BlockCopy], inp: &StepInputs, comm: &dyn DeviceCollective<R>) -> Result<Vec<f32>, ForwardError> {
         let Self { gpu, shard, embed, layers, norm, lm_head, inv_freq, pool, scratch } = self;
@@ -288,57 +263,6 @@ impl Shard {
     fn embedding_rows(&self, ids: &[i32]) -> Vec<i32> {
         let zero_row = self.vocab.len() as i32;
         ids.iter().map(|&t| if self.vocab.contains(&(t as usize)) { t - self.vocab.start as i32 } else { zero_row }).collect()
-    }
-}
-
-impl<R: Runtime> LanguageModel for DeviceLlama<R> {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    /// One layer per (layer, rank) of the rank's KV width, as the CPU tensor-parallel model has:
-    /// the engine sizes its block budget from it, and each rank's device pool holds its part.
-    fn cache_layout(&self) -> CacheLayout {
-        let kv_heads = self.ranks[0].lock().shard.kv_heads;
-        CacheLayout::uniform(self.cfg.num_layers() * self.tp_size(), LayerKvShape::heads(kv_heads, self.cfg.head_dim))
-    }
-
-    /// The infallible entry point has no way to report a device error; the engine calls
-    /// [`LanguageModel::try_forward`]. Reaching this with a failure is a caller bug (e.g. a
-    /// contiguous cache), reported with the error's text.
-    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
-        match self.try_forward(tokens, rows, kv, logit_rows) {
-            Ok(l) => l,
-            Err(e) => panic!("DeviceLlama::forward: {e} (callers that can see device errors use try_forward)"),
-        }
-    }
-
-    fn try_forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
-        let view = kv.paged_view().ok_or_else(|| invalid("the device forward needs the engine's paged KV cache (its K/V live in the device pool); contiguous caches are not supported".into()))?;
-        self.forward_ranks(tokens, rows, &view, logit_rows)
-    }
-
-    fn device_kv(&self) -> Option<&dyn DeviceKv> {
-        Some(self)
-    }
-}
-
-impl<R: Runtime> DeviceKv for DeviceLlama<R> {
-    /// The same blocks on every rank, each holding that rank's KV heads.
-    fn allocate(&self, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
-        for rank in &self.ranks {
-            let mut st = rank.lock();
-            if let Some(p) = &st.pool {
-                if (p.num_blocks, p.block_size, p.storage) == (num_blocks, block_size, storage) {
-                    continue;
-                }
-                return Err(invalid(format!("the device KV pool is already allocated ({} blocks of {}, {:?})", p.num_blocks, p.block_size, p.storage)));
-            }
-            let pool = DeviceKvPool::new(&st.gpu, self.cfg.num_layers(), num_blocks, block_size, st.shard.kv_heads, self.cfg.head_dim, storage)?;
-            st.gpu.synchronize()?;
-            st.pool = Some(pool);
-        }
-        Ok(())
     }
 }
 
