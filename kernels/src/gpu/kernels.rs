@@ -588,10 +588,10 @@ mod tests {
         let tiles = k.moe_tiles(&k.zeros(2).unwrap(), 1, a).unwrap();
         let mut out = k.zeros::<f32>(a * ROWS / 2).unwrap();
         let cases = [
-            (ExpertWeight::Int(&w3), "moe_int_gemv", "int_gemv"),
-            (ExpertWeight::Int(&w4), "moe_int4_gemv", "int4_gemv"),
-            (ExpertWeight::Cubic(&w4), "moe_cubic_gemv", "cubic_gemv"),
-            (ExpertWeight::Mxfp4(&mx), "moe_mxfp4_gemv", "mxfp4_gemv"),
+            (ExpertWeight::Quant(QuantWeight::Int(&w3)), "moe_int_gemv", "int_gemv"),
+            (ExpertWeight::Quant(QuantWeight::Int(&w4)), "moe_int4_gemv", "int4_gemv"),
+            (ExpertWeight::Quant(QuantWeight::Cubic(&w4)), "moe_cubic_gemv", "cubic_gemv"),
+            (ExpertWeight::Quant(QuantWeight::Mxfp4(&mx)), "moe_mxfp4_gemv", "mxfp4_gemv"),
             (ExpertWeight::Bf16 { w: &wb, rows: ROWS, cols: COLS }, "moe_gemv_bf16", ""),
         ];
         for (w, moe, plain) in cases {
@@ -599,18 +599,13 @@ mod tests {
             k.rt.grids.borrow_mut().clear();
             k.moe_gemv(w, ROWS / 2, &x, 1, &order, &tiles, &mut out, a).unwrap();
             assert_eq!((k.rt.launched.borrow()[0], k.rt.grids.borrow()[0]), (moe, (5, 65535, 1)));
-            let q = match w {
-                ExpertWeight::Int(g) => QuantWeight::Int(g),
-                ExpertWeight::Cubic(g) => QuantWeight::Cubic(g),
-                ExpertWeight::Mxfp4(m) => QuantWeight::Mxfp4(m),
-                ExpertWeight::Bf16 { .. } => continue,
-            };
+            let ExpertWeight::Quant(q) = w else { continue };
             k.rt.launched.borrow_mut().clear();
             k.quant_gemv(q, &x, &mut out, 1).unwrap();
             assert_eq!(k.rt.launched.borrow()[0], plain);
         }
         k.rt.grids.borrow_mut().clear();
-        k.moe_gemv(ExpertWeight::Int(&w4), ROWS, &x, 1, &order, &tiles, &mut out, 3).unwrap();
+        k.moe_gemv(ExpertWeight::Quant(QuantWeight::Int(&w4)), ROWS, &x, 1, &order, &tiles, &mut out, 3).unwrap();
         assert_eq!(k.rt.grids.borrow()[0], (10, 3, 1), "one grid row per possible tile");
     }
 }

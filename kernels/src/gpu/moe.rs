@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 
-use super::kernels::{check, DevGrouped, DevMxfp4, Kernels, GEMV_WARPS, TOK};
+use super::kernels::{check, Kernels, QuantWeight, GEMV_WARPS, TOK};
 use super::runtime::{DevBuf, Dims, KArg, Runtime};
 use crate::cpu::moe::{RouterScoring, RouterSpec, RouterTopk};
 use crate::cuda::CudaError;
@@ -45,11 +45,8 @@ pub struct MoeTiles<R: Runtime> {
 pub enum ExpertWeight<'a, R: Runtime> {
     /// bf16 bit patterns `[rows, cols]` (all experts' rows).
     Bf16 { w: &'a R::Buf<u16>, rows: usize, cols: usize },
-    /// Pack-quantized INT (`p0` = scale, `p1` = zero).
-    Int(&'a DevGrouped<R>),
-    /// Cubic codebook (`p0` = s, `p1` = a).
-    Cubic(&'a DevGrouped<R>),
-    Mxfp4(&'a DevMxfp4<R>),
+    /// A packed format, as the plain GEMVs take it.
+    Quant(QuantWeight<'a, R>),
 }
 
 // By hand: a derive would demand `R: Clone`, but only references are copied.
@@ -65,15 +62,13 @@ impl<R: Runtime> ExpertWeight<'_, R> {
     pub fn rows(&self) -> usize {
         match self {
             ExpertWeight::Bf16 { rows, .. } => *rows,
-            ExpertWeight::Int(w) | ExpertWeight::Cubic(w) => w.packed.rows,
-            ExpertWeight::Mxfp4(w) => w.rows,
+            ExpertWeight::Quant(q) => q.rows(),
         }
     }
     pub fn cols(&self) -> usize {
         match self {
             ExpertWeight::Bf16 { cols, .. } => *cols,
-            ExpertWeight::Int(w) | ExpertWeight::Cubic(w) => w.packed.cols,
-            ExpertWeight::Mxfp4(w) => w.cols,
+            ExpertWeight::Quant(q) => q.cols(),
         }
     }
 }
@@ -206,8 +201,8 @@ impl<R: Runtime> Kernels<R> {
                 check(w.len() >= rows * cols, || format!("moe_gemv bf16: {} weights for {rows}x{cols}", w.len()))?;
                 ("moe_gemv_bf16", vec![A::U16s(w)], vec![])
             }
-            ExpertWeight::Int(g) | ExpertWeight::Cubic(g) => {
-                let int = matches!(w, ExpertWeight::Int(_));
+            ExpertWeight::Quant(QuantWeight::Int(g) | QuantWeight::Cubic(g)) => {
+                let int = matches!(w, ExpertWeight::Quant(QuantWeight::Int(_)));
                 Self::check_grouped(if int { "moe_gemv INT" } else { "moe_gemv Cubic" }, g)?;
                 let p = &g.packed;
                 let head = vec![A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&g.p0), A::F32s(&g.p1)];
@@ -218,7 +213,7 @@ impl<R: Runtime> Kernels<R> {
                     (false, _) => ("moe_cubic_gemv", head, vec![bits, group]),
                 }
             }
-            ExpertWeight::Mxfp4(m) => {
+            ExpertWeight::Quant(QuantWeight::Mxfp4(m)) => {
                 check(cols.is_multiple_of(32) && m.packed.len() >= rows * cols / 2 && m.scales.len() >= rows * cols / 32, || format!("moe_gemv MXFP4 {rows}x{cols}: {} code bytes, {} scales", m.packed.len(), m.scales.len()))?;
                 ("moe_mxfp4_gemv", vec![A::U8s(&m.packed), A::U8s(&m.scales)], vec![])
             }

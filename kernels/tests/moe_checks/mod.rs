@@ -11,7 +11,7 @@ use kernels::cpu;
 use kernels::cpu::bitpack::PackedRows;
 use kernels::cpu::moe::{ExpertRows, RouterScoring, RouterSpec, RouterTopk};
 use kernels::gpu::kernels::TOK;
-use kernels::gpu::{DevGrouped, DevMxfp4, ExpertWeight, Kernels, MoeTiles, Routed, Runtime};
+use kernels::gpu::{DevGrouped, DevMxfp4, ExpertWeight, Kernels, MoeTiles, QuantWeight, Routed, Runtime};
 
 use super::test_data::{codes, lcg, uniform};
 use super::{assert_close, Tol};
@@ -163,9 +163,9 @@ impl<R: Runtime> DevW<R> {
     fn view(&self) -> ExpertWeight<'_, R> {
         match self {
             DevW::Bf16(w, rows, cols) => ExpertWeight::Bf16 { w, rows: *rows, cols: *cols },
-            DevW::Int(w) => ExpertWeight::Int(w),
-            DevW::Cubic(w) => ExpertWeight::Cubic(w),
-            DevW::Mxfp4(w) => ExpertWeight::Mxfp4(w),
+            DevW::Int(w) => ExpertWeight::Quant(QuantWeight::Int(w)),
+            DevW::Cubic(w) => ExpertWeight::Quant(QuantWeight::Cubic(w)),
+            DevW::Mxfp4(w) => ExpertWeight::Quant(QuantWeight::Mxfp4(w)),
         }
     }
 }

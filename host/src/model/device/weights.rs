@@ -184,26 +184,32 @@ impl<R: Runtime> DevLinear<R> {
         }
     }
 
+    /// The packed weight, for the format-independent entry points (`None` for dense ones).
+    pub fn quant(&self) -> Option<QuantWeight<'_, R>> {
+        match self {
+            DevLinear::Bf16 { .. } | DevLinear::F32 { .. } => None,
+            DevLinear::Int(g) => Some(QuantWeight::Int(g)),
+            DevLinear::Cubic(g) => Some(QuantWeight::Cubic(g)),
+            DevLinear::Mxfp4(m) => Some(QuantWeight::Mxfp4(m)),
+        }
+    }
+
     /// `out[n, rows] = x[n, cols] · Wᵀ`. `scratch.x` holds the bf16 copy of `x` (at least
     /// `n · cols`) for dense weights and the prefill GEMM; `scratch.weight` the dequantised
     /// weight (at least [`Self::dequant_elements`]) when `n` is above the GEMV range.
     pub fn forward(&self, gpu: &Kernels<R>, x: &R::Buf<f32>, scratch: &mut GemmScratch<R>, out: &mut R::Buf<f32>, n: usize) -> Result<(), ForwardError> {
-        let quant = match self {
+        match self {
             DevLinear::Bf16 { w, rows, cols } => {
                 gpu.narrow_bf16(x, &mut scratch.x, n * cols)?;
                 gpu.gemm_bf16(&scratch.x, w, out, n, *cols, *rows)?;
-                return Ok(());
             }
-            DevLinear::F32 { w, rows, cols } => {
-                gpu.matmul_f32(x, w, out, n, *rows, *cols)?;
-                return Ok(());
+            DevLinear::F32 { w, rows, cols } => gpu.matmul_f32(x, w, out, n, *rows, *cols)?,
+            packed => {
+                let quant = packed.quant().expect("a packed weight");
+                let path = gpu.matmul_quant(quant, x, out, n, scratch)?;
+                tracing::trace!(n, ?path, "quantized matmul");
             }
-            DevLinear::Int(g) => QuantWeight::Int(g),
-            DevLinear::Cubic(g) => QuantWeight::Cubic(g),
-            DevLinear::Mxfp4(m) => QuantWeight::Mxfp4(m),
-        };
-        let path = gpu.matmul_quant(quant, x, out, n, scratch)?;
-        tracing::trace!(n, ?path, "quantized matmul");
+        }
         Ok(())
     }
 }

@@ -104,9 +104,7 @@ impl<R: Runtime> ExpertStack<R> {
         match &self.0 {
             DevLinear::Bf16 { w, rows, cols } => ExpertWeight::Bf16 { w, rows: *rows, cols: *cols },
             DevLinear::F32 { .. } => unreachable!("ExpertStack::upload stores dense experts as bf16"),
-            DevLinear::Int(g) => ExpertWeight::Int(g),
-            DevLinear::Cubic(g) => ExpertWeight::Cubic(g),
-            DevLinear::Mxfp4(m) => ExpertWeight::Mxfp4(m),
+            packed => ExpertWeight::Quant(packed.quant().expect("a packed weight")),
         }
     }
 }
