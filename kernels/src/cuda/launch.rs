@@ -58,8 +58,44 @@ impl CudaRuntime {
             }
         }
         let blas = drv("cublasCreate", guarded("cublasCreate", || CudaBlas::new(stream.clone()))?)?;
+        keep_pool_memory(&ctx);
         tracing::info!(device = %info.name, ordinal, arch = info.arch(), kernels = funcs.len(), "CUDA kernels loaded");
         Ok(Self { ctx, stream, info, funcs, blas })
+    }
+}
+
+/// The forward allocates its activations per step (`Runtime::zeros`), which cudarc takes from the
+/// device's stream-ordered memory pool (`cuMemAllocAsync`) where the driver has one. That pool's
+/// default release threshold is 0: every synchronisation would hand freed memory back to the OS
+/// and the next step would map it again. Keeping it (threshold = unlimited) makes the pool a
+/// caching allocator, so per-step buffers cost a pool lookup, not a driver allocation. Best
+/// effort: a driver without pools keeps cudarc's synchronous allocation, logged.
+fn keep_pool_memory(ctx: &Arc<CudaContext>) {
+    use cudarc::driver::sys;
+    if !ctx.has_async_alloc() {
+        tracing::warn!("this CUDA driver has no stream-ordered allocator: per-step activation buffers use cuMemAlloc");
+        return;
+    }
+    let set = || -> Result<(), String> {
+        ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: a valid device of a live context; `pool` receives the device's default pool.
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuDeviceGetDefaultMemPool: {r:?}"));
+        }
+        let mut threshold: u64 = u64::MAX;
+        // SAFETY: the attribute takes a cuuint64_t, which `threshold` is.
+        let r = unsafe { sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuMemPoolSetAttribute(RELEASE_THRESHOLD): {r:?}"));
+        }
+        Ok(())
+    };
+    match guarded("cuMemPoolSetAttribute", set) {
+        Ok(Ok(())) => tracing::debug!("device memory pool keeps freed memory for reuse"),
+        Ok(Err(e)) => tracing::warn!("cannot make the device memory pool cache freed memory ({e}); per-step buffers may be slower"),
+        Err(e) => tracing::warn!("cannot make the device memory pool cache freed memory ({e})"),
     }
 }
 
