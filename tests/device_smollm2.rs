@@ -105,7 +105,7 @@ impl KvCache for Tables {
         unreachable!("K/V live in the device pool")
     }
     fn paged_view(&self) -> Option<PagedView<'_>> {
-        Some(PagedView { block_size: 16, tables: &self.0, copies: &[] })
+        Some(PagedView { block_size: 16, tables: &self.0, copies: &[], slots: &[], slot_ops: &[] })
     }
 }
 

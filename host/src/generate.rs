@@ -139,7 +139,7 @@ pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(
 enum Cache {
     Host(ContiguousKvCache),
     /// The single sequence's block table over the whole device pool (block i holds positions
-    /// 16i..16i+15).
+    /// 16i..16i+15), and its recurrent-state slot when the model has one.
     Device(BlockTables),
 }
 
@@ -153,7 +153,13 @@ impl Cache {
         };
         let blocks = positions.div_ceil(Self::BLOCK_SIZE).max(1);
         dev.allocate(blocks, Self::BLOCK_SIZE, kernels::gpu::kv_pool::KvStorage::F32).map_err(|e| format!("cannot allocate the device KV pool: {e}"))?;
-        Ok(Cache::Device(BlockTables { block_size: Self::BLOCK_SIZE, tables: vec![(0..blocks as u32).collect()], copies: Vec::new() }))
+        let mut tables = BlockTables::new(Self::BLOCK_SIZE, vec![(0..blocks as u32).collect()], Vec::new());
+        if m.model.cache_layout().recurrent_bytes_per_seq > 0 {
+            // One recurrent-state slot, allocated zeroed: the empty state, so no reset is needed.
+            dev.allocate_recurrent(1).map_err(|e| format!("cannot allocate the device recurrent state: {e}"))?;
+            tables.slots = vec![Some(0)];
+        }
+        Ok(Cache::Device(tables))
     }
 
     fn as_kv(&mut self) -> &mut dyn KvCache {

@@ -130,7 +130,7 @@ impl EngineCore {
         let mc = model.config();
         let layout = model.model.cache_layout();
         let shape = PoolShape::new(&layout, cfg.block_size);
-        let slots = recurrent_slots(&model, &cfg, layout.recurrent_bytes_per_seq);
+        let slots = recurrent_slots(&model, &cfg, layout.recurrent_bytes_per_seq)?;
         if slots.enabled() && cfg.enable_prefix_caching {
             // Cached KV blocks cannot restore a recurrent state for their prefix, so reusing
             // them would skip tokens the state never saw.
@@ -429,7 +429,8 @@ impl EngineCore {
         self.stats.steps_total += 1;
         let logits = {
             let copies = self.pool.take_pending_copies();
-            let mut kv = PagedKv { pool: &mut self.pool, tables, slots, copies };
+            let slot_ops = self.pool.recurrent.take_pending();
+            let mut kv = PagedKv { pool: &mut self.pool, tables, slots, copies, slot_ops };
             self.model.model.try_forward(&tokens, &rows, &mut kv, &logit_rows)
         };
         let logits = match logits {
@@ -639,16 +640,26 @@ impl EngineCore {
     }
 }
 
-/// The recurrent-state slots for `model` (none when it keeps no recurrent state), logged.
-fn recurrent_slots(model: &LoadedModel, cfg: &EngineConfig, bytes_per_seq: usize) -> RecurrentSlots {
+/// The recurrent-state slots for `model` (none when it keeps no recurrent state), logged: host
+/// states, or, for a model keeping K/V and states on a device, slot ids over the state pool the
+/// model allocates (`DeviceKv::allocate_recurrent`).
+fn recurrent_slots(model: &LoadedModel, cfg: &EngineConfig, bytes_per_seq: usize) -> Result<RecurrentSlots, String> {
     let count = RecurrentSlots::count_for(bytes_per_seq, cfg.max_num_seqs, cfg.kv_cache_bytes);
-    match model.model.new_recurrent_state() {
-        Some(fresh) if count > 0 => {
+    if count == 0 {
+        return Ok(RecurrentSlots::none());
+    }
+    if let Some(dev) = model.model.device_kv() {
+        dev.allocate_recurrent(count).map_err(|e| format!("cannot allocate {count} recurrent state slots on the device: {e}"))?;
+        tracing::info!(slots = count, bytes_per_seq, total_bytes = count * bytes_per_seq, "recurrent state slots allocated on the device");
+        return Ok(RecurrentSlots::external(count, bytes_per_seq));
+    }
+    Ok(match model.model.new_recurrent_state() {
+        Some(fresh) => {
             tracing::info!(slots = count, bytes_per_seq, total_bytes = count * bytes_per_seq, "recurrent state slots allocated");
             RecurrentSlots::new(fresh, count, bytes_per_seq)
         }
-        _ => RecurrentSlots::none(),
-    }
+        None => RecurrentSlots::none(),
+    })
 }
 
 fn splitmix64(mut z: u64) -> u64 {

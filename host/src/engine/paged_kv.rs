@@ -4,7 +4,7 @@
 use super::block_pool::{BlockId, BlockPool};
 use super::recurrent_slots::SlotId;
 use crate::model::kda::state::{KdaState, RecurrentStates};
-use crate::model::kv::{BlockCopy, KvCache, KvRow, PagedView};
+use crate::model::kv::{BlockCopy, KvCache, KvRow, PagedView, SlotOp};
 
 pub struct PagedKv<'a> {
     pub pool: &'a mut BlockPool,
@@ -13,6 +13,8 @@ pub struct PagedKv<'a> {
     pub slots: Vec<Option<SlotId>>,
     /// Copy-on-write copies a device pool applies before this batch (see `BlockPool::new_external`).
     pub copies: Vec<BlockCopy>,
+    /// Recurrent-slot resets and forks a model keeping its own states applies first.
+    pub slot_ops: Vec<SlotOp>,
 }
 
 impl PagedKv<'_> {
@@ -39,11 +41,11 @@ impl KvCache for PagedKv<'_> {
     }
 
     fn paged_view(&self) -> Option<PagedView<'_>> {
-        Some(PagedView { block_size: self.pool.shape().block_size, tables: &self.tables, copies: &self.copies })
+        Some(PagedView { block_size: self.pool.shape().block_size, tables: &self.tables, copies: &self.copies, slots: &self.slots, slot_ops: &self.slot_ops })
     }
 
     fn recurrent(&mut self) -> Option<&mut dyn RecurrentStates> {
-        if self.pool.recurrent.enabled() {
+        if self.pool.recurrent.enabled() && !self.pool.recurrent.is_external() {
             Some(self)
         } else {
             None

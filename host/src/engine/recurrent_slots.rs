@@ -7,28 +7,45 @@
 //! a preempted sequence loses its slot and recomputes from its first token.
 
 use crate::model::kda::state::{KdaState, SequenceState};
+use crate::model::kv::SlotOp;
 
 /// Index of a slot in the pool.
 pub type SlotId = usize;
 
 pub struct RecurrentSlots {
-    /// Preallocated states; a free slot's content is stale until `allocate` resets it.
+    /// Preallocated states; a free slot's content is stale until `allocate` resets it. Empty when
+    /// the model keeps the states itself (`external`).
     slots: Vec<SequenceState>,
     in_use: Vec<bool>,
     /// Free slots, lowest id last (so tests and logs see ids in order).
     free: Vec<SlotId>,
     bytes_per_slot: usize,
+    /// The states live in the model's (device) memory: resets and forks are recorded for the
+    /// next batch to apply there instead of being done here.
+    external: bool,
+    pending: Vec<SlotOp>,
 }
 
 impl RecurrentSlots {
     /// A pool for a model without recurrent state: no slots, never needed.
     pub fn none() -> Self {
-        Self { slots: Vec::new(), in_use: Vec::new(), free: Vec::new(), bytes_per_slot: 0 }
+        Self { slots: Vec::new(), in_use: Vec::new(), free: Vec::new(), bytes_per_slot: 0, external: false, pending: Vec::new() }
     }
 
     /// `count` slots shaped like `template` (a fresh state of the model).
     pub fn new(template: SequenceState, count: usize, bytes_per_slot: usize) -> Self {
-        Self { slots: vec![template; count], in_use: vec![false; count], free: (0..count).rev().collect(), bytes_per_slot }
+        Self { slots: vec![template; count], in_use: vec![false; count], free: (0..count).rev().collect(), bytes_per_slot, external: false, pending: Vec::new() }
+    }
+
+    /// `count` slot ids whose states the model keeps (a device model's own state pool): this
+    /// side lends ids and records what the model must do to them ([`Self::take_pending`]).
+    pub fn external(count: usize, bytes_per_slot: usize) -> Self {
+        Self { slots: Vec::new(), in_use: vec![false; count], free: (0..count).rev().collect(), bytes_per_slot, external: true, pending: Vec::new() }
+    }
+
+    /// The resets and forks since the last call, in order (external slots only; empty otherwise).
+    pub fn take_pending(&mut self) -> Vec<SlotOp> {
+        std::mem::take(&mut self.pending)
     }
 
     /// How many slots to preallocate: one per possible running sequence (`max_num_seqs`), but in
@@ -43,11 +60,16 @@ impl RecurrentSlots {
 
     /// Whether sequences need a slot (the model has recurrent layers).
     pub fn enabled(&self) -> bool {
-        !self.slots.is_empty()
+        !self.in_use.is_empty()
+    }
+
+    /// Whether the states live in the model rather than here.
+    pub fn is_external(&self) -> bool {
+        self.external
     }
 
     pub fn capacity(&self) -> usize {
-        self.slots.len()
+        self.in_use.len()
     }
 
     pub fn available(&self) -> usize {
@@ -62,7 +84,11 @@ impl RecurrentSlots {
     /// Takes a free slot, reset to the state before any token.
     pub fn allocate(&mut self) -> Option<SlotId> {
         let id = self.free.pop()?;
-        self.slots[id].reset();
+        if self.external {
+            self.pending.push(SlotOp::Reset(id));
+        } else {
+            self.slots[id].reset();
+        }
         self.in_use[id] = true;
         Some(id)
     }
@@ -72,6 +98,11 @@ impl RecurrentSlots {
     pub fn fork(&mut self, from: SlotId) -> Option<SlotId> {
         assert!(self.in_use[from], "recurrent slot {from} forked while free");
         let id = self.free.pop()?;
+        if self.external {
+            self.pending.push(SlotOp::Fork { from, to: id });
+            self.in_use[id] = true;
+            return Some(id);
+        }
         let (a, b) = (from.min(id), from.max(id));
         let (lo, hi) = self.slots.split_at_mut(b);
         if from < id {
@@ -90,13 +121,16 @@ impl RecurrentSlots {
         self.free.push(id);
     }
 
+    /// Slot `id`'s state (host slots only).
     pub fn get(&self, id: SlotId) -> &SequenceState {
         &self.slots[id]
     }
 
     /// KDA layer `ordinal`'s state of each slot in `ids` (distinct, in use), in that order: the
-    /// batch view the model's recurrent layers advance.
+    /// batch view the model's recurrent layers advance (host slots only: a model keeping its
+    /// states never asks).
     pub fn layer(&mut self, ids: &[SlotId], ordinal: usize) -> Vec<&mut KdaState> {
+        assert!(!self.external, "the model keeps these recurrent states itself");
         let mut by_id: Vec<Option<&mut KdaState>> = self.slots.iter_mut().map(|s| Some(&mut s.layers[ordinal])).collect();
         ids.iter()
             .map(|&id| {
@@ -166,6 +200,22 @@ mod tests {
         let c = p.fork(b).unwrap();
         assert_eq!(c, a);
         assert_eq!(p.get(c).layers[0].tokens, 9);
+    }
+
+    /// External slots hand out ids like host ones and record what the model must do.
+    #[test]
+    fn external_slots_record_resets_and_forks_in_order() {
+        let mut p = RecurrentSlots::external(3, 100);
+        assert!(p.enabled() && p.is_external());
+        assert_eq!(p.total_bytes(), 300);
+        let a = p.allocate().unwrap();
+        let b = p.fork(a).unwrap();
+        p.release(a);
+        let c = p.allocate().unwrap();
+        assert_eq!(c, a, "a released id is lent again");
+        assert_eq!(p.take_pending(), [SlotOp::Reset(a), SlotOp::Fork { from: a, to: b }, SlotOp::Reset(a)]);
+        assert!(p.take_pending().is_empty());
+        assert_eq!(p.available(), 1);
     }
 
     #[test]

@@ -141,12 +141,25 @@ pub struct BlockCopy {
     pub slots: usize,
 }
 
+/// What happened to recurrent-state slots since the last batch, for a model that keeps the
+/// states itself (on a device) while the engine lends the slot ids: a slot lent to a new
+/// sequence starts from the empty state; a forked choice starts from a copy of its parent's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotOp {
+    Reset(usize),
+    Fork { from: usize, to: usize },
+}
+
 /// The paged pool's addressing, for models whose K/V live in their own (device) pool under the
 /// same block ids: batch sequence `s`'s position `p` is in block `tables[s][p / block_size]`.
+/// A model with recurrent state kept beside its pool also reads each batch sequence's slot and
+/// the slot operations to apply first (in order).
 pub struct PagedView<'a> {
     pub block_size: usize,
     pub tables: &'a [Vec<u32>],
     pub copies: &'a [BlockCopy],
+    pub slots: &'a [Option<usize>],
+    pub slot_ops: &'a [SlotOp],
 }
 
 /// `Send + Sync` so tensor-parallel ranks (threads) can share one cache behind a lock.

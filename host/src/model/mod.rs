@@ -99,6 +99,13 @@ pub enum ForwardError {
 pub trait DeviceKv: Send + Sync {
     /// Allocates (once) `num_blocks` blocks of `block_size` positions for every layer.
     fn allocate(&self, num_blocks: usize, block_size: usize, storage: kernels::gpu::kv_pool::KvStorage) -> Result<(), ForwardError>;
+    /// Allocates (once) `slots` recurrent-state slots (models with linear-attention layers; the
+    /// engine lends their ids to sequences and reports resets and forks through
+    /// `PagedView::slot_ops`). A model without recurrent state has nothing to allocate.
+    fn allocate_recurrent(&self, slots: usize) -> Result<(), ForwardError> {
+        let _ = slots;
+        Ok(())
+    }
 }
 
 /// Builds the architecture `cfg` names from a checkpoint's weights.

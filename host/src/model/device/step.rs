@@ -4,7 +4,7 @@
 //! (slot mapping) and the block table and length its attention reads.
 
 use crate::model::config::ModelConfig;
-use crate::model::kv::{BatchRow, BlockCopy, KvCache, KvRow, PagedView};
+use crate::model::kv::{BatchRow, BlockCopy, KvCache, KvRow, PagedView, SlotOp};
 use crate::model::ForwardError;
 
 /// The paged addressing a device model reads, for callers without the engine's block pool
@@ -14,6 +14,17 @@ pub struct BlockTables {
     pub block_size: usize,
     pub tables: Vec<Vec<u32>>,
     pub copies: Vec<BlockCopy>,
+    /// Each sequence's recurrent-state slot, and the resets/forks to apply first (models with
+    /// linear-attention layers; empty otherwise).
+    pub slots: Vec<Option<usize>>,
+    pub slot_ops: Vec<SlotOp>,
+}
+
+impl BlockTables {
+    /// Tables and copies of a model without recurrent state.
+    pub fn new(block_size: usize, tables: Vec<Vec<u32>>, copies: Vec<BlockCopy>) -> Self {
+        Self { block_size, tables, copies, slots: Vec::new(), slot_ops: Vec::new() }
+    }
 }
 
 impl KvCache for BlockTables {
@@ -27,7 +38,7 @@ impl KvCache for BlockTables {
         unreachable!("a device model reads K/V from its own pool")
     }
     fn paged_view(&self) -> Option<PagedView<'_>> {
-        Some(PagedView { block_size: self.block_size, tables: &self.tables, copies: &self.copies })
+        Some(PagedView { block_size: self.block_size, tables: &self.tables, copies: &self.copies, slots: &self.slots, slot_ops: &self.slot_ops })
     }
 }
 

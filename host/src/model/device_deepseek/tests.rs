@@ -131,9 +131,9 @@ fn mixed_batch_errors<R: Runtime>(cpu: &dyn LanguageModel, dev: &DeviceDeepseek<
         for c in &copies {
             host.copy_block(c.src, c.dst, c.slots);
         }
-        let mut paged = PagedKv { pool: &mut host, tables: tables.clone(), slots: vec![None; tables.len()], copies: Vec::new() };
+        let mut paged = PagedKv { pool: &mut host, tables: tables.clone(), slots: vec![None; tables.len()], copies: Vec::new(), slot_ops: Vec::new() };
         let want = cpu.forward(&tokens, &rows, &mut paged, &logit_rows);
-        let got = dev.try_forward(&tokens, &rows, &mut BlockTables { block_size: BS, tables: tables.clone(), copies }, &logit_rows).unwrap();
+        let got = dev.try_forward(&tokens, &rows, &mut BlockTables::new(BS, tables.clone(), copies), &logit_rows).unwrap();
         errors.extend(row_errors(&got, &want, vocab));
     }
     errors
@@ -188,7 +188,7 @@ fn prefill_error_vs_transformers<R: Runtime>(dev: &DeviceDeepseek<R>) -> f32 {
         let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
         let all: Vec<usize> = (0..toks.len()).collect();
         let table: Vec<u32> = (0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 8 + b).collect();
-        let got = dev.try_forward(&toks, &rows, &mut BlockTables { block_size: BS, tables: vec![table], copies: vec![] }, &all).unwrap();
+        let got = dev.try_forward(&toks, &rows, &mut BlockTables::new(BS, vec![table], vec![]), &all).unwrap();
         for (p, want) in case["prefill_logits"].as_array().unwrap().iter().enumerate() {
             let want = floats(want);
             worst = worst.max(got[p * vocab..(p + 1) * vocab].iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
@@ -261,7 +261,7 @@ fn a_contiguous_cache_a_missing_pool_or_mismatched_ranks_are_errors() {
     let mut host = ContiguousKvCache::for_layout(&m.model.cache_layout(), 1);
     let e = dev.try_forward(&[1], &row, &mut host, &[0]).unwrap_err();
     assert!(e.to_string().contains("paged KV cache"), "{e}");
-    let tables = |t: Vec<u32>| BlockTables { block_size: BS, tables: vec![t], copies: vec![] };
+    let tables = |t: Vec<u32>| BlockTables::new(BS, vec![t], vec![]);
     let e = dev.try_forward(&[1], &row, &mut tables(vec![0]), &[0]).unwrap_err();
     assert!(e.to_string().contains("not allocated"), "{e}");
     dev.allocate(4, BS, KvStorage::F32).unwrap();

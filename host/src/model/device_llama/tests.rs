@@ -189,7 +189,7 @@ fn worst_error_with<R: Runtime>(gpu: Kernels<R>, tied: bool, w: Weights, storage
             logit_rows.push(rows.len() - 1);
         }
         let want = cpu.forward(&tokens, &rows, &mut host, &logit_rows);
-        let got = dev.try_forward(&tokens, &rows, &mut BlockTables { block_size: BS, tables: tables.clone(), copies }, &logit_rows).unwrap();
+        let got = dev.try_forward(&tokens, &rows, &mut BlockTables::new(BS, tables.clone(), copies), &logit_rows).unwrap();
         assert_eq!(got.len(), want.len());
         for (g, w) in got.chunks(VOCAB).zip(want.chunks(VOCAB)) {
             let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
@@ -223,7 +223,7 @@ fn long_prefill_error<R: Runtime>(gpu: Kernels<R>, w: Weights) -> f32 {
     let mut worst = 0.0f32;
     for (t, r, l) in [(&tokens, &rows, &logit_rows), (&decode_tokens, &decode_rows, &vec![0, 1, 2, 3])] {
         let want = cpu.forward(t, r, &mut host, l);
-        let got = dev.try_forward(t, r, &mut BlockTables { block_size: BS, tables: tables.clone(), copies: Vec::new() }, l).unwrap();
+        let got = dev.try_forward(t, r, &mut BlockTables::new(BS, tables.clone(), Vec::new()), l).unwrap();
         for (g, w) in got.chunks(VOCAB).zip(want.chunks(VOCAB)) {
             let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
             worst = worst.max(g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale);
@@ -278,11 +278,11 @@ fn a_contiguous_cache_or_a_missing_pool_is_an_error() {
     let row = [BatchRow { seq: 0, pos: 0 }];
     let e = dev.try_forward(&[1], &row, &mut host, &[0]).unwrap_err();
     assert!(e.to_string().contains("paged KV cache"), "{e}");
-    let e = dev.try_forward(&[1], &row, &mut BlockTables { block_size: BS, tables: vec![vec![0]], copies: vec![] }, &[0]).unwrap_err();
+    let e = dev.try_forward(&[1], &row, &mut BlockTables::new(BS, vec![vec![0]], vec![]), &[0]).unwrap_err();
     assert!(e.to_string().contains("not allocated"), "{e}");
     dev.allocate(4, BS, KvStorage::F32).unwrap();
     assert!(dev.allocate(8, BS, KvStorage::F32).is_err(), "a second, different pool is refused");
-    let e = dev.try_forward(&[1], &row, &mut BlockTables { block_size: BS, tables: vec![vec![9]], copies: vec![] }, &[0]).unwrap_err();
+    let e = dev.try_forward(&[1], &row, &mut BlockTables::new(BS, vec![vec![9]], vec![]), &[0]).unwrap_err();
     assert!(e.to_string().contains("outside the device pool"), "{e}");
 }
 
@@ -329,7 +329,7 @@ fn logits_match_transformers(m: crate::model::LoadedModel, reference: &serde_jso
         let all: Vec<usize> = (0..toks.len()).collect();
         // Each case in its own blocks (4 cases x at most 4 blocks of 4).
         let table: Vec<u32> = (0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 4 + b).collect();
-        let got = m.model.try_forward(&toks, &rows, &mut BlockTables { block_size: BS, tables: vec![table], copies: vec![] }, &all).unwrap();
+        let got = m.model.try_forward(&toks, &rows, &mut BlockTables::new(BS, vec![table], vec![]), &all).unwrap();
         for (p, want) in case["logits"].as_array().unwrap().iter().enumerate() {
             for (v, w) in want.as_array().unwrap().iter().enumerate() {
                 worst = worst.max((got[p * vocab + v] - w.as_f64().unwrap() as f32).abs());
@@ -392,7 +392,7 @@ fn a_rank_failing_mid_step_fails_the_step_not_its_peers_or_the_next_step() {
     let toks = ids(&case["ids"]);
     let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
     let last = vec![toks.len() - 1];
-    let tables = || BlockTables { block_size: BS, tables: vec![(0..toks.len().div_ceil(BS) as u32).collect()], copies: vec![] };
+    let tables = || BlockTables::new(BS, vec![(0..toks.len().div_ceil(BS) as u32).collect()], vec![]);
     let e = m.model.try_forward(&toks, &rows, &mut tables(), &last).unwrap_err();
     assert!(e.to_string().contains("injected launch failure"), "the failing rank's own error, not its peer's abort: {e}");
     let got = m.model.try_forward(&toks, &rows, &mut tables(), &last).unwrap();
@@ -422,7 +422,7 @@ fn ct_int4_error<R: Runtime + 'static>(tp: usize, gpu: impl Fn() -> Kernels<R>) 
         let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
         let all: Vec<usize> = (0..toks.len()).collect();
         let table: Vec<u32> = (0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 8 + b).collect();
-        let got = m.model.try_forward(&toks, &rows, &mut BlockTables { block_size: BS, tables: vec![table], copies: vec![] }, &all).unwrap();
+        let got = m.model.try_forward(&toks, &rows, &mut BlockTables::new(BS, vec![table], vec![]), &all).unwrap();
         let t = st.tensor(&format!("logits.transformers.{c}")).unwrap();
         let want: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         assert_eq!(want.len(), got.len());
