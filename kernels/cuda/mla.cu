@@ -48,23 +48,27 @@ extern "C" __global__ void rope_rows(float* __restrict__ x, const int* __restric
     }
 }
 
-// out[t, h, r] = sum_c W[h, r, c] * x[t, h, c]: W bf16 [heads, rows, cols], x [tokens, heads, cols],
-// out [tokens, heads, rows]. One warp per (head, output row) over tiles of HM_TOK tokens (the
-// weight row is read once per tile); tiles stride over gridDim.z, which CUDA caps at 65535.
+// out[t, h, r] = sum_c W[h, r, c] * x[t, h, c]: W bf16 (or f32) [heads, rows, cols], x [tokens,
+// heads, cols], out [tokens, heads, rows]. One warp per (head, output row) over tiles of HM_TOK
+// tokens (the weight row is read once per tile); tiles stride over gridDim.z, which CUDA caps at
+// 65535.
 #define HM_WARPS 4
 #define HM_TOK 8
-extern "C" __global__ void head_matvec_bf16(const u16* __restrict__ w, const float* __restrict__ x, float* __restrict__ out,
-                                            int tokens, int heads, int rows, int cols) {
+__device__ __forceinline__ float hm_widen(u16 w) { return bf16_to_f32(w); }
+__device__ __forceinline__ float hm_widen(float w) { return w; }
+template <typename W>
+__device__ void head_matvec(const W* __restrict__ w, const float* __restrict__ x, float* __restrict__ out,
+                            int tokens, int heads, int rows, int cols) {
     int r = blockIdx.x * HM_WARPS + threadIdx.x / WARP, h = blockIdx.y, lane = threadIdx.x % WARP;
     if (r >= rows) return; // the whole warp
-    const u16* wr = w + ((long)h * rows + r) * cols;
+    const W* wr = w + ((long)h * rows + r) * cols;
     for (long t0 = (long)blockIdx.z * HM_TOK; t0 < tokens; t0 += (long)gridDim.z * HM_TOK) {
         int nt = tokens - t0 < HM_TOK ? (int)(tokens - t0) : HM_TOK;
         float acc[HM_TOK];
         for (int j = 0; j < HM_TOK; j++) acc[j] = 0.0f;
         // Fixed trip counts with a guard (not `j < nt`) keep acc in registers once unrolled.
         for (int c = lane; c < cols; c += WARP) {
-            float wv = bf16_to_f32(wr[c]);
+            float wv = hm_widen(wr[c]);
             for (int j = 0; j < HM_TOK; j++)
                 if (j < nt) acc[j] += wv * x[((t0 + j) * heads + h) * cols + c];
         }
@@ -74,6 +78,15 @@ extern "C" __global__ void head_matvec_bf16(const u16* __restrict__ w, const flo
             if (lane == 0) out[((t0 + j) * heads + h) * rows + r] = s;
         }
     }
+}
+
+extern "C" __global__ void head_matvec_bf16(const u16* __restrict__ w, const float* __restrict__ x, float* __restrict__ out,
+                                            int tokens, int heads, int rows, int cols) {
+    head_matvec(w, x, out, tokens, heads, rows, cols);
+}
+extern "C" __global__ void head_matvec_f32(const float* __restrict__ w, const float* __restrict__ x, float* __restrict__ out,
+                                           int tokens, int heads, int rows, int cols) {
+    head_matvec(w, x, out, tokens, heads, rows, cols);
 }
 
 // x[i] *= sigmoid(g[i]) (MLA's output gate).

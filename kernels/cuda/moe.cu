@@ -80,8 +80,12 @@ __device__ __forceinline__ void dense_row(const RowTile& t, const W* __restrict_
     store_tile(t, acc);
 }
 
-// MoE expert GEMV over bf16 weights stacked by rows (see moe_row_tiles in the prelude).
+// MoE expert GEMV over bf16 (or, for exact checks of f32 checkpoints, f32) weights stacked by
+// rows (see moe_row_tiles in the prelude).
 extern "C" __global__ void moe_gemv_bf16(const u16* __restrict__ w, MOE_TILE_PARAMS, int cols) {
+    moe_row_tiles(MOE_TILE_ARGS, cols, [&](const RowTile& t) { dense_row(t, w, cols); });
+}
+extern "C" __global__ void moe_gemv_f32(const float* __restrict__ w, MOE_TILE_PARAMS, int cols) {
     moe_row_tiles(MOE_TILE_ARGS, cols, [&](const RowTile& t) { dense_row(t, w, cols); });
 }
 

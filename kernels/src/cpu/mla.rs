@@ -38,6 +38,11 @@ pub fn copy_cols(src: &[f32], out: &mut [f32], rows: usize, width: usize, offset
 /// `out` `[tokens, heads, rows]`), summed in column order.
 pub fn head_matvec_bf16(w: &[u16], x: &[f32], out: &mut [f32], tokens: usize, heads: usize, rows: usize, cols: usize) {
     let wf: Vec<f32> = w[..heads * rows * cols].iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+    head_matvec_f32(&wf, x, out, tokens, heads, rows, cols)
+}
+
+/// [`head_matvec_bf16`] with f32 weights.
+pub fn head_matvec_f32(wf: &[f32], x: &[f32], out: &mut [f32], tokens: usize, heads: usize, rows: usize, cols: usize) {
     for t in 0..tokens {
         for h in 0..heads {
             let xs = &x[(t * heads + h) * cols..][..cols];

@@ -185,6 +185,7 @@ pub fn tiles(offsets: &[usize], held: usize, tok: usize) -> Vec<Tile> {
 pub enum ExpertRows<'a> {
     /// bf16 bit patterns, `[rows, cols]`.
     Bf16 { w: &'a [u16], rows: usize, cols: usize },
+    F32 { w: &'a [f32], rows: usize, cols: usize },
     /// INT, Cubic or MXFP4 (`cpu::quant_int::IntMatrix`, `cpu::cubic::AnyCubic`, `cpu::mxfp4::Mxfp4Matrix`).
     Packed(&'a dyn DequantizeRows),
 }
@@ -192,13 +193,14 @@ pub enum ExpertRows<'a> {
 impl ExpertRows<'_> {
     pub fn cols(&self) -> usize {
         match self {
-            ExpertRows::Bf16 { cols, .. } => *cols,
+            ExpertRows::Bf16 { cols, .. } | ExpertRows::F32 { cols, .. } => *cols,
             ExpertRows::Packed(m) => m.cols(),
         }
     }
     pub fn row(&self, r: usize) -> Vec<f32> {
         match self {
             ExpertRows::Bf16 { w, cols, .. } => w[r * cols..(r + 1) * cols].iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
+            ExpertRows::F32 { w, cols, .. } => w[r * cols..(r + 1) * cols].to_vec(),
             ExpertRows::Packed(m) => m.dequantize_row(r),
         }
     }

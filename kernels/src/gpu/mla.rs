@@ -59,14 +59,25 @@ impl<R: Runtime> Kernels<R> {
     /// [tokens, heads, cols], out [tokens, heads, rows] (MLA's per-head `W_ukᵀ` and `W_uv`).
     #[allow(clippy::too_many_arguments)]
     pub fn head_matvec_bf16(&self, w: &R::Buf<u16>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, tokens: usize, heads: usize, rows: usize, cols: usize) -> Result<(), CudaError> {
-        check(w.len() >= heads * rows * cols && x.len() >= tokens * heads * cols && out.len() >= tokens * heads * rows, || format!("head_matvec_bf16: w {} / x {} / out {} elements for {tokens} tokens x {heads} heads of {rows}x{cols}", w.len(), x.len(), out.len()))?;
-        check(heads <= GRID_YZ_MAX && tokens <= i32::MAX as usize && cols <= i32::MAX as usize && rows.div_ceil(HM_WARPS) <= i32::MAX as usize, || format!("head_matvec_bf16: {tokens} tokens x {heads} heads of {rows}x{cols} exceed one launch's grid"))?;
+        self.head_matvec("head_matvec_bf16", A::U16s(w), w.len(), x, out, tokens, heads, rows, cols)
+    }
+
+    /// As [`Self::head_matvec_bf16`] with f32 weights (exact checks of f32 checkpoints).
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_matvec_f32(&self, w: &R::Buf<f32>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, tokens: usize, heads: usize, rows: usize, cols: usize) -> Result<(), CudaError> {
+        self.head_matvec("head_matvec_f32", A::F32s(w), w.len(), x, out, tokens, heads, rows, cols)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn head_matvec(&self, name: &'static str, w: A<'_, R>, w_len: usize, x: &R::Buf<f32>, out: &mut R::Buf<f32>, tokens: usize, heads: usize, rows: usize, cols: usize) -> Result<(), CudaError> {
+        check(w_len >= heads * rows * cols && x.len() >= tokens * heads * cols && out.len() >= tokens * heads * rows, || format!("{name}: w {w_len} / x {} / out {} elements for {tokens} tokens x {heads} heads of {rows}x{cols}", x.len(), out.len()))?;
+        check(heads <= GRID_YZ_MAX && tokens <= i32::MAX as usize && cols <= i32::MAX as usize && rows.div_ceil(HM_WARPS) <= i32::MAX as usize, || format!("{name}: {tokens} tokens x {heads} heads of {rows}x{cols} exceed one launch's grid"))?;
         if tokens * heads * rows == 0 {
             return Ok(());
         }
         // Token tiles beyond gridDim.z's limit are covered by the kernel's stride loop.
         let dims = Dims::new((rows.div_ceil(HM_WARPS) as u32, heads as u32, tokens.div_ceil(HM_TOK).min(GRID_YZ_MAX) as u32), (HM_WARPS * 32) as u32);
-        self.go("head_matvec_bf16", dims, &[A::U16s(w), A::F32s(x), A::F32s(out), A::I32(tokens as i32), A::I32(heads as i32), A::I32(rows as i32), A::I32(cols as i32)])
+        self.go(name, dims, &[w, A::F32s(x), A::F32s(out), A::I32(tokens as i32), A::I32(heads as i32), A::I32(rows as i32), A::I32(cols as i32)])
     }
 
     /// x[i] *= 1 / (1 + exp(-g[i])) for i < n (MLA output gate).

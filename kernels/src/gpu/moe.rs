@@ -45,6 +45,8 @@ pub struct MoeTiles<R: Runtime> {
 pub enum ExpertWeight<'a, R: Runtime> {
     /// bf16 bit patterns `[rows, cols]` (all experts' rows).
     Bf16 { w: &'a R::Buf<u16>, rows: usize, cols: usize },
+    /// f32 `[rows, cols]`: exact checks of f32 checkpoints (`--dtype float32`).
+    F32 { w: &'a R::Buf<f32>, rows: usize, cols: usize },
     /// A packed format, as the plain GEMVs take it.
     Quant(QuantWeight<'a, R>),
 }
@@ -61,13 +63,13 @@ impl<R: Runtime> ExpertWeight<'_, R> {
     /// Rows of all experts together.
     pub fn rows(&self) -> usize {
         match self {
-            ExpertWeight::Bf16 { rows, .. } => *rows,
+            ExpertWeight::Bf16 { rows, .. } | ExpertWeight::F32 { rows, .. } => *rows,
             ExpertWeight::Quant(q) => q.rows(),
         }
     }
     pub fn cols(&self) -> usize {
         match self {
-            ExpertWeight::Bf16 { cols, .. } => *cols,
+            ExpertWeight::Bf16 { cols, .. } | ExpertWeight::F32 { cols, .. } => *cols,
             ExpertWeight::Quant(q) => q.cols(),
         }
     }
@@ -200,6 +202,10 @@ impl<R: Runtime> Kernels<R> {
             ExpertWeight::Bf16 { w, .. } => {
                 check(w.len() >= rows * cols, || format!("moe_gemv bf16: {} weights for {rows}x{cols}", w.len()))?;
                 ("moe_gemv_bf16", vec![A::U16s(w)], vec![])
+            }
+            ExpertWeight::F32 { w, .. } => {
+                check(w.len() >= rows * cols, || format!("moe_gemv f32: {} weights for {rows}x{cols}", w.len()))?;
+                ("moe_gemv_f32", vec![A::F32s(w)], vec![])
             }
             ExpertWeight::Quant(QuantWeight::Int(g) | QuantWeight::Cubic(g)) => {
                 let int = matches!(w, ExpertWeight::Quant(QuantWeight::Int(_)));

@@ -1,7 +1,7 @@
 //! DeepSeek MLA's device kernels against their CPU references, written once over any runtime and
 //! run by `cuda_vs_cpu.rs` on the simulator and on a CUDA device:
 //!
-//! * the per-token pieces (`copy_cols`, `rope_rows`, `head_matvec_bf16`, `sigmoid_mul`) on odd
+//! * the per-token pieces (`copy_cols`, `rope_rows`, `head_matvec_bf16`/`_f32`, `sigmoid_mul`) on odd
 //!   sizes, and their size checks;
 //! * the single-tensor pool stores, bit for bit;
 //! * the latent pool: slot-mapped writes into scattered blocks, a copy-on-write block copy and the
@@ -70,6 +70,11 @@ pub fn mla_pieces_match_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     assert_close("head_matvec_bf16", &g.download(&dout).unwrap(), &want, t.gemv);
     assert!(g.head_matvec_bf16(&dw, &dx, &mut dout, tokens, heads, rows, cols + 1).is_err(), "too small buffers are an error");
     assert!(g.head_matvec_bf16(&dw, &dx, &mut dout, 0, 70_000, 0, 0).is_err(), "more heads than gridDim.y is an error");
+    // head_matvec_f32: the same with f32 weights.
+    let wf = uniform(heads * rows * cols, 25, -0.5, 0.5);
+    cpu::mla::head_matvec_f32(&wf, &x, &mut want, tokens, heads, rows, cols);
+    g.head_matvec_f32(&g.upload(&wf).unwrap(), &dx, &mut dout, tokens, heads, rows, cols).unwrap();
+    assert_close("head_matvec_f32", &g.download(&dout).unwrap(), &want, t.gemv);
 
     // sigmoid_mul: the same expf on the simulator.
     let n = 1001;

@@ -147,6 +147,7 @@ pub fn moe_tiles_match_cpu_for_skewed_routing<R: Runtime>(g: &Kernels<R>, _t: &T
 /// A stacked expert weight in one format, on the device and on the CPU.
 enum DevW<R: Runtime> {
     Bf16(R::Buf<u16>, usize, usize),
+    F32(R::Buf<f32>, usize, usize),
     Int(DevGrouped<R>),
     Cubic(DevGrouped<R>),
     Mxfp4(DevMxfp4<R>),
@@ -154,6 +155,7 @@ enum DevW<R: Runtime> {
 
 enum CpuW {
     Bf16(Vec<u16>, usize, usize),
+    F32(Vec<f32>, usize, usize),
     Int(cpu::quant_int::IntMatrix),
     Cubic(cpu::cubic::AnyCubic),
     Mxfp4(cpu::mxfp4::Mxfp4Matrix),
@@ -163,6 +165,7 @@ impl<R: Runtime> DevW<R> {
     fn view(&self) -> ExpertWeight<'_, R> {
         match self {
             DevW::Bf16(w, rows, cols) => ExpertWeight::Bf16 { w, rows: *rows, cols: *cols },
+            DevW::F32(w, rows, cols) => ExpertWeight::F32 { w, rows: *rows, cols: *cols },
             DevW::Int(w) => ExpertWeight::Quant(QuantWeight::Int(w)),
             DevW::Cubic(w) => ExpertWeight::Quant(QuantWeight::Cubic(w)),
             DevW::Mxfp4(w) => ExpertWeight::Quant(QuantWeight::Mxfp4(w)),
@@ -174,6 +177,7 @@ impl CpuW {
     fn view(&self) -> ExpertRows<'_> {
         match self {
             CpuW::Bf16(w, rows, cols) => ExpertRows::Bf16 { w, rows: *rows, cols: *cols },
+            CpuW::F32(w, rows, cols) => ExpertRows::F32 { w, rows: *rows, cols: *cols },
             CpuW::Int(m) => ExpertRows::Packed(m),
             CpuW::Cubic(m) => ExpertRows::Packed(m),
             CpuW::Mxfp4(m) => ExpertRows::Packed(m),
@@ -184,6 +188,7 @@ impl CpuW {
 #[derive(Clone, Copy, Debug)]
 enum Fmt {
     Bf16,
+    F32,
     /// (bits, group size)
     Int(u32, usize),
     Cubic(u32, usize),
@@ -201,6 +206,10 @@ fn weight<R: Runtime>(g: &Kernels<R>, f: Fmt, rows: usize, cols: usize, seed: u6
             let all: Vec<u16> = uniform(rows * cols, seed, -0.2, 0.2).iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
             let w = all[keep.start * cols..keep.end * cols].to_vec();
             (DevW::Bf16(g.upload(&w).unwrap(), kr, cols), CpuW::Bf16(w, kr, cols))
+        }
+        Fmt::F32 => {
+            let w = uniform(rows * cols, seed, -0.2, 0.2)[keep.start * cols..keep.end * cols].to_vec();
+            (DevW::F32(g.upload(&w).unwrap(), kr, cols), CpuW::F32(w, kr, cols))
         }
         Fmt::Int(bits, gs) | Fmt::Cubic(bits, gs) => {
             let c = codes(rows * cols, bits, seed);
@@ -233,7 +242,7 @@ fn weight<R: Runtime>(g: &Kernels<R>, f: Fmt, rows: usize, cols: usize, seed: u6
     }
 }
 
-const FORMATS: [Fmt; 5] = [Fmt::Int(4, 32), Fmt::Int(3, 40), Fmt::Cubic(3, 32), Fmt::Mxfp4, Fmt::Bf16];
+const FORMATS: [Fmt; 6] = [Fmt::Int(4, 32), Fmt::Int(3, 40), Fmt::Cubic(3, 32), Fmt::Mxfp4, Fmt::Bf16, Fmt::F32];
 
 pub fn moe_gemv_matches_cpu_for_every_format<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     // 19 tokens × top-3 over 5 held experts plus the bucket; expert 1 takes a third.
