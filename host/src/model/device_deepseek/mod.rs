@@ -33,7 +33,7 @@ use super::device::weights::DenseWeights;
 use super::kv::{BlockCopy, CacheLayout, LayerKvShape};
 use super::ForwardError;
 use crate::mesh::device_collective::{DeviceCollective, DeviceGroup};
-use upload::{DevFfn, DevLayer, DevMla, DevMoe, DevQ};
+use upload::{DevFfn, DevLayer, DevMla, DevMoe, DevQ, Embedding};
 
 fn invalid(msg: String) -> ForwardError {
     ForwardError::Invalid(msg)
@@ -45,8 +45,8 @@ pub struct DeepseekRank<R: Runtime> {
     rank: usize,
     /// The MLA heads are split over the ranks: `o_proj` outputs are partial sums.
     split_heads: bool,
-    /// bf16 `[vocab, hidden]`: the embedding gather's table and, when tied, the output weight.
-    embed: R::Buf<u16>,
+    /// `[vocab, hidden]`: the embedding gather's table and, when tied in bf16, the output weight.
+    embed: Embedding<R>,
     layers: Vec<DevLayer<R>>,
     norm: R::Buf<f32>,
     lm_head: Option<super::device::weights::DevLinear<R>>,
@@ -136,7 +136,7 @@ impl<R: Runtime> DeviceRank for DeepseekRank<R> {
         let mut delta = gpu.zeros::<f32>(n * d)?;
         scratch.x = gpu.zeros::<u16>(n * *max_in)?;
 
-        gpu.gather_rows_bf16(embed, &ids, &mut hidden, n, d)?;
+        embed.gather(gpu, &ids, &mut hidden, n, d)?;
         let first = layers.first().ok_or_else(|| invalid("a model without layers".into()))?;
         gpu.rms_norm(&hidden, &first.attn_norm, &mut normed, n, eps)?;
         let last = layers.len() - 1;
@@ -173,12 +173,13 @@ impl<R: Runtime> DeviceRank for DeepseekRank<R> {
         gpu.add_rms_norm(&mut hm, &dm, norm, &mut ym, m, eps)?;
         let vocab = cfg.vocab_size;
         let mut logits = gpu.zeros::<f32>(m * vocab)?;
-        match lm_head {
-            Some(h) => h.forward(gpu, &ym, scratch, &mut logits, m)?,
-            None => {
+        match (lm_head, embed) {
+            (Some(h), _) => h.forward(gpu, &ym, scratch, &mut logits, m)?,
+            (None, Embedding::Bf16(table)) => {
                 gpu.narrow_bf16(&ym, &mut scratch.x, m * d)?;
-                gpu.gemm_bf16(&scratch.x, embed, &mut logits, m, d, vocab)?;
+                gpu.gemm_bf16(&scratch.x, table, &mut logits, m, d, vocab)?;
             }
+            (None, Embedding::F32(_)) => return Err(invalid("a tied f32 output weight is uploaded as lm_head".into())),
         }
         let mut out = gpu.download(&logits)?;
         out.truncate(m * vocab);
@@ -236,11 +237,11 @@ impl<R: Runtime> DevMla<R> {
         // Absorbed attention: the key up-projection folded into the query, the value
         // up-projection applied to the attention-weighted latent (docs/mla.md).
         let mut q_lat = gpu.zeros::<f32>(n * h * lora)?;
-        gpu.head_matvec_bf16(&self.w_uk_t, &q_nope, &mut q_lat, n, h, lora, nope)?;
+        self.w_uk_t.matvec(gpu, &q_nope, &mut q_lat, n, h, lora, nope)?;
         let mut ctx = gpu.zeros::<f32>(n * h * lora)?;
         pool.attention(gpu, layer, h, step.max_blocks, &q_lat, &q_rope, &step.tables, &step.lens, self.scale, &mut ctx)?;
         let mut o = gpu.zeros::<f32>(n * h * v)?;
-        gpu.head_matvec_bf16(&self.w_uv, &ctx, &mut o, n, h, v, lora)?;
+        self.w_uv.matvec(gpu, &ctx, &mut o, n, h, v, lora)?;
         if let Some(g) = &self.gate {
             let mut gv = gpu.zeros::<f32>(n * h * v)?;
             g.forward(gpu, x, scratch, &mut gv, n)?;

@@ -45,11 +45,11 @@ pub(super) struct DevMla<R: Runtime> {
     /// `[kv_lora + rope, hidden]`: the latent and the shared rotary key.
     pub kv_a: DevLinear<R>,
     pub kv_a_norm: R::Buf<f32>,
-    /// bf16 `[heads][lora][nope]`: `W_uk` per head, transposed so the query absorption is a
-    /// per-head matrix-vector product.
-    pub w_uk_t: R::Buf<u16>,
-    /// bf16 `[heads][v][lora]`.
-    pub w_uv: R::Buf<u16>,
+    /// `[heads][lora][nope]`: `W_uk` per head, transposed so the query absorption is a per-head
+    /// matrix-vector product.
+    pub w_uk_t: HeadWeights<R>,
+    /// `[heads][v][lora]`.
+    pub w_uv: HeadWeights<R>,
     pub gate: Option<DevLinear<R>>,
     pub o: DevLinear<R>,
     pub rotary: Option<DevRotary<R>>,
@@ -64,6 +64,56 @@ pub(super) struct DevMla<R: Runtime> {
     pub eps: f32,
 }
 
+/// Per-head matrices (MLA's absorbed `kv_b_proj` halves): bf16, or f32 under `--dtype float32`.
+pub(super) enum HeadWeights<R: Runtime> {
+    Bf16(R::Buf<u16>),
+    F32(R::Buf<f32>),
+}
+
+impl<R: Runtime> HeadWeights<R> {
+    fn upload(gpu: &Kernels<R>, w: &[f32], dense: DenseWeights) -> Result<Self, ForwardError> {
+        Ok(match dense {
+            DenseWeights::Bf16 => HeadWeights::Bf16(gpu.upload(&narrow_bf16(w))?),
+            DenseWeights::F32 => HeadWeights::F32(gpu.upload(w)?),
+        })
+    }
+
+    /// `out[t, h, :] = W[h] · x[t, h, :]` for `[heads][rows][cols]` matrices.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec(&self, gpu: &Kernels<R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, tokens: usize, heads: usize, rows: usize, cols: usize) -> Result<(), ForwardError> {
+        match self {
+            HeadWeights::Bf16(w) => gpu.head_matvec_bf16(w, x, out, tokens, heads, rows, cols)?,
+            HeadWeights::F32(w) => gpu.head_matvec_f32(w, x, out, tokens, heads, rows, cols)?,
+        }
+        Ok(())
+    }
+}
+
+/// The embedding table the token gather reads: bf16 (also the tied output weight in serving
+/// precision), or f32 under `--dtype float32`.
+pub(super) enum Embedding<R: Runtime> {
+    Bf16(R::Buf<u16>),
+    F32(R::Buf<f32>),
+}
+
+impl<R: Runtime> Embedding<R> {
+    pub fn upload(gpu: &Kernels<R>, table: &[f32], dense: DenseWeights) -> Result<Self, ForwardError> {
+        Ok(match dense {
+            DenseWeights::Bf16 => Embedding::Bf16(gpu.upload(&narrow_bf16(table))?),
+            DenseWeights::F32 => Embedding::F32(gpu.upload(table)?),
+        })
+    }
+
+    /// `out[i] = table[ids[i]]` for `n` rows of `d`.
+    pub fn gather(&self, gpu: &Kernels<R>, ids: &R::Buf<i32>, out: &mut R::Buf<f32>, n: usize, d: usize) -> Result<(), ForwardError> {
+        match self {
+            Embedding::Bf16(t) => gpu.gather_rows_bf16(t, ids, out, n, d)?,
+            Embedding::F32(t) => gpu.gather_rows_f32(t, ids, out, n, d)?,
+        }
+        Ok(())
+    }
+}
+
 /// A SwiGLU MLP: the dense layers and the shared experts.
 pub(super) struct DevMlp<R: Runtime> {
     pub gate_up: DevLinear<R>,
@@ -71,9 +121,9 @@ pub(super) struct DevMlp<R: Runtime> {
     pub inter: usize,
 }
 
-/// One layer's routed experts this rank holds, one projection stacked by rows. Dense experts are
-/// always bf16 (the expert GEMV multiplies f32 activations by them, so a bf16 checkpoint's
-/// experts are exact); built only by [`ExpertStack::upload`].
+/// One layer's routed experts this rank holds, one projection stacked by rows, in their
+/// checkpoint format (dense ones bf16, or f32 under `--dtype float32`; the expert GEMV
+/// multiplies f32 activations either way).
 pub(super) struct ExpertStack<R: Runtime>(DevLinear<R>);
 
 pub(super) struct DevMoe<R: Runtime> {
@@ -96,14 +146,14 @@ pub(super) enum DevFfn<R: Runtime> {
 }
 
 impl<R: Runtime> ExpertStack<R> {
-    fn upload(gpu: &Kernels<R>, name: &str, list: &[&crate::model::linear::Linear]) -> Result<Self, ForwardError> {
-        Ok(Self(DevLinear::upload_rows(gpu, name, list, DenseWeights::Bf16)?))
+    fn upload(gpu: &Kernels<R>, name: &str, list: &[&crate::model::linear::Linear], dense: DenseWeights) -> Result<Self, ForwardError> {
+        Ok(Self(DevLinear::upload_rows(gpu, name, list, dense)?))
     }
 
     pub fn expert_weight(&self) -> ExpertWeight<'_, R> {
         match &self.0 {
             DevLinear::Bf16 { w, rows, cols } => ExpertWeight::Bf16 { w, rows: *rows, cols: *cols },
-            DevLinear::F32 { .. } => unreachable!("ExpertStack::upload stores dense experts as bf16"),
+            DevLinear::F32 { w, rows, cols } => ExpertWeight::F32 { w, rows: *rows, cols: *cols },
             packed => ExpertWeight::Quant(packed.quant().expect("a packed weight")),
         }
     }
@@ -156,8 +206,8 @@ impl<R: Runtime> DevMoe<R> {
             spec: moe.router.spec,
             hidden: moe.hidden_size(),
             inter,
-            gate_up: ExpertStack::upload(gpu, &format!("{name}.experts[{held:?}].gate_proj+up_proj"), &gate_up)?,
-            down: ExpertStack::upload(gpu, &format!("{name}.experts[{held:?}].down_proj"), &down)?,
+            gate_up: ExpertStack::upload(gpu, &format!("{name}.experts[{held:?}].gate_proj+up_proj"), &gate_up, dense)?,
+            down: ExpertStack::upload(gpu, &format!("{name}.experts[{held:?}].down_proj"), &down, dense)?,
             shared: moe.shared.as_ref().map(|s| DevMlp::upload(gpu, &format!("{name}.shared_experts"), s, dense)).transpose()?,
             held,
         })
@@ -189,8 +239,8 @@ impl<R: Runtime> DevMla<R> {
             q,
             kv_a: lin("kv_a_proj_with_mqa", &l.kv_a)?,
             kv_a_norm: gpu.upload(l.kv_a_norm.as_slice())?,
-            w_uk_t: gpu.upload(&narrow_bf16(&uk_t))?,
-            w_uv: gpu.upload(&narrow_bf16(&l.absorbed.w_uv))?,
+            w_uk_t: HeadWeights::upload(gpu, &uk_t, dense)?,
+            w_uv: HeadWeights::upload(gpu, &l.absorbed.w_uv, dense)?,
             gate: l.gate.as_ref().map(|g| lin("g_proj", g)).transpose()?,
             o: lin("o_proj", &l.o)?,
             rotary,
@@ -236,7 +286,7 @@ impl<R: Runtime> DeepseekRank<R> {
             });
             tracing::debug!(layer = i, of = m.layers.len(), "DeepSeek layer uploaded to the device");
         }
-        let embed = gpu.upload(&narrow_bf16(m.embed.as_slice()))?;
+        let embed = Embedding::upload(&gpu, m.embed.as_slice(), dense)?;
         let lm_head = match (&m.lm_head, dense) {
             (Some(h), _) => Some(DevLinear::upload_as(&gpu, "lm_head", h, dense)?),
             // Tied: the bf16 gather table doubles as the output weight, unless f32 is asked for.
