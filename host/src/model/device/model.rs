@@ -7,7 +7,7 @@ use kernels::gpu::kv_pool::KvStorage;
 use kernels::gpu::Runtime;
 
 use super::ranks::{run_step, RankState};
-use super::step::{checked_step, StepInputs};
+use super::step::{checked_step, recurrent_rows, StepInputs};
 use crate::mesh::device_collective::{DeviceCollective, DeviceGroup};
 use crate::mesh::even_range;
 use crate::model::config::ModelConfig;
@@ -23,6 +23,16 @@ pub trait DeviceRank {
     fn pool(&self) -> Option<(usize, usize, KvStorage)>;
     /// Allocates this device's K/V pool for every layer of `cfg`.
     fn allocate(&mut self, cfg: &ModelConfig, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError>;
+    /// The recurrent-state slots this device holds, once allocated (`None` for models without
+    /// recurrent layers, or before `allocate_recurrent`).
+    fn recurrent_slots(&self) -> Option<usize> {
+        None
+    }
+    /// Allocates `slots` zeroed recurrent states (models with recurrent layers).
+    fn allocate_recurrent(&mut self, slots: usize) -> Result<(), ForwardError> {
+        let _ = slots;
+        Ok(())
+    }
     /// This device's part of one step: `copies` (copy-on-write) first, then the forward, meeting
     /// the other ranks in `comm`. Returns this rank's part of the logits (see [`Logits`]).
     fn forward(&mut self, cfg: &ModelConfig, copies: &[BlockCopy], inp: &StepInputs, comm: &dyn DeviceCollective<Self::Rt>) -> Result<Vec<f32>, ForwardError>;
@@ -85,8 +95,15 @@ impl<S: DeviceRank> DeviceModel<S> {
     /// Every rank's step ([`run_step`]: each on its own thread, a failing rank releasing its
     /// peers), checked once on the host first, then the logits from the ranks' parts.
     fn forward_ranks(&self, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
-        let pool = self.ranks[0].lock().pool().map(|(blocks, size, _)| (blocks, size));
-        let inp = checked_step(&self.cfg, tokens, rows, view, logit_rows, pool)?;
+        let (pool, recurrent) = {
+            let first = self.ranks[0].lock();
+            (first.pool().map(|(blocks, size, _)| (blocks, size)), first.recurrent_slots())
+        };
+        let mut inp = checked_step(&self.cfg, tokens, rows, view, logit_rows, pool)?;
+        if let Some(capacity) = recurrent {
+            inp.recurrent = Some(recurrent_rows(rows, view.slots, view.slot_ops, capacity)?);
+            inp.slot_ops = view.slot_ops.to_vec();
+        }
         let comms = if self.ranks.len() > 1 { self.group.step_comms()? } else { Vec::new() };
         let parts = run_step(&self.ranks, &comms, |state, comm| state.forward(&self.cfg, view.copies, &inp, comm))?;
         Ok(match self.logits {
@@ -139,6 +156,18 @@ impl<S: DeviceRank> LanguageModel for DeviceModel<S> {
 }
 
 impl<S: DeviceRank> DeviceKv for DeviceModel<S> {
+    fn allocate_recurrent(&self, slots: usize) -> Result<(), ForwardError> {
+        for rank in &self.ranks {
+            let mut st = rank.lock();
+            match st.recurrent_slots() {
+                Some(have) if have == slots => continue,
+                Some(have) => return Err(ForwardError::Invalid(format!("the device recurrent state is already allocated ({have} slots)"))),
+                None => st.allocate_recurrent(slots)?,
+            }
+        }
+        Ok(())
+    }
+
     /// The same blocks on every rank, each holding that rank's part of every layer.
     fn allocate(&self, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
         for rank in &self.ranks {

@@ -74,6 +74,67 @@ pub struct StepInputs {
     pub lens: Vec<i32>,
     pub max_blocks: usize,
     pub logit_rows: Vec<i32>,
+    /// For models with recurrent layers: the rows grouped by sequence with their state slots,
+    /// and the slot resets/forks to apply before the step (`None`/empty otherwise).
+    pub recurrent: Option<RecurrentRows>,
+    pub slot_ops: Vec<SlotOp>,
+}
+
+/// A batch's rows grouped by sequence for recurrent layers, which must run each sequence's rows
+/// in position order on its own state: sequence `i` (in order of first appearance) has the batch
+/// rows `rows[start[i]..start[i + 1]]` and the state slot `slot[i]`.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct RecurrentRows {
+    pub rows: Vec<i32>,
+    pub start: Vec<i32>,
+    pub slot: Vec<i32>,
+}
+
+impl RecurrentRows {
+    pub fn seqs(&self) -> usize {
+        self.slot.len()
+    }
+}
+
+/// Groups `rows` by sequence for a model with `capacity` state slots, checking what the kernels
+/// cannot: every sequence in the batch has a slot below `capacity`, no two share one, its rows
+/// are consecutive positions in batch order, and every slot operation names slots in range.
+pub fn recurrent_rows(rows: &[BatchRow], slots: &[Option<usize>], ops: &[SlotOp], capacity: usize) -> Result<RecurrentRows, ForwardError> {
+    for op in ops {
+        let (a, b) = match *op {
+            SlotOp::Reset(s) => (s, s),
+            SlotOp::Fork { from, to } => (from, to),
+        };
+        if a.max(b) >= capacity {
+            return Err(invalid(format!("recurrent slot operation {op:?} outside the {capacity} device slots")));
+        }
+    }
+    let mut order: Vec<usize> = Vec::new();
+    let mut members: Vec<Vec<usize>> = Vec::new();
+    let mut index_of = std::collections::HashMap::new();
+    for (i, r) in rows.iter().enumerate() {
+        let k = *index_of.entry(r.seq).or_insert_with(|| {
+            order.push(r.seq);
+            members.push(Vec::new());
+            order.len() - 1
+        });
+        members[k].push(i);
+    }
+    let mut out = RecurrentRows { rows: Vec::with_capacity(rows.len()), start: vec![0], slot: Vec::with_capacity(order.len()) };
+    let mut used = std::collections::HashSet::new();
+    for (seq, idx) in order.iter().zip(&members) {
+        let slot = slots.get(*seq).copied().flatten().ok_or_else(|| invalid(format!("batch sequence {seq} has no recurrent-state slot")))?;
+        if slot >= capacity || !used.insert(slot) {
+            return Err(invalid(format!("batch sequence {seq}: recurrent-state slot {slot} is outside the {capacity} device slots or shared")));
+        }
+        if let Some(w) = idx.windows(2).find(|w| rows[w[1]].pos != rows[w[0]].pos + 1) {
+            return Err(invalid(format!("batch sequence {seq}: positions {} then {}: a recurrent layer needs consecutive positions in order", rows[w[0]].pos, rows[w[1]].pos)));
+        }
+        out.rows.extend(idx.iter().map(|&i| i as i32));
+        out.start.push(out.rows.len() as i32);
+        out.slot.push(slot as i32);
+    }
+    Ok(out)
 }
 
 pub fn step_inputs(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], block_size: usize, tables: &[Vec<u32>], num_blocks: usize, logit_rows: &[usize]) -> Result<StepInputs, ForwardError> {
@@ -116,6 +177,8 @@ pub fn step_inputs(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], block_s
         lens: rows.iter().map(|r| r.pos as i32 + 1).collect(),
         max_blocks,
         logit_rows: logit_rows.iter().map(|&r| r as i32).collect(),
+        recurrent: None,
+        slot_ops: Vec::new(),
     })
 }
 
@@ -143,6 +206,19 @@ mod tests {
         assert_eq!(s.tables, [4, 0, 0, 4, 0, 0, 4, 2, 0, 1, 3, 0]);
         assert_eq!(s.lens, [1, 2, 3, 6]);
         assert_eq!(s.logit_rows, [2, 3]);
+    }
+
+    #[test]
+    fn recurrent_rows_group_by_sequence_and_check_slots_and_order() {
+        let rows = [BatchRow { seq: 1, pos: 4 }, BatchRow { seq: 0, pos: 0 }, BatchRow { seq: 1, pos: 5 }, BatchRow { seq: 0, pos: 1 }];
+        let g = recurrent_rows(&rows, &[Some(3), Some(0)], &[SlotOp::Reset(3)], 4).unwrap();
+        assert_eq!(g, RecurrentRows { rows: vec![0, 2, 1, 3], start: vec![0, 2, 4], slot: vec![0, 3] });
+        assert!(recurrent_rows(&rows, &[Some(3), None], &[], 4).unwrap_err().to_string().contains("no recurrent-state slot"));
+        assert!(recurrent_rows(&rows, &[Some(3), Some(3)], &[], 4).unwrap_err().to_string().contains("shared"));
+        assert!(recurrent_rows(&rows, &[Some(4), Some(0)], &[], 4).unwrap_err().to_string().contains("outside"));
+        assert!(recurrent_rows(&rows, &[Some(1), Some(0)], &[SlotOp::Fork { from: 0, to: 7 }], 4).unwrap_err().to_string().contains("slot operation"));
+        let gap = [BatchRow { seq: 0, pos: 0 }, BatchRow { seq: 0, pos: 2 }];
+        assert!(recurrent_rows(&gap, &[Some(0)], &[], 1).unwrap_err().to_string().contains("consecutive"));
     }
 
     #[test]
