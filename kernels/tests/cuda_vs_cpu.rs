@@ -12,11 +12,13 @@ use kernels::cpu::bitpack::PackedRows;
 use kernels::gpu::{Kernels, Runtime};
 use kernels::sim::SimGpu;
 
+mod kda_checks;
 mod mla_checks;
 mod moe_checks;
 mod prefill_gemm;
 mod test_data;
 
+use kda_checks::*;
 use mla_checks::*;
 use moe_checks::*;
 use test_data::{codes, uniform};
@@ -112,6 +114,9 @@ on_every_runtime!(
     kv_stores_match_cpu_bit_for_bit,
     latent_pool_writes_copies_and_attends_like_cpu,
     absorbed_mla_equals_expanded_attention,
+    kda_conv_matches_cpu,
+    kda_recurrent_matches_cpu_for_both_gates_and_head_dims,
+    kda_slot_copy_zero_and_pool_work,
 );
 
 /// Relative max error of `got` against `want`, scaled by the largest reference magnitude.

@@ -19,3 +19,4 @@ pub mod moe;
 pub mod gather;
 pub mod kv_write;
 pub mod mla;
+pub mod kda;

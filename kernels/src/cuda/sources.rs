@@ -39,6 +39,7 @@ pub const SOURCES: &[Source] = &[
     src!("gather.cu", ["gather_rows_f32", "gather_rows_bf16", "narrow_bf16"]),
     src!("kv_write.cu", ["kv_write_f32", "kv_write_bf16", "kv_write_fp8", "copy_span_f32", "copy_span_u16", "copy_span_u8", "kv_store_f32", "kv_store_bf16", "kv_store_fp8"]),
     src!("mla.cu", ["copy_cols", "rope_rows", "head_matvec_bf16", "head_matvec_f32", "sigmoid_mul"]),
+    src!("kda.cu", ["kda_conv_silu", "kda_recurrent", "zero_span_f32"]),
 ];
 
 pub fn source(name: &str) -> Option<&'static Source> {

@@ -20,7 +20,7 @@ pub const ROPE_ROWS_MAX_PAIRS: usize = 256;
 const HM_WARPS: usize = 4;
 const HM_TOK: usize = 8;
 /// CUDA's limit on gridDim.y and gridDim.z.
-const GRID_YZ_MAX: usize = 65535;
+pub(crate) const GRID_YZ_MAX: usize = 65535;
 
 impl<R: Runtime> Kernels<R> {
     /// `out[r, 0..count] = src[r, offset..offset + count]` for `r < rows` (src rows `width` wide).
