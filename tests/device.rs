@@ -180,6 +180,28 @@ fn deepseek_runs_on_the_simulator_like_the_cpu() {
     assert!(stdout.contains("| aggregate decode, 2 streams |"), "{stdout}");
 }
 
+/// Kimi-Linear (KDA state in a device slot, a NoPE MLA layer, MoE) through `generate` on the
+/// simulator with f32 weights: the CPU's greedy text.
+#[test]
+fn kimi_linear_generates_on_the_simulator_like_the_cpu() {
+    if !simulator_built("kimi_linear_generates_on_the_simulator_like_the_cpu") {
+        return;
+    }
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/kimi_linear/model");
+    let run = |device: &str| {
+        let out = wasmserve(&["--device", device, "--dtype", "float32", "generate", "--model", model.to_str().unwrap(), "--prompt", "hello world", "--max-tokens", "12", "--ignore-eos"]);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "--device {device}: {err}");
+        if device == "sim" {
+            assert!(err.contains("Kimi-Linear weights uploaded to the device"), "{err}");
+        }
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let cpu = run("cpu");
+    assert!(!cpu.trim().is_empty());
+    assert_eq!(run("sim"), cpu);
+}
+
 #[test]
 fn a_bad_dtype_is_a_clear_error() {
     let out = wasmserve(&["--dtype", "float8", "generate", "--prompt", "hi"]);

@@ -23,33 +23,34 @@ use super::source::WeightSource;
 use super::tensor::Tensor;
 use super::LanguageModel;
 
-enum Mixer {
+// Crate-visible: the device forward (model/device_deepseek) uploads them.
+pub(crate) enum Mixer {
     /// `ordinal`: index among the KDA layers, which is where its state lives.
     Kda { layer: KdaLayer, ordinal: usize },
     Latent(MlaLayer),
 }
 
-enum Ffn {
+pub(crate) enum Ffn {
     Dense(GatedMlp),
     Moe(MoeLayer),
 }
 
-struct Layer {
-    attn_norm: Tensor,
-    mixer: Mixer,
-    ffn_norm: Tensor,
-    ffn: Ffn,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Tensor,
+    pub(crate) mixer: Mixer,
+    pub(crate) ffn_norm: Tensor,
+    pub(crate) ffn: Ffn,
 }
 
 pub struct KimiLinearModel {
-    cfg: ModelConfig,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: Tensor,
-    lm_head: Linear,
+    pub(crate) cfg: ModelConfig,
+    pub(crate) embed: Tensor,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: Tensor,
+    pub(crate) lm_head: Linear,
     /// Config of each KDA layer, in layer order (the shape of a sequence's recurrent state).
-    kda: Vec<KdaConfig>,
-    cache: CacheLayout,
+    pub(crate) kda: Vec<KdaConfig>,
+    pub(crate) cache: CacheLayout,
 }
 
 impl KimiLinearModel {
@@ -116,6 +117,10 @@ impl LanguageModel for KimiLinearModel {
 
     fn cache_layout(&self) -> CacheLayout {
         self.cache.clone()
+    }
+
+    fn kimi_linear(&self) -> Option<&KimiLinearModel> {
+        Some(self)
     }
 
     fn new_recurrent_state(&self) -> Option<SequenceState> {

@@ -72,6 +72,11 @@ pub trait LanguageModel: Send + Sync {
         None
     }
 
+    /// The Kimi-Linear model behind this one, if it is one (to move it onto a device).
+    fn kimi_linear(&self) -> Option<&kimi_linear::KimiLinearModel> {
+        None
+    }
+
     /// A fresh (no tokens yet) recurrent state for one sequence, for models with linear-attention
     /// layers (`cache_layout().recurrent_bytes_per_seq > 0`); their `forward` reads the batch's
     /// states from `KvCache::recurrent`.

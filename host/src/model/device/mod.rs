@@ -15,17 +15,17 @@ pub(crate) mod test_util;
 
 use kernels::gpu::{Kernels, Runtime};
 
-use super::device_deepseek::DeviceDeepseek;
+use super::device_deepseek::{DeviceDeepseek, DeviceKimiLinear};
 use super::device_llama::DeviceLlama;
 use super::{ForwardError, LoadedModel};
 use crate::mesh::device_collective::DeviceGroup;
 use weights::DenseWeights;
 
 /// How many devices `m`'s device forward runs on (one per rank: a whole model, or the ranks it
-/// was loaded as), `None` for architectures without a device forward (Kimi-Linear), which keep
-/// the CPU forward. Placement asks before opening any device.
+/// was loaded as), `None` for models without a device forward, which keep the CPU forward.
+/// Placement asks before opening any device.
 pub fn device_ranks(m: &LoadedModel) -> Option<usize> {
-    m.model.llama_ranks().map(<[_]>::len).or_else(|| m.model.deepseek_ranks().map(<[_]>::len))
+    m.model.llama_ranks().map(<[_]>::len).or_else(|| m.model.deepseek_ranks().map(<[_]>::len)).or_else(|| m.model.kimi_linear().map(|_| 1))
 }
 
 /// Moves `m` onto `gpus`, one rank per device (the model must have been loaded with as many
@@ -43,10 +43,14 @@ pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<
             gpus.len()
         )));
     }
-    let model: Box<dyn super::LanguageModel> = match (m.model.llama_ranks(), m.model.deepseek_ranks()) {
-        (Some(l), _) => Box::new(DeviceLlama::from_ranks_with(l, gpus, group, dense)?),
-        (None, Some(d)) => Box::new(DeviceDeepseek::from_ranks_with(d, gpus, group, dense)?),
-        (None, None) => unreachable!("device_ranks found ranks"),
+    let model: Box<dyn super::LanguageModel> = match (m.model.llama_ranks(), m.model.deepseek_ranks(), m.model.kimi_linear()) {
+        (Some(l), _, _) => Box::new(DeviceLlama::from_ranks_with(l, gpus, group, dense)?),
+        (None, Some(d), _) => Box::new(DeviceDeepseek::from_ranks_with(d, gpus, group, dense)?),
+        (None, None, Some(k)) => {
+            let gpu = gpus.into_iter().next().ok_or_else(|| ForwardError::Invalid("no device given".into()))?;
+            Box::new(DeviceKimiLinear::from_kimi_linear(k, gpu, dense)?)
+        }
+        (None, None, None) => unreachable!("device_ranks found ranks"),
     };
     Ok(LoadedModel { model, ..m })
 }

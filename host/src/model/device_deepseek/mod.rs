@@ -1,7 +1,9 @@
-//! The DeepSeek-V3 forward on a device ([`Runtime`]: CUDA, or the simulator in tests): MLA
-//! attention in the absorbed form over a compressed latent paged cache, dense SwiGLU layers, and
-//! MoE layers routed, grouped and run on the device (router, top-k, grouping into per-expert
-//! tiles, expert GEMVs in the checkpoint's own format, weighted combine, shared experts).
+//! The DeepSeek-V3 and Kimi-Linear forwards on a device ([`Runtime`]: CUDA, or the simulator in
+//! tests): MLA attention in the absorbed form over a compressed latent paged cache (Kimi's NoPE
+//! variant too), Kimi Delta Attention layers with per-sequence recurrent state in a device slot
+//! pool (`kda`), dense SwiGLU layers, and MoE layers routed, grouped and run on the device
+//! (router, top-k, grouping into per-expert tiles, expert GEMVs in the checkpoint's own format,
+//! weighted combine, shared experts).
 //!
 //! Multi-device: built from the ranks of `mesh::ExpertParallelDeepseek`, one device per rank.
 //! Every rank holds the non-expert weights and its contiguous range of each MoE layer's routed
@@ -16,31 +18,36 @@
 //! attention, routing (f32 router weights) and residuals in f32. Tested against
 //! `DeepseekV3Model::forward` and transformers.
 
+mod kda;
 mod upload;
 #[cfg(test)]
 mod tests;
 
 use kernels::gpu::kernels::GemmScratch;
 use kernels::gpu::latent_pool::DeviceLatentPool;
+use kernels::gpu::recurrent_pool::DeviceRecurrentPool;
 use kernels::gpu::kv_pool::KvStorage;
 use kernels::gpu::{Kernels, Runtime};
 
 use super::config::ModelConfig;
 use super::deepseek::DeepseekV3Model;
+use super::kimi_linear::KimiLinearModel;
 use super::device::model::{check_ranks, DeviceModel, DeviceRank, Logits};
 use super::device::step::StepInputs;
 use super::device::weights::DenseWeights;
-use super::kv::{BlockCopy, CacheLayout, LayerKvShape};
+use super::kv::{BlockCopy, CacheLayout, LayerKvShape, SlotOp};
 use super::ForwardError;
-use crate::mesh::device_collective::{DeviceCollective, DeviceGroup};
-use upload::{DevFfn, DevLayer, DevMla, DevMoe, DevQ, Embedding};
+use crate::mesh::device_collective::{DeviceCollective, DeviceGroup, SoleRank};
+use kda::SeqRows;
+use upload::{DevFfn, DevLayer, DevMixer, DevMla, DevMoe, DevQ, Embedding};
 
 fn invalid(msg: String) -> ForwardError {
     ForwardError::Invalid(msg)
 }
 
-/// Everything one device holds (one expert-parallel rank, or the whole model).
-pub struct DeepseekRank<R: Runtime> {
+/// Everything one device holds of a DeepSeek-V3 or Kimi-Linear decoder (one expert-parallel
+/// rank, or the whole model).
+pub struct DecoderRank<R: Runtime> {
     gpu: Kernels<R>,
     rank: usize,
     /// The MLA heads are split over the ranks: `o_proj` outputs are partial sums.
@@ -56,15 +63,21 @@ pub struct DeepseekRank<R: Runtime> {
     scratch: GemmScratch<R>,
     /// The widest input any dense projection takes (sizes `scratch.x`).
     max_in: usize,
-    /// (kv_lora_rank, qk_rope_head_dim): what each layer caches per token.
+    /// (kv_lora_rank, qk_rope_head_dim): what each MLA layer caches per token, and how many
+    /// MLA layers there are (every layer for DeepSeek, Kimi's full-attention layers).
     latent: (usize, usize),
+    latent_layers: usize,
+    /// Kimi's KDA layers: their shape (layers, heads, head_dim, conv kernel), and the slot pool of
+    /// their states once the engine allocated it.
+    kda: Option<(usize, usize, usize, usize)>,
+    recurrent: Option<DeviceRecurrentPool<R>>,
 }
 
 /// A DeepSeek-V3 on one device, or its expert-parallel ranks on one device each; rank 0
 /// returns the logits.
-pub type DeviceDeepseek<R> = DeviceModel<DeepseekRank<R>>;
+pub type DeviceDeepseek<R> = DeviceModel<DecoderRank<R>>;
 
-impl<R: Runtime> DeviceModel<DeepseekRank<R>> {
+impl<R: Runtime> DeviceModel<DecoderRank<R>> {
     /// Uploads rank `r` (`ranks[r]`, from `ExpertParallelDeepseek`) to `gpus[r]`; the ranks sum
     /// their partial outputs through `group`. Dense weights in bf16 (serving).
     pub fn from_ranks(ranks: &[DeepseekV3Model], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<Self, ForwardError> {
@@ -82,12 +95,24 @@ impl<R: Runtime> DeviceModel<DeepseekRank<R>> {
         let shape = LayerKvShape { key_width: first.attn.cfg.kv_lora_rank, value_width: first.attn.cfg.qk_rope_head_dim, groups: 1 };
         let cfg = ranks[0].cfg.clone();
         let layout = CacheLayout::uniform(cfg.num_layers() * size, shape);
-        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DeepseekRank::upload(m, gpu, dense)).collect::<Result<Vec<_>, _>>()?;
+        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DecoderRank::upload(m, gpu, dense)).collect::<Result<Vec<_>, _>>()?;
         DeviceModel::new("DeviceDeepseek", cfg, states, group, layout, Logits::FirstRank)
     }
 }
 
-impl<R: Runtime> DeviceRank for DeepseekRank<R> {
+/// A Kimi-Linear on one device (KDA states in the device slot pool, the engine lending slot ids).
+pub type DeviceKimiLinear<R> = DeviceModel<DecoderRank<R>>;
+
+impl<R: Runtime> DeviceModel<DecoderRank<R>> {
+    /// Uploads a whole Kimi-Linear model to `gpu`; its cache layout is the CPU model's (latent
+    /// rows for the MLA layers, nothing per token for KDA layers, recurrent bytes per sequence).
+    pub fn from_kimi_linear(m: &KimiLinearModel, gpu: Kernels<R>, dense: DenseWeights) -> Result<Self, ForwardError> {
+        let rank = DecoderRank::upload_kimi(m, gpu, dense)?;
+        DeviceModel::new("DeviceKimiLinear", m.cfg.clone(), vec![rank], Box::new(SoleRank), m.cache.clone(), Logits::FirstRank)
+    }
+}
+
+impl<R: Runtime> DeviceRank for DecoderRank<R> {
     type Rt = R;
 
     fn describe(&self) -> String {
@@ -98,12 +123,26 @@ impl<R: Runtime> DeviceRank for DeepseekRank<R> {
         self.pool.as_ref().map(|p| (p.num_blocks, p.block_size, p.storage))
     }
 
-    /// The full latent rows of every layer (attention is replicated or head-split, and every
+    /// The full latent rows of every MLA layer (attention is replicated or head-split, and every
     /// head reads the same latent).
-    fn allocate(&mut self, cfg: &ModelConfig, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
-        let pool = DeviceLatentPool::new(&self.gpu, cfg.num_layers(), num_blocks, block_size, self.latent.0, self.latent.1, storage)?;
+    fn allocate(&mut self, _cfg: &ModelConfig, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
+        let pool = DeviceLatentPool::new(&self.gpu, self.latent_layers, num_blocks, block_size, self.latent.0, self.latent.1, storage)?;
         self.gpu.synchronize()?;
         self.pool = Some(pool);
+        Ok(())
+    }
+
+    fn recurrent_slots(&self) -> Option<usize> {
+        self.recurrent.as_ref().map(|p| p.slots)
+    }
+
+    /// The KDA layers' states (`slots` of them, zeroed); nothing for a model without KDA layers.
+    fn allocate_recurrent(&mut self, slots: usize) -> Result<(), ForwardError> {
+        if let Some((layers, heads, head_dim, kernel)) = self.kda {
+            let pool = DeviceRecurrentPool::new(&self.gpu, layers, slots, heads, head_dim, kernel)?;
+            self.gpu.synchronize()?;
+            self.recurrent = Some(pool);
+        }
         Ok(())
     }
 
@@ -112,11 +151,24 @@ impl<R: Runtime> DeviceRank for DeepseekRank<R> {
     /// here is this device's failure, never ranks disagreeing about the batch.
     fn forward(&mut self, cfg: &ModelConfig, copies: &[BlockCopy], inp: &StepInputs, comm: &dyn DeviceCollective<R>) -> Result<Vec<f32>, ForwardError> {
         let parallel = comm.world_size() > 1;
-        let Self { gpu, rank, split_heads, embed, layers, norm, lm_head, pool, scratch, max_in, .. } = self;
+        let Self { gpu, rank, split_heads, embed, layers, norm, lm_head, pool, scratch, max_in, recurrent, .. } = self;
         let pool = pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
         for c in copies {
             pool.copy_block(gpu, c.src as usize, c.dst as usize, c.slots)?;
         }
+        // Recurrent-state slots lent to new sequences start empty; forked choices copy their parent.
+        let seqs = match (recurrent.as_mut(), &inp.recurrent) {
+            (Some(states), Some(grouped)) => {
+                for op in &inp.slot_ops {
+                    match *op {
+                        SlotOp::Reset(s) => states.reset(gpu, s)?,
+                        SlotOp::Fork { from, to } => states.fork(gpu, from, to)?,
+                    }
+                }
+                Some(SeqRows { rows: gpu.upload(&grouped.rows)?, start: gpu.upload(&grouped.start)?, slot: gpu.upload(&grouped.slot)?, seqs: grouped.seqs() })
+            }
+            _ => None,
+        };
         let n = inp.ids.len();
         if n == 0 {
             return Ok(Vec::new());
@@ -141,7 +193,15 @@ impl<R: Runtime> DeviceRank for DeepseekRank<R> {
         gpu.rms_norm(&hidden, &first.attn_norm, &mut normed, n, eps)?;
         let last = layers.len() - 1;
         for (li, l) in layers.iter().enumerate() {
-            l.attn.forward(gpu, pool, li, &normed, &step, scratch, &mut delta)?;
+            match &l.mixer {
+                DevMixer::Mla { attn, latent } => attn.forward(gpu, pool, *latent, &normed, &step, scratch, &mut delta)?,
+                DevMixer::Kda(attn) => {
+                    let (Some(states), Some(seqs)) = (recurrent.as_mut(), seqs.as_ref()) else {
+                        return Err(invalid("the device recurrent state is not allocated (DeviceKv::allocate_recurrent)".into()));
+                    };
+                    attn.forward(gpu, states, &normed, n, seqs, scratch, &mut delta)?;
+                }
+            }
             if *split_heads && parallel {
                 comm.all_reduce_sum(gpu, &mut delta, n * d)?;
             }

@@ -322,11 +322,185 @@ mod cuda {
     }
 
     #[test]
+    fn kimi_linear_matches_transformers() {
+        if gpu("cuda::kimi_linear_matches_transformers").is_none() {
+            return;
+        }
+        let m = crate::model::load(&super::kimi::kimi_fixture()).unwrap();
+        let dev = super::super::DeviceKimiLinear::from_kimi_linear(m.model.kimi_linear().unwrap(), open(), DenseWeights::F32).unwrap();
+        let e = super::kimi::prefill_error_vs_transformers(&dev);
+        eprintln!("CUDA Kimi-Linear: max |logit difference| vs transformers {e:.2e}");
+        assert!(e < 1e-3, "{e}");
+    }
+
+    #[test]
     fn deepseek_engine_greedy_matches_transformers() {
         if gpu("cuda::deepseek_engine_greedy_matches_transformers").is_none() {
             return;
         }
         let (m, dev) = placed(&fixture(), 1, false, DenseWeights::F32, open);
         engine_greedy_matches_transformers(m, dev, 1);
+    }
+}
+
+/// Kimi-Linear (KDA layers with per-sequence state in the device slot pool, a NoPE MLA layer,
+/// MoE) on the simulator, on the tiny checkpoint of tests/reference/kimi_linear (f32 weights).
+mod kimi {
+    use super::*;
+    use crate::engine::block_pool::{BlockPool, KvDtype, PoolShape};
+    use crate::engine::paged_kv::PagedKv;
+    use crate::engine::recurrent_slots::RecurrentSlots;
+    use crate::model::kv::SlotOp;
+
+    pub(super) fn kimi_fixture() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/kimi_linear/model")
+    }
+
+    fn kimi_reference() -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(kimi_fixture().join("reference.json")).unwrap()).unwrap()
+    }
+
+    fn on_sim(dense: DenseWeights) -> (LoadedModel, super::super::DeviceKimiLinear<kernels::sim::SimRuntime>) {
+        let m = crate::model::load(&kimi_fixture()).unwrap();
+        let dev = super::super::DeviceKimiLinear::from_kimi_linear(m.model.kimi_linear().unwrap(), SimGpu::sim().unwrap(), dense).unwrap();
+        (m, dev)
+    }
+
+    /// Mixed prefill and decode batches of three sequences (rows of different sequences
+    /// interleaved), sequence 2 forking sequence 0's state and blocks after its prompt: the
+    /// device (states in its slot pool, resets and forks as slot operations) against the CPU
+    /// model (host states in the engine's slots, its latent rows in the host block pool).
+    #[test]
+    fn sim_matches_the_cpu_model_on_interleaved_batches_with_a_fork() {
+        let Some(_) = sim("kimi::sim_matches_the_cpu_model_on_interleaved_batches_with_a_fork") else { return };
+        let (m, dev) = on_sim(DenseWeights::F32);
+        let cpu = m.model.as_ref();
+        let vocab = cpu.config().vocab_size;
+        const SLOTS: usize = 4;
+        dev.allocate(BLOCKS, BS, KvStorage::F32).unwrap();
+        dev.allocate_recurrent(SLOTS).unwrap();
+        let layout = cpu.cache_layout();
+        let fresh = cpu.new_recurrent_state().unwrap();
+        let mut host = BlockPool::new(PoolShape::new(&layout, BS), BLOCKS, KvDtype::F32).with_recurrent(RecurrentSlots::new(fresh, SLOTS, layout.recurrent_bytes_per_seq));
+        let prompts: Vec<Vec<u32>> = (0..3u32).map(|s| (0..12).map(|i| 3 + (s * 37 + i * 11) % (vocab as u32 - 3)).collect()).collect();
+        let mut free: Vec<u32> = (0..BLOCKS as u32).rev().map(|b| (b * 7 + 5) % BLOCKS as u32).collect();
+        let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 3];
+        let mut slots: Vec<Option<usize>> = vec![None; 3];
+        // The CPU side's batch view wants a state for every sequence of the table list, so
+        // sequence 2 holds a placeholder slot until it forks (it runs in no batch before that).
+        let placeholder = host.recurrent.allocate().unwrap();
+        let mut forked = false;
+        // (sequence, first position, tokens); rows of a step are interleaved across sequences.
+        let steps: Vec<Vec<(usize, usize, usize)>> = vec![vec![(0, 0, 5), (1, 0, 3)], vec![(1, 3, 4), (0, 5, 1)], vec![(2, 6, 1), (0, 6, 1), (1, 7, 2)], vec![(0, 7, 1), (2, 7, 1), (1, 9, 1)]];
+        let mut errors = Vec::new();
+        for step in steps {
+            let (mut copies, mut ops) = (Vec::new(), Vec::new());
+            let (mut tokens, mut rows) = (Vec::new(), Vec::new());
+            for &(s, start, count) in &step {
+                if slots[s].is_none() || (s == 2 && !forked) {
+                    if s == 2 {
+                        host.recurrent.release(placeholder);
+                        forked = true;
+                        // Fork sequence 0 after its 6-token prompt: its state and its blocks.
+                        let to = host.recurrent.fork(slots[0].unwrap()).unwrap();
+                        ops.push(SlotOp::Fork { from: slots[0].unwrap(), to });
+                        slots[2] = Some(to);
+                        let copy = free.pop().unwrap();
+                        copies.push(BlockCopy { src: tables[0][1], dst: copy, slots: 6 % BS });
+                        host.copy_block(tables[0][1], copy, 6 % BS);
+                        tables[2] = vec![tables[0][0], copy];
+                    } else {
+                        let id = host.recurrent.allocate().unwrap();
+                        ops.push(SlotOp::Reset(id));
+                        slots[s] = Some(id);
+                    }
+                }
+                while tables[s].len() < (start + count).div_ceil(BS) {
+                    tables[s].push(free.pop().unwrap());
+                }
+                let toks = if s == 2 { &prompts[0] } else { &prompts[s] };
+                tokens.extend_from_slice(&toks[start..start + count]);
+                rows.extend((start..start + count).map(|pos| BatchRow { seq: s, pos }));
+            }
+            // Interleave: alternate rows of the step's sequences (each sequence's stay in order).
+            let order = interleaved(&rows);
+            let (tokens, rows): (Vec<u32>, Vec<BatchRow>) = order.iter().map(|&i| (tokens[i], rows[i])).unzip();
+            let logit_rows: Vec<usize> = (0..rows.len()).collect();
+            let cpu_slots: Vec<Option<usize>> = slots.iter().map(|s| Some(s.unwrap_or(placeholder))).collect();
+            let mut paged = PagedKv { pool: &mut host, tables: tables.clone(), slots: cpu_slots, copies: Vec::new(), slot_ops: Vec::new() };
+            let want = cpu.forward(&tokens, &rows, &mut paged, &logit_rows);
+            let mut view = BlockTables::new(BS, tables.clone(), copies);
+            view.slots = slots.clone();
+            view.slot_ops = ops;
+            let got = dev.try_forward(&tokens, &rows, &mut view, &logit_rows).unwrap();
+            errors.extend(row_errors(&got, &want, vocab));
+        }
+        eprintln!("sim Kimi-Linear, f32 weights: worst relative logit error vs the CPU model {:.2e} over {} rows", worst(&errors), errors.len());
+        assert!(worst(&errors) < 1e-4, "{}", worst(&errors));
+    }
+
+    /// Batch row order taking one row of each sequence in turn.
+    fn interleaved(rows: &[BatchRow]) -> Vec<usize> {
+        let mut queues: Vec<std::collections::VecDeque<usize>> = Vec::new();
+        let mut seen: Vec<usize> = Vec::new();
+        for (i, r) in rows.iter().enumerate() {
+            match seen.iter().position(|&s| s == r.seq) {
+                Some(q) => queues[q].push_back(i),
+                None => {
+                    seen.push(r.seq);
+                    queues.push([i].into());
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(rows.len());
+        while out.len() < rows.len() {
+            for q in &mut queues {
+                out.extend(q.pop_front());
+            }
+        }
+        out
+    }
+
+    /// Every prompt position against transformers, to the CPU model's tolerance (2e-4).
+    #[test]
+    fn sim_matches_transformers() {
+        let Some(_) = sim("kimi::sim_matches_transformers") else { return };
+        let (_, dev) = on_sim(DenseWeights::F32);
+        let worst = prefill_error_vs_transformers(&dev);
+        eprintln!("sim Kimi-Linear: max |logit difference| vs transformers {worst:.2e}");
+        assert!(worst < 2e-4, "{worst}");
+    }
+
+    /// Max |logit difference| of every prompt position of the reference cases, each prompt in its
+    /// own blocks and state slot.
+    pub(super) fn prefill_error_vs_transformers<R: Runtime>(dev: &super::super::DeviceKimiLinear<R>) -> f32 {
+        dev.allocate(BLOCKS, BS, KvStorage::F32).unwrap();
+        let cases = kimi_reference()["cases"].as_array().unwrap().clone();
+        dev.allocate_recurrent(cases.len()).unwrap();
+        let vocab = dev.config().vocab_size;
+        let mut worst = 0.0f32;
+        for (c, case) in cases.iter().enumerate() {
+            let toks = ids(&case["ids"]);
+            let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+            let all: Vec<usize> = (0..toks.len()).collect();
+            let mut view = BlockTables::new(BS, vec![(0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 8 + b).collect()], vec![]);
+            view.slots = vec![Some(c)];
+            let got = dev.try_forward(&toks, &rows, &mut view, &all).unwrap();
+            for (p, want) in case["prefill_logits"].as_array().unwrap().iter().enumerate() {
+                let want = floats(want);
+                worst = worst.max(got[p * vocab..(p + 1) * vocab].iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
+            }
+        }
+        worst
+    }
+
+    /// The engine serving it, states lent as device slots (an n = 2 request forks one, chunked
+    /// prefill carries them across steps): greedy tokens equal transformers'.
+    #[test]
+    fn sim_engine_greedy_matches_transformers() {
+        let Some(_) = sim("kimi::sim_engine_greedy_matches_transformers") else { return };
+        let (m, dev) = on_sim(DenseWeights::F32);
+        let m = LoadedModel { model: Box::new(dev), ..m };
+        test_util::engine_greedy_matches_transformers(m, &kimi_reference(), BS, "tiny Kimi-Linear on the simulator");
     }
 }

@@ -13,8 +13,12 @@ use kernels::gpu::kernels::GemmScratch;
 use kernels::gpu::moe::ExpertWeight;
 use kernels::gpu::{Kernels, Runtime};
 
-use super::{invalid, DeepseekRank};
+use super::kda::DevKda;
+use super::{invalid, DecoderRank};
 use crate::model::deepseek::{DeepseekV3Model, Ffn};
+use crate::model::kimi_linear::{Ffn as KimiFfn, KimiLinearModel, Mixer};
+use crate::model::linear::Linear;
+use crate::model::tensor::Tensor;
 use crate::model::device::weights::{DenseWeights, DevLinear};
 use crate::model::mla::layer::QPath;
 use crate::model::mla::MlaLayer;
@@ -22,9 +26,16 @@ use crate::model::moe::mlp::{Activation, GatedMlp};
 use crate::model::moe::MoeLayer;
 use crate::model::ForwardError;
 
+/// A layer's token mixer: MLA attention over the latent pool (`latent`: its layer there), or a
+/// KDA layer over the recurrent state pool.
+pub(super) enum DevMixer<R: Runtime> {
+    Mla { attn: DevMla<R>, latent: usize },
+    Kda(DevKda<R>),
+}
+
 pub(super) struct DevLayer<R: Runtime> {
     pub attn_norm: R::Buf<f32>,
-    pub attn: DevMla<R>,
+    pub mixer: DevMixer<R>,
     pub ffn_norm: R::Buf<f32>,
     pub ffn: DevFfn<R>,
 }
@@ -265,55 +276,145 @@ impl<R: Runtime> DevMla<R> {
     }
 }
 
-impl<R: Runtime> DeepseekRank<R> {
-    /// Uploads one rank's weights (all of them for a single device), dense projections as
-    /// `dense` says.
+/// The embedding table and the output weight: `lm_head` as stored, or, tied, the bf16 gather
+/// table itself (serving) or an f32 copy of the embedding (`--dtype float32`).
+fn output_weights<R: Runtime>(gpu: &Kernels<R>, embed: &Tensor, lm_head: Option<&Linear>, dense: DenseWeights) -> Result<(Embedding<R>, Option<DevLinear<R>>), ForwardError> {
+    let table = Embedding::upload(gpu, embed.as_slice(), dense)?;
+    let head = match (lm_head, dense) {
+        (Some(h), _) => Some(DevLinear::upload_as(gpu, "lm_head", h, dense)?),
+        (None, DenseWeights::Bf16) => None,
+        (None, DenseWeights::F32) => Some(DevLinear::upload_as(gpu, "lm_head (tied)", &Linear::Dense(Tensor::owned(embed.shape.clone(), embed.as_slice().to_vec())), dense)?),
+    };
+    Ok((table, head))
+}
+
+/// What an architecture's upload hands to [`DecoderRank::assemble`].
+struct Uploaded<R: Runtime> {
+    layers: Vec<DevLayer<R>>,
+    embed: Embedding<R>,
+    lm_head: Option<DevLinear<R>>,
+    norm: R::Buf<f32>,
+    /// (rank, split heads) of an expert-parallel rank; (0, false) for a whole model.
+    rank: (usize, bool),
+    latent: (usize, usize),
+    kda: Option<(usize, usize, usize, usize)>,
+}
+
+fn ffn<R: Runtime>(gpu: &Kernels<R>, name: &str, dense_mlp: Option<&GatedMlp>, moe: Option<&MoeLayer>, dense: DenseWeights) -> Result<DevFfn<R>, ForwardError> {
+    match (dense_mlp, moe) {
+        (_, Some(m)) => Ok(DevFfn::Moe(DevMoe::upload(gpu, name, m, dense)?)),
+        (Some(mlp), None) => Ok(DevFfn::Dense(DevMlp::upload(gpu, name, mlp, dense)?)),
+        (None, None) => Err(invalid(format!("{name}: no feed-forward block"))),
+    }
+}
+
+impl<R: Runtime> DecoderRank<R> {
+    /// Uploads one DeepSeek-V3 rank's weights (all of them for a single device), dense
+    /// projections as `dense` says.
     pub(super) fn upload(m: &DeepseekV3Model, gpu: Kernels<R>, dense: DenseWeights) -> Result<Self, ForwardError> {
-        let cfg = &m.cfg;
         let mut layers = Vec::with_capacity(m.layers.len());
         for (i, l) in m.layers.iter().enumerate() {
             let name = format!("model.layers.{i}");
-            let ffn = match &l.ffn {
-                Ffn::Dense(mlp) => DevFfn::Dense(DevMlp::upload(&gpu, &format!("{name}.mlp"), mlp, dense)?),
-                Ffn::Moe(moe) => DevFfn::Moe(DevMoe::upload(&gpu, &format!("{name}.mlp"), moe, dense)?),
-                Ffn::ExpertParallel(ep) => DevFfn::Moe(DevMoe::upload(&gpu, &format!("{name}.mlp"), ep.layer(), dense)?),
+            let (mlp, moe) = match &l.ffn {
+                Ffn::Dense(mlp) => (Some(mlp), None),
+                Ffn::Moe(moe) => (None, Some(moe)),
+                Ffn::ExpertParallel(ep) => (None, Some(ep.layer())),
             };
             layers.push(DevLayer {
                 attn_norm: gpu.upload(l.attn_norm.as_slice())?,
-                attn: DevMla::upload(&gpu, &format!("{name}.self_attn"), &l.attn, dense)?,
+                mixer: DevMixer::Mla { attn: DevMla::upload(&gpu, &format!("{name}.self_attn"), &l.attn, dense)?, latent: i },
                 ffn_norm: gpu.upload(l.ffn_norm.as_slice())?,
-                ffn,
+                ffn: ffn(&gpu, &format!("{name}.mlp"), mlp, moe, dense)?,
             });
             tracing::debug!(layer = i, of = m.layers.len(), "DeepSeek layer uploaded to the device");
         }
-        let embed = Embedding::upload(&gpu, m.embed.as_slice(), dense)?;
-        let lm_head = match (&m.lm_head, dense) {
-            (Some(h), _) => Some(DevLinear::upload_as(&gpu, "lm_head", h, dense)?),
-            // Tied: the bf16 gather table doubles as the output weight, unless f32 is asked for.
-            (None, DenseWeights::Bf16) => None,
-            (None, DenseWeights::F32) => Some(DevLinear::upload_as(&gpu, "lm_head (tied)", &crate::model::linear::Linear::Dense(crate::model::tensor::Tensor::owned(m.embed.shape.clone(), m.embed.as_slice().to_vec())), dense)?),
-        };
+        let (embed, lm_head) = output_weights(&gpu, &m.embed, m.lm_head.as_ref(), dense)?;
+        let latent = m.layers.first().map_or((0, 0), |l| (l.attn.cfg.kv_lora_rank, l.attn.cfg.qk_rope_head_dim));
+        tracing::info!(device = %gpu.describe(), ep_rank = m.ep.rank, ep_size = m.ep.size, split_heads = m.split_heads, layers = layers.len(), "DeepSeek-V3 weights uploaded to the device");
         let norm = gpu.upload(m.norm.as_slice())?;
+        Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, m.split_heads), latent, kda: None })
+    }
+
+    /// Uploads a whole Kimi-Linear model: KDA layers with their recurrent kernels, NoPE MLA
+    /// layers over the latent pool (their own latent layer numbering), dense and MoE FFNs.
+    pub(super) fn upload_kimi(m: &KimiLinearModel, gpu: Kernels<R>, dense: DenseWeights) -> Result<Self, ForwardError> {
+        let mut layers = Vec::with_capacity(m.layers.len());
+        let mut latent = (0, 0);
+        let mut latent_layers = 0;
+        for (i, l) in m.layers.iter().enumerate() {
+            let name = format!("model.layers.{i}");
+            let mixer = match &l.mixer {
+                Mixer::Kda { layer, ordinal } => {
+                    if layer.cfg.head_dim > kernels::gpu::kda::KDA_MAX_HEAD_DIM {
+                        return Err(invalid(format!("{name}: KDA head_dim {} above the device kernels' {}", layer.cfg.head_dim, kernels::gpu::kda::KDA_MAX_HEAD_DIM)));
+                    }
+                    DevMixer::Kda(DevKda::upload(&gpu, &format!("{name}.self_attn"), layer, *ordinal, dense)?)
+                }
+                Mixer::Latent(attn) => {
+                    latent = (attn.cfg.kv_lora_rank, attn.cfg.qk_rope_head_dim);
+                    latent_layers += 1;
+                    DevMixer::Mla { attn: DevMla::upload(&gpu, &format!("{name}.self_attn"), attn, dense)?, latent: latent_layers - 1 }
+                }
+            };
+            let (mlp, moe) = match &l.ffn {
+                KimiFfn::Dense(mlp) => (Some(mlp), None),
+                KimiFfn::Moe(moe) => (None, Some(moe)),
+            };
+            let module = if moe.is_some() { "block_sparse_moe" } else { "mlp" };
+            layers.push(DevLayer { attn_norm: gpu.upload(l.attn_norm.as_slice())?, mixer, ffn_norm: gpu.upload(l.ffn_norm.as_slice())?, ffn: ffn(&gpu, &format!("{name}.{module}"), mlp, moe, dense)? });
+        }
+        let kda = m.kda.first().map(|c| (m.kda.len(), c.num_heads, c.head_dim, c.conv_kernel));
+        if m.kda.iter().any(|c| Some((m.kda.len(), c.num_heads, c.head_dim, c.conv_kernel)) != kda) {
+            return Err(invalid("KDA layers of different shapes: the device state pool holds one shape".into()));
+        }
+        let (embed, lm_head) = output_weights(&gpu, &m.embed, Some(&m.lm_head), dense)?;
+        tracing::info!(device = %gpu.describe(), layers = layers.len(), kda_layers = m.kda.len(), latent_layers, "Kimi-Linear weights uploaded to the device");
+        let norm = gpu.upload(m.norm.as_slice())?;
+        let mut rank = Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (0, false), latent, kda })?;
+        rank.latent_layers = latent_layers;
+        Ok(rank)
+    }
+
+    /// The scratch sized for every dense projection a step may run (the prefill GEMM's
+    /// dequantisation buffer for the largest packed one, the bf16 activations for the widest
+    /// input), and the rank.
+    fn assemble(gpu: Kernels<R>, hidden: usize, u: Uploaded<R>) -> Result<Self, ForwardError> {
         gpu.synchronize()?;
-        // Every dense projection the step may run: the prefill GEMM's dequantisation buffer is
-        // sized for the largest packed one, the bf16 activations for the widest input.
-        let dense: Vec<&DevLinear<R>> = layers
+        let dense: Vec<&DevLinear<R>> = u
+            .layers
             .iter()
             .flat_map(|l| {
-                let mut v = l.attn.linears();
+                let mut v = match &l.mixer {
+                    DevMixer::Mla { attn, .. } => attn.linears(),
+                    DevMixer::Kda(attn) => attn.linears(),
+                };
                 match &l.ffn {
                     DevFfn::Dense(mlp) => v.extend(mlp.linears()),
                     DevFfn::Moe(moe) => v.extend(moe.shared.iter().flat_map(DevMlp::linears)),
                 }
                 v
             })
-            .chain(lm_head.as_ref())
+            .chain(u.lm_head.as_ref())
             .collect();
         let largest = dense.iter().map(|l| l.dequant_elements()).max().unwrap_or(0);
-        let max_in = dense.iter().map(|l| l.shape().1).chain([cfg.hidden_size]).max().unwrap_or(cfg.hidden_size);
+        let max_in = dense.iter().map(|l| l.shape().1).chain([hidden]).max().unwrap_or(hidden);
         let scratch = gpu.gemm_scratch(largest, 1)?;
-        tracing::info!(device = %gpu.describe(), ep_rank = m.ep.rank, ep_size = m.ep.size, split_heads = m.split_heads, layers = layers.len(), "DeepSeek-V3 weights uploaded to the device");
-        let latent = m.layers.first().map_or((0, 0), |l| (l.attn.cfg.kv_lora_rank, l.attn.cfg.qk_rope_head_dim));
-        Ok(DeepseekRank { gpu, rank: m.ep.rank, split_heads: m.split_heads, embed, layers, norm, lm_head, pool: None, scratch, max_in, latent })
+        let latent_layers = u.layers.len();
+        Ok(DecoderRank {
+            gpu,
+            rank: u.rank.0,
+            split_heads: u.rank.1,
+            embed: u.embed,
+            layers: u.layers,
+            norm: u.norm,
+            lm_head: u.lm_head,
+            pool: None,
+            scratch,
+            max_in,
+            latent: u.latent,
+            latent_layers,
+            kda: u.kda,
+            recurrent: None,
+        })
     }
 }

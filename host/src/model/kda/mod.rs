@@ -94,27 +94,28 @@ impl KdaConfig {
     }
 }
 
-enum OutputGate {
+pub(crate) enum OutputGate {
     LowRank { a: Linear, b: Linear },
     FullRank(Linear),
 }
 
+// Crate-visible fields: the device forward (model/device_deepseek) uploads them.
 pub struct KdaLayer {
-    cfg: KdaConfig,
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    pub(crate) cfg: KdaConfig,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
     /// q, k, v convolution taps, `[3P][kernel]` (the three checkpoint tensors stacked).
-    conv: Vec<f32>,
-    f_a: Linear,
-    f_b: Linear,
-    dt_bias: Tensor,
+    pub(crate) conv: Vec<f32>,
+    pub(crate) f_a: Linear,
+    pub(crate) f_b: Linear,
+    pub(crate) dt_bias: Tensor,
     /// `exp(A_log)` per head.
-    decay_rate: Vec<f32>,
-    b: Linear,
-    out_gate: OutputGate,
-    o_norm: Tensor,
-    o: Linear,
+    pub(crate) decay_rate: Vec<f32>,
+    pub(crate) b: Linear,
+    pub(crate) out_gate: OutputGate,
+    pub(crate) o_norm: Tensor,
+    pub(crate) o: Linear,
 }
 
 impl KdaLayer {
