@@ -9,7 +9,8 @@ mod common;
 
 use serde_json::Value;
 use wasmserve::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
-use wasmserve::model::kv::{BatchRow, KvCache, KvRow, PagedView};
+use wasmserve::model::device::step::BlockTables;
+use wasmserve::model::kv::{BatchRow, KvCache};
 use wasmserve::model::LoadedModel;
 use wasmserve::sampling::SamplingParams;
 
@@ -92,22 +93,6 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 /// Block tables for one sequence; the device model never reads host K/V.
-struct Tables(Vec<Vec<u32>>);
-
-impl KvCache for Tables {
-    fn write(&mut self, _: usize, _: usize, _: usize, _: &[f32], _: &[f32]) {
-        unreachable!("K/V live in the device pool")
-    }
-    fn key(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
-        unreachable!("K/V live in the device pool")
-    }
-    fn value(&self, _: usize, _: usize, _: usize) -> KvRow<'_> {
-        unreachable!("K/V live in the device pool")
-    }
-    fn paged_view(&self) -> Option<PagedView<'_>> {
-        Some(PagedView { block_size: 16, tables: &self.0, copies: &[], slots: &[], slot_ops: &[] })
-    }
-}
 
 fn logits_match_transformers(m: LoadedModel, on: &str) {
     let f = fixtures();
@@ -120,7 +105,7 @@ fn logits_match_transformers(m: LoadedModel, on: &str) {
         let all: Vec<usize> = (0..prompt.len()).collect();
         let table: Vec<u32> = (0..prompt.len().div_ceil(16) as u32).collect();
         let started = std::time::Instant::now();
-        let flat = m.model.try_forward(&prompt, &rows, &mut Tables(vec![table]), &all).unwrap();
+        let flat = m.model.try_forward(&prompt, &rows, &mut BlockTables::new(16, vec![table], vec![]), &all).unwrap();
         eprintln!("{} tokens prefilled on the {on} in {:.1}s", prompt.len(), started.elapsed().as_secs_f64());
         let probe_ids = ids(&p["logits_probe_ids"]);
         for (pos, probe) in p["logits_probe"].as_array().unwrap().iter().enumerate() {
@@ -212,7 +197,7 @@ fn random_smollm2_error(m: &LoadedModel, cases: &[common::ReferenceCase], paged:
     for (s, c) in cases.iter().enumerate() {
         let n = c.ids.len();
         let mut contiguous = wasmserve::model::kv::ContiguousKvCache::for_layout(&m.model.cache_layout(), 1);
-        let mut tables = Tables(vec![(0..(n + c.steps.len()).div_ceil(16) as u32).map(|b| b + 8 * s as u32).collect()]);
+        let mut tables = BlockTables::new(16, vec![(0..(n + c.steps.len()).div_ceil(16) as u32).map(|b| b + 8 * s as u32).collect()], vec![]);
         let kv: &mut dyn KvCache = if paged { &mut tables } else { &mut contiguous };
         let rows: Vec<BatchRow> = (0..n).map(|pos| BatchRow { seq: 0, pos }).collect();
         let flat = m.model.try_forward(&c.ids, &rows, kv, &(0..n).collect::<Vec<_>>()).unwrap();

@@ -178,23 +178,32 @@ fn sim_serving_precision_stays_close_to_the_cpu_model() {
     }
 }
 
-/// Every prompt position's logits against transformers (f32 compute from the bf16 weights).
-fn prefill_error_vs_transformers<R: Runtime>(dev: &DeviceDeepseek<R>) -> f32 {
+/// Max |logit difference| against transformers (`reference`'s `prefill_logits`) of every prompt
+/// position of every case, each prompt in its own blocks (and, for a model with recurrent layers,
+/// its own state slot).
+fn prefill_error_vs<R: Runtime>(dev: &DeviceDeepseek<R>, reference: &serde_json::Value) -> f32 {
+    let cases = reference["cases"].as_array().unwrap();
     dev.allocate(BLOCKS, BS, KvStorage::F32).unwrap();
+    dev.allocate_recurrent(cases.len()).unwrap();
     let vocab = dev.config().vocab_size;
     let mut worst = 0.0f32;
-    for (c, case) in reference()["cases"].as_array().unwrap().iter().enumerate() {
+    for (c, case) in cases.iter().enumerate() {
         let toks = ids(&case["ids"]);
         let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
         let all: Vec<usize> = (0..toks.len()).collect();
-        let table: Vec<u32> = (0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 8 + b).collect();
-        let got = dev.try_forward(&toks, &rows, &mut BlockTables::new(BS, vec![table], vec![]), &all).unwrap();
+        let mut view = BlockTables::new(BS, vec![(0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 8 + b).collect()], vec![]);
+        view.slots = vec![Some(c)];
+        let got = dev.try_forward(&toks, &rows, &mut view, &all).unwrap();
         for (p, want) in case["prefill_logits"].as_array().unwrap().iter().enumerate() {
             let want = floats(want);
             worst = worst.max(got[p * vocab..(p + 1) * vocab].iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
         }
     }
     worst
+}
+
+fn prefill_error_vs_transformers<R: Runtime>(dev: &DeviceDeepseek<R>) -> f32 {
+    prefill_error_vs(dev, &reference())
 }
 
 /// One device and two (expert-parallel, and expert-parallel with the MLA heads split too): the
@@ -471,27 +480,8 @@ mod kimi {
         assert!(worst < 2e-4, "{worst}");
     }
 
-    /// Max |logit difference| of every prompt position of the reference cases, each prompt in its
-    /// own blocks and state slot.
     pub(super) fn prefill_error_vs_transformers<R: Runtime>(dev: &super::super::DeviceKimiLinear<R>) -> f32 {
-        dev.allocate(BLOCKS, BS, KvStorage::F32).unwrap();
-        let cases = kimi_reference()["cases"].as_array().unwrap().clone();
-        dev.allocate_recurrent(cases.len()).unwrap();
-        let vocab = dev.config().vocab_size;
-        let mut worst = 0.0f32;
-        for (c, case) in cases.iter().enumerate() {
-            let toks = ids(&case["ids"]);
-            let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
-            let all: Vec<usize> = (0..toks.len()).collect();
-            let mut view = BlockTables::new(BS, vec![(0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 8 + b).collect()], vec![]);
-            view.slots = vec![Some(c)];
-            let got = dev.try_forward(&toks, &rows, &mut view, &all).unwrap();
-            for (p, want) in case["prefill_logits"].as_array().unwrap().iter().enumerate() {
-                let want = floats(want);
-                worst = worst.max(got[p * vocab..(p + 1) * vocab].iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
-            }
-        }
-        worst
+        super::prefill_error_vs(dev, &kimi_reference())
     }
 
     /// The engine serving it, states lent as device slots (an n = 2 request forks one, chunked
