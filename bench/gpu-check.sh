@@ -15,8 +15,9 @@
 #      decode tok/s at 1 and 64 streams (bf16 cuBLAS and INT4), from kernels/examples/gpu_bench.rs.
 #   5. the device Llama forward (DeviceLlama on CUDA) against transformers' SmolLM2 logits and
 #      greedy continuations through the engine (tests/device_smollm2.rs);
-#   6. the device DeepSeek-V3 forward (MLA + MoE, one rank and two ranks sharing the GPU) against
-#      transformers and the CPU model on the tiny checkpoint, and its engine decode.
+#   6. the device DeepSeek-V3 forward (MLA + MoE, one rank and two ranks sharing the GPU) and the
+#      Kimi-Linear one (KDA + MLA + MoE) against transformers and the CPU model on the tiny
+#      checkpoints, and their engine decode.
 # Step 3 now serves through the device forward (a single-device Llama with --device cuda:0 runs
 # DeviceLlama, K/V in device memory); step 4's decode figures are a GPU forward of the real
 # model's shapes with random weights.
@@ -128,10 +129,10 @@ WASMSERVE_RANDOM_SMOLLM2="$random" step 240 t_device_smollm2 random_smollm2 --no
 grep -E "worst relative logit error" /tmp/gpu-check-random.log | sed 's/^/FIGURE device-llama /' || true
 models+=("$random" "$random-int4")
 
-log "DeepSeek-V3 device forward (MLA latent cache, MoE routing and expert GEMVs) vs transformers and the CPU model (CUDA)"
+log "DeepSeek-V3 and Kimi-Linear device forwards (MLA latent cache, KDA state, MoE routing and expert GEMVs) vs transformers and the CPU model (CUDA)"
 step 180 t_wasmserve_lib device_deepseek::tests::cuda --nocapture --test-threads=1 2>&1 | tee /tmp/gpu-check-deepseek.log
 grep -E "max \|logit|median" /tmp/gpu-check-deepseek.log | sed 's/^/FIGURE device-deepseek /' || true
-models+=(tests/reference/deepseek_v3/model)
+models+=(tests/reference/deepseek_v3/model tests/reference/kimi_linear/model)
 
 log "engine decode with --device cuda:0 (the device forward)"
 for m in "${models[@]}"; do
