@@ -14,6 +14,7 @@ use kernels::gpu::kernels::{GemmScratch, QuantWeight};
 use kernels::gpu::{DevGrouped, DevMxfp4, Kernels, Runtime};
 
 use crate::model::linear::Linear;
+use crate::model::tensor::Tensor;
 use crate::model::ForwardError;
 
 /// How dense (unquantized) weights are held on the device.
@@ -145,6 +146,17 @@ impl<R: Runtime> DevLinear<R> {
 
     pub fn upload_as(gpu: &Kernels<R>, name: &str, l: &Linear, dense: DenseWeights) -> Result<Self, ForwardError> {
         upload(gpu, parts(name, l, dense)?)
+    }
+
+    /// A model's output projection: `lm_head` as stored, or, when it is tied to the embedding,
+    /// nothing under bf16 (the caller's bf16 gather table doubles as the output weight) and an
+    /// f32 copy of the embedding under f32.
+    pub fn output_head(gpu: &Kernels<R>, embed: &Tensor, lm_head: Option<&Linear>, dense: DenseWeights) -> Result<Option<Self>, ForwardError> {
+        Ok(match (lm_head, dense) {
+            (Some(h), _) => Some(Self::upload_as(gpu, "lm_head", h, dense)?),
+            (None, DenseWeights::Bf16) => None,
+            (None, DenseWeights::F32) => Some(Self::upload_as(gpu, "lm_head (tied)", &Linear::Dense(Tensor::owned(embed.shape.clone(), embed.as_slice().to_vec())), dense)?),
+        })
     }
 
     /// `a` and `b` stacked by rows into one weight (one GEMM for both).

@@ -276,16 +276,9 @@ impl<R: Runtime> DevMla<R> {
     }
 }
 
-/// The embedding table and the output weight: `lm_head` as stored, or, tied, the bf16 gather
-/// table itself (serving) or an f32 copy of the embedding (`--dtype float32`).
+/// The embedding table and the output weight (`DevLinear::output_head`).
 fn output_weights<R: Runtime>(gpu: &Kernels<R>, embed: &Tensor, lm_head: Option<&Linear>, dense: DenseWeights) -> Result<(Embedding<R>, Option<DevLinear<R>>), ForwardError> {
-    let table = Embedding::upload(gpu, embed.as_slice(), dense)?;
-    let head = match (lm_head, dense) {
-        (Some(h), _) => Some(DevLinear::upload_as(gpu, "lm_head", h, dense)?),
-        (None, DenseWeights::Bf16) => None,
-        (None, DenseWeights::F32) => Some(DevLinear::upload_as(gpu, "lm_head (tied)", &Linear::Dense(Tensor::owned(embed.shape.clone(), embed.as_slice().to_vec())), dense)?),
-    };
-    Ok((table, head))
+    Ok((Embedding::upload(gpu, embed.as_slice(), dense)?, DevLinear::output_head(gpu, embed, lm_head, dense)?))
 }
 
 /// What an architecture's upload hands to [`DecoderRank::assemble`].

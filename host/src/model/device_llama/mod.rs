@@ -133,12 +133,7 @@ impl<R: Runtime> LlamaRank<R> {
             table.resize(table.len() + d, 0);
         }
         let embed = gpu.upload(&table)?;
-        let lm_head = match (&m.lm_head, dense) {
-            (Some(h), _) => Some(DevLinear::upload_as(&gpu, "lm_head", h, dense)?),
-            // Tied: the bf16 gather table doubles as the output weight, unless f32 is asked for.
-            (None, DenseWeights::Bf16) => None,
-            (None, DenseWeights::F32) => Some(DevLinear::upload_as(&gpu, "lm_head (tied)", &super::linear::Linear::Dense(super::tensor::Tensor::owned(m.embed.shape.clone(), m.embed.as_slice().to_vec())), dense)?),
-        };
+        let lm_head = DevLinear::output_head(&gpu, &m.embed, m.lm_head.as_ref(), dense)?;
         let (norm, inv_freq) = (up(&m.norm)?, gpu.upload(m.rope.inv_freq())?);
         gpu.synchronize()?;
         let inter = m.layers.first().map_or(0, |l| l.gate.out_features());
