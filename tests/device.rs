@@ -8,6 +8,23 @@ fn wasmserve(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_wasmserve")).args(args).env("RUST_LOG", "info").env_remove("WASMSERVE_DEVICE").output().expect("run wasmserve")
 }
 
+/// `generate` of a tiny checkpoint under `tests/reference/` on `device` (greedy, 12 tokens, with
+/// the extra global/`generate` options `args`); asserts it succeeded without falling back to the
+/// CPU forward and, on the simulator, that the log says `uploaded` when given. Returns the text.
+fn generate_text(checkpoint: &str, device: &str, args: &[&str], uploaded: Option<&str>) -> String {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference").join(checkpoint);
+    let mut all = vec!["--device", device, "generate", "--model", model.to_str().unwrap(), "--prompt", "hello world", "--max-tokens", "12", "--ignore-eos"];
+    all.extend_from_slice(args);
+    let out = wasmserve(&all);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "--device {device} {args:?}: {err}");
+    assert!(!err.contains("forward runs on the CPU"), "{err}");
+    if let (Some(marker), "sim") = (uploaded, device) {
+        assert!(err.contains(marker), "{err}");
+    }
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
 /// Whether the CUDA-kernel simulator was built; a test without it skips, saying so (unless
 /// `WASMSERVE_REQUIRE_SIM` is set, when the `--device sim` run itself must work).
 fn simulator_built(test: &str) -> bool {
@@ -117,14 +134,7 @@ fn generate_on_the_simulator_prints_the_cpus_text() {
     if !simulator_built("generate_on_the_simulator_prints_the_cpus_text") {
         return;
     }
-    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
-    let run = |device: &str, tp: &str| {
-        let out = wasmserve(&["--device", device, "generate", "--model", model.to_str().unwrap(), "--prompt", "hello world", "--max-tokens", "12", "--ignore-eos", "--tensor-parallel-size", tp]);
-        let err = String::from_utf8_lossy(&out.stderr).to_string();
-        assert!(out.status.success(), "--device {device} tp={tp}: {err}");
-        assert!(!err.contains("forward runs on the CPU"), "{err}");
-        String::from_utf8_lossy(&out.stdout).to_string()
-    };
+    let run = |device: &str, tp: &str| generate_text("tiny_llama", device, &["--tensor-parallel-size", tp], None);
     let cpu = run("cpu", "1");
     assert!(!cpu.trim().is_empty());
     assert_eq!(run("sim", "1"), cpu);
@@ -157,22 +167,13 @@ fn deepseek_runs_on_the_simulator_like_the_cpu() {
     if !simulator_built("deepseek_runs_on_the_simulator_like_the_cpu") {
         return;
     }
-    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/deepseek_v3/model");
-    let run = |device: &str, tp: &str| {
-        let out = wasmserve(&["--device", device, "--dtype", "float32", "generate", "--model", model.to_str().unwrap(), "--prompt", "hello world", "--max-tokens", "12", "--ignore-eos", "--tensor-parallel-size", tp]);
-        let err = String::from_utf8_lossy(&out.stderr).to_string();
-        assert!(out.status.success(), "--device {device} tp={tp}: {err}");
-        assert!(!err.contains("forward runs on the CPU"), "{err}");
-        if device == "sim" {
-            assert!(err.contains("DeepSeek-V3 weights uploaded to the device"), "{err}");
-        }
-        String::from_utf8_lossy(&out.stdout).to_string()
-    };
+    let run = |device: &str, tp: &str| generate_text("deepseek_v3/model", device, &["--dtype", "float32", "--tensor-parallel-size", tp], Some("DeepSeek-V3 weights uploaded to the device"));
     let cpu = run("cpu", "1");
     assert!(!cpu.trim().is_empty());
     assert_eq!(run("sim", "1"), cpu);
     assert_eq!(run("sim", "2"), cpu);
 
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/deepseek_v3/model");
     let out = wasmserve(&["--device", "sim", "bench", "engine", "--model", model.to_str().unwrap(), "--concurrency", "1,2", "--steps", "2"]);
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
@@ -187,16 +188,7 @@ fn kimi_linear_generates_on_the_simulator_like_the_cpu() {
     if !simulator_built("kimi_linear_generates_on_the_simulator_like_the_cpu") {
         return;
     }
-    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/kimi_linear/model");
-    let run = |device: &str| {
-        let out = wasmserve(&["--device", device, "--dtype", "float32", "generate", "--model", model.to_str().unwrap(), "--prompt", "hello world", "--max-tokens", "12", "--ignore-eos"]);
-        let err = String::from_utf8_lossy(&out.stderr).to_string();
-        assert!(out.status.success(), "--device {device}: {err}");
-        if device == "sim" {
-            assert!(err.contains("Kimi-Linear weights uploaded to the device"), "{err}");
-        }
-        String::from_utf8_lossy(&out.stdout).to_string()
-    };
+    let run = |device: &str| generate_text("kimi_linear/model", device, &["--dtype", "float32"], Some("Kimi-Linear weights uploaded to the device"));
     let cpu = run("cpu");
     assert!(!cpu.trim().is_empty());
     assert_eq!(run("sim"), cpu);
