@@ -53,6 +53,23 @@ impl<R: Runtime> KvLayer<R> {
     }
 }
 
+/// The copy-on-write of a shared partial block: the first `slots` positions of block `src` onto
+/// block `dst` in every layer of a pool of `num_blocks` blocks of `block_size` (`what` names the
+/// pool in errors).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn copy_block<R: Runtime>(layers: &mut [KvLayer<R>], gpu: &Kernels<R>, what: &str, num_blocks: usize, block_size: usize, src: usize, dst: usize, slots: usize, shape: RowShape) -> Result<(), CudaError> {
+    if src >= num_blocks || dst >= num_blocks || slots > block_size {
+        return Err(bad(format!("{what} copy: block {src} -> {dst}, {slots} slots, pool of {num_blocks}")));
+    }
+    if slots == 0 || src == dst {
+        return Ok(());
+    }
+    for layer in layers {
+        layer.copy_rows(gpu, src * block_size, dst * block_size, slots, shape)?;
+    }
+    Ok(())
+}
+
 /// `copy(buf, src·w, dst·w, n·w)` for each (buffer, row width) pair; zero-width rows (MLA without
 /// a rotary slice) hold nothing to copy.
 fn copy_pair<B>(pair: [(&mut B, usize); 2], src: usize, dst: usize, n: usize, copy: impl Fn(&mut B, usize, usize, usize) -> Result<(), CudaError>) -> Result<(), CudaError> {
@@ -121,17 +138,8 @@ impl<R: Runtime> DeviceKvPool<R> {
     /// Copies the first `slots` positions of block `src` into block `dst` in every layer (the
     /// host pool's copy-on-write of a shared partial block, done here because K/V live here).
     pub fn copy_block(&mut self, gpu: &Kernels<R>, src: usize, dst: usize, slots: usize) -> Result<(), CudaError> {
-        if src >= self.num_blocks || dst >= self.num_blocks || slots > self.block_size {
-            return Err(bad(format!("kv copy: block {src} -> {dst}, {slots} slots, pool of {}", self.num_blocks)));
-        }
-        if slots == 0 || src == dst {
-            return Ok(());
-        }
-        let (shape, bs) = (heads_shape(self.kv_heads, self.head_dim), self.block_size);
-        for layer in &mut self.layers {
-            layer.copy_rows(gpu, src * bs, dst * bs, slots, shape)?;
-        }
-        Ok(())
+        let shape = heads_shape(self.kv_heads, self.head_dim);
+        copy_block(&mut self.layers, gpu, "kv", self.num_blocks, self.block_size, src, dst, slots, shape)
     }
 
     /// Decode attention over `layer`; `tables`/`lens` as in [`Kernels::paged_attention_f32`], whose

@@ -67,17 +67,8 @@ impl<R: Runtime> DeviceLatentPool<R> {
     /// Copy-on-write of the first `slots` positions of block src into dst, every layer (as
     /// [`super::kv_pool::DeviceKvPool::copy_block`]).
     pub fn copy_block(&mut self, gpu: &Kernels<R>, src: usize, dst: usize, slots: usize) -> Result<(), CudaError> {
-        if src >= self.num_blocks || dst >= self.num_blocks || slots > self.block_size {
-            return Err(bad(format!("latent copy: block {src} -> {dst}, {slots} slots, pool of {}", self.num_blocks)));
-        }
-        if slots == 0 || src == dst {
-            return Ok(());
-        }
-        let (shape, bs) = (latent_shape(self.lora, self.rope), self.block_size);
-        for layer in &mut self.layers {
-            layer.copy_rows(gpu, src * bs, dst * bs, slots, shape)?;
-        }
-        Ok(())
+        let shape = latent_shape(self.lora, self.rope);
+        super::kv_pool::copy_block(&mut self.layers, gpu, "latent", self.num_blocks, self.block_size, src, dst, slots, shape)
     }
 
     /// ctx[t, h, :] (lora wide) = sum over positions p < lens[t] of token t's block table (tables
