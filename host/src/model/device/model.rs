@@ -87,11 +87,6 @@ impl<S: DeviceRank> DeviceModel<S> {
         &self.describe
     }
 
-    /// Devices (ranks) the model runs on.
-    pub fn ranks(&self) -> usize {
-        self.ranks.len()
-    }
-
     /// Every rank's step ([`run_step`]: each on its own thread, a failing rank releasing its
     /// peers), checked once on the host first, then the logits from the ranks' parts.
     fn forward_ranks(&self, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {

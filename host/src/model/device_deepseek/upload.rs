@@ -363,9 +363,7 @@ impl<R: Runtime> DecoderRank<R> {
         let (embed, lm_head) = output_weights(&gpu, &m.embed, Some(&m.lm_head), dense)?;
         tracing::info!(device = %gpu.describe(), layers = layers.len(), kda_layers = m.kda.len(), latent_layers, "Kimi-Linear weights uploaded to the device");
         let norm = gpu.upload(m.norm.as_slice())?;
-        let mut rank = Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (0, false), latent, kda })?;
-        rank.latent_layers = latent_layers;
-        Ok(rank)
+        Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (0, false), latent, kda })
     }
 
     /// The scratch sized for every dense projection a step may run (the prefill GEMM's
@@ -392,7 +390,7 @@ impl<R: Runtime> DecoderRank<R> {
         let largest = dense.iter().map(|l| l.dequant_elements()).max().unwrap_or(0);
         let max_in = dense.iter().map(|l| l.shape().1).chain([hidden]).max().unwrap_or(hidden);
         let scratch = gpu.gemm_scratch(largest, 1)?;
-        let latent_layers = u.layers.len();
+        let latent_layers = u.layers.iter().filter(|l| matches!(l.mixer, DevMixer::Mla { .. })).count();
         Ok(DecoderRank {
             gpu,
             rank: u.rank.0,
