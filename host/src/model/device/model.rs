@@ -102,9 +102,9 @@ impl<S: DeviceRank> DeviceModel<S> {
         let comms = if self.ranks.len() > 1 { self.group.step_comms()? } else { Vec::new() };
         let parts = run_step(&self.ranks, &comms, |state, comm| state.forward(&self.cfg, view.copies, &inp, comm))?;
         Ok(match self.logits {
-            _ if parts.len() == 1 => parts.into_iter().next().unwrap_or_default(),
-            Logits::FirstRank => parts.into_iter().next().unwrap_or_default(),
-            Logits::VocabColumns => stitch_vocab(&parts, logit_rows.len(), self.cfg.vocab_size),
+            Logits::VocabColumns if parts.len() > 1 => stitch_vocab(&parts, logit_rows.len(), self.cfg.vocab_size),
+            // One rank, or rank 0 holding them all.
+            _ => parts.into_iter().next().unwrap_or_default(),
         })
     }
 }
