@@ -76,3 +76,12 @@ extern "C" __global__ void simtest_geometry(int* out, long scale, float bias) {
 extern "C" __global__ void simtest_write_past_end(float* out, int n) {
     if (threadIdx.x == 0) out[n] = 1.0f;
 }
+
+// Thread 0 writes a shared value that every thread reads with no barrier in between (a race on a
+// GPU): the threads that run before thread 0 miss the write (the reverse thread order's point) and
+// read what the previous block on this OS thread left (the simulator's shared memory persists).
+extern "C" __global__ void simtest_missing_barrier(int* out, int tag) {
+    __shared__ int v;
+    if (threadIdx.x == 0) v = tag + blockIdx.x;
+    out[blockIdx.x * blockDim.x + threadIdx.x] = v;
+}

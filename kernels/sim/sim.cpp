@@ -97,6 +97,8 @@ struct Launch {
     void (*kernel)(void**) = nullptr;
     void** args = nullptr;
     unsigned n = 0, current = 0, at_barrier = 0, exited = 0;
+    // Run the threads between barriers from the last to the first (see wsim_launch's `reverse`).
+    bool reverse = false;
     const char* bfile = nullptr;
     int bline = 0;
     bool failed = false;
@@ -185,9 +187,20 @@ std::string where(const char* what, const char* file, int line) {
          where(ww, wf, wl).c_str(), L->exited);
 }
 
-// Switches to the next runnable fiber after `self` (round robin), or reports a deadlock.
+// Switches to the next runnable fiber after `self` (round robin, downwards in reverse order), or
+// reports a deadlock.
 inline __attribute__((always_inline)) void schedule_from(unsigned self) {
     unsigned n = L->n;
+    if (__builtin_expect(L->reverse, 0)) {
+        for (unsigned k = 1; k < n; k++) {
+            unsigned i = self >= k ? self - k : self + n - k;
+            if (L->fibers[i].state == Ready) {
+                resume(self, i);
+                return;
+            }
+        }
+        deadlock();
+    }
     if (self + 1 < n && L->fibers[self + 1].state == Ready) {  // the usual case: the next lane
         resume(self, self + 1);
         return;
@@ -321,9 +334,12 @@ extern "C" const char* wsim_signature(const char* name) {
 // Launches `name` like cuLaunchKernel (args[i] points at parameter i) and runs blocks
 // [first, first + count) of the grid (linear index, x fastest) to completion on this OS thread;
 // other ranges may run on other threads at the same time. `kinds` names the arguments the caller
-// packed; they must match the kernel's parameters. Returns 0, or 1 with a message in `err`.
+// packed; they must match the kernel's parameters. `reverse` runs a block's threads from the last
+// to the first between barriers: a read of another thread's write that lacks a barrier between
+// them sees the write in one order and not in the other, so running both orders exposes it.
+// Returns 0, or 1 with a message in `err`.
 extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_t* block, uint32_t shared_bytes, void** args,
-                           const char* kinds, uint64_t first, uint64_t count, char* err, std::size_t errlen) {
+                           const char* kinds, uint64_t first, uint64_t count, int reverse, char* err, std::size_t errlen) {
     const Entry* e = find(name);
     if (!e) return report(err, errlen, "no kernel %s in the simulator", name);
     if (strcmp(e->signature, kinds) != 0)
@@ -354,7 +370,7 @@ extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_
         l.fibers[i].color = (i * 7 % 64) * 64;
         l.fibers[i].tid = {i % block[0], i / block[0] % block[1], i / (block[0] * block[1])};
     }
-    l.kernel = e->invoke, l.args = args, l.n = n, l.failed = false;
+    l.kernel = e->invoke, l.args = args, l.n = n, l.failed = false, l.reverse = reverse != 0;
     Current saved = cur;
     L = &l;
     cur.bdim = {block[0], block[1], block[2]};
@@ -374,10 +390,11 @@ extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_
             wp.arrived = wp.exited = wp.gen = 0;
             wp.expected = n - w * 32 < 32 ? n - w * 32 : 32;
         }
-        l.current = 0, l.at_barrier = 0, l.exited = 0, l.bfile = nullptr;
-        cur.tid = l.fibers[0].tid;
-        cur.lane = 0;
-        switch_ctx(l.main, l.fibers[0].ctx);
+        unsigned start = l.reverse ? n - 1 : 0;
+        l.current = start, l.at_barrier = 0, l.exited = 0, l.bfile = nullptr;
+        cur.tid = l.fibers[start].tid;
+        cur.lane = start % 32;
+        switch_ctx(l.main, l.fibers[start].ctx);
         if (l.failed) {
             unsigned t = l.current;
             rc = report(err, errlen, "%s: block (%u, %u, %u), thread (%u, %u, %u): %s", name, x, y, z, l.fibers[t].tid.x, l.fibers[t].tid.y,

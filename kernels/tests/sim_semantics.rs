@@ -6,7 +6,7 @@
 //! passes, unless `WASMSERVE_REQUIRE_SIM=1` (CI), where it fails.
 
 use kernels::gpu::{Dims, KArg, Runtime};
-use kernels::sim::SimRuntime;
+use kernels::sim::{SimRuntime, ThreadOrder};
 
 fn sim(test: &str) -> Option<SimRuntime> {
     match SimRuntime::new() {
@@ -132,6 +132,37 @@ fn atomics_and_argument_checks() {
     assert!(e.contains("grid (0, 1, 1)"), "{e}");
     let e = launch(&rt, "simtest_write_past_end", Dims::new((1, 1, 1), 32), &[KArg::F32s(&f), KArg::I32(4)]).unwrap_err();
     assert!(e.contains("out of bounds"), "{e}");
+}
+
+/// A read of another thread's write with no barrier between them sees the write in forward order
+/// and misses it in reverse order; a race-free kernel (the collectives one) gives the same results
+/// in both.
+#[test]
+fn reverse_thread_order_exposes_a_missing_barrier() {
+    let Some(rt) = sim("reverse_thread_order_exposes_a_missing_barrier") else { return };
+    let (blocks, threads) = (3usize, 64usize);
+    let racy = |rt: &SimRuntime, tag: i32| {
+        let out = rt.zeros::<i32>(blocks * threads).unwrap();
+        launch(rt, "simtest_missing_barrier", Dims::new((blocks as u32, 1, 1), threads as u32), &[KArg::I32s(&out), KArg::I32(tag)]).unwrap();
+        rt.download(&out).unwrap()
+    };
+    let forward = rt.with_order(ThreadOrder::Forward);
+    let got = racy(&forward, 100);
+    assert!((0..blocks * threads).all(|i| got[i] == 100 + (i / threads) as i32), "forward order: every thread runs after thread 0's write: {got:?}");
+    let reverse = SimRuntime::serial().unwrap().with_order(ThreadOrder::Reverse);
+    let got = racy(&reverse, 200);
+    for b in 0..blocks {
+        let tag = 200 + b as i32;
+        assert_eq!(got[b * threads], tag, "thread 0 reads its own write");
+        assert!(got[b * threads + 1..(b + 1) * threads].iter().all(|&v| v != tag), "block {b}: the other threads ran first and missed the write: {got:?}");
+    }
+
+    let collectives = |rt: &SimRuntime| {
+        let out = rt.zeros::<f32>(2 * 96 * 8).unwrap();
+        launch(rt, "simtest_collectives", Dims::new((2, 1, 1), 96), &[KArg::F32s(&out)]).unwrap();
+        rt.download(&out).unwrap()
+    };
+    assert_eq!(collectives(&forward), collectives(&reverse));
 }
 
 /// `__shared__` is per OS thread: launches running at once on different threads do not mix.

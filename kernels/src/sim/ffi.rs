@@ -13,6 +13,7 @@ unsafe extern "C" {
         kinds: *const c_char,
         first: u64,
         count: u64,
+        reverse: c_int,
         err: *mut c_char,
         errlen: usize,
     ) -> c_int;
@@ -24,12 +25,13 @@ pub const BUILT: bool = cfg!(wasmserve_sim);
 
 /// Runs blocks `blocks` (linear index, x fastest) of `kernel`'s grid to completion on this thread.
 /// `args[i]` points at parameter i's value (only read); `kinds` names each parameter (p pointer,
-/// i int, l long, f float) and is checked against the kernel's signature.
+/// i int, l long, f float) and is checked against the kernel's signature. `reverse` runs a block's
+/// threads from the last to the first between barriers (see [`crate::sim::ThreadOrder`]).
 ///
 /// # Safety
 /// Every pointer argument must point at memory large enough for what the kernel accesses, and
 /// ranges of one grid running at once on other threads must not race (CUDA's rules for blocks).
-pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[*mut c_void], kinds: &str, blocks: std::ops::Range<u64>) -> Result<(), String> {
+pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[*mut c_void], kinds: &str, blocks: std::ops::Range<u64>, reverse: bool) -> Result<(), String> {
     let name = CString::new(kernel).map_err(|_| format!("kernel name {kernel:?} contains a NUL byte"))?;
     let kinds = CString::new(kinds).expect("kinds are ASCII letters");
     #[cfg(wasmserve_sim)]
@@ -37,7 +39,7 @@ pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes
         let mut err = vec![0 as c_char; 1024];
         // SAFETY: the strings are NUL-terminated, the arrays have the lengths the C side reads,
         // and the caller guarantees the arguments (see above).
-        let rc = unsafe { wsim_launch(name.as_ptr(), grid.as_ptr(), block.as_ptr(), shared_bytes, args.as_ptr() as *mut *mut c_void, kinds.as_ptr(), blocks.start, blocks.end - blocks.start, err.as_mut_ptr(), err.len()) };
+        let rc = unsafe { wsim_launch(name.as_ptr(), grid.as_ptr(), block.as_ptr(), shared_bytes, args.as_ptr() as *mut *mut c_void, kinds.as_ptr(), blocks.start, blocks.end - blocks.start, reverse as c_int, err.as_mut_ptr(), err.len()) };
         if rc == 0 {
             Ok(())
         } else {
@@ -47,7 +49,7 @@ pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes
     }
     #[cfg(not(wasmserve_sim))]
     {
-        let _ = (name, kinds, grid, block, shared_bytes, args, blocks);
+        let _ = (name, kinds, grid, block, shared_bytes, args, blocks, reverse);
         Err(NOT_BUILT.to_string())
     }
 }

@@ -3,7 +3,8 @@
 //! geometry and with the argument lists of the [`Kernels`] wrappers, so kernels and the code
 //! composing them are tested on machines without a GPU. Launches are synchronous and
 //! deterministic: one cooperative fiber per CUDA thread, the blocks of a grid in contiguous ranges
-//! on rayon's threads (or all on the caller's, [`SimRuntime::serial`]).
+//! on rayon's threads (or all on the caller's, [`SimRuntime::serial`]); a block's threads run
+//! from the first or from the last ([`ThreadOrder`]), which exposes missing barriers.
 //!
 //! cuBLAS is not simulated: [`Runtime::gemm_bf16`] is a plain CPU loop with f32 accumulation.
 //! See docs/cuda.md ("CPU simulator") for what a passing simulator test does and does not prove.
@@ -31,9 +32,33 @@ fn sim_err(what: &'static str, msg: String) -> CudaError {
     CudaError::Driver { what, msg }
 }
 
+/// The order in which a block's simulated threads run between barriers. Fibers switch only at
+/// barriers and warp collectives, so a read of another thread's write with no barrier between
+/// them (a race on a GPU) sees the write when the writer runs first and misses it otherwise: a
+/// kernel that passes its comparisons in both orders has no such race on the paths they cover.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThreadOrder {
+    /// Thread 0 first (the usual order).
+    Forward,
+    /// The last thread first.
+    Reverse,
+}
+
+impl ThreadOrder {
+    /// `WASMSERVE_SIM_ORDER=reverse` (CI runs the kernel comparisons once more with it), else
+    /// forward.
+    pub fn from_env() -> Self {
+        match std::env::var("WASMSERVE_SIM_ORDER").as_deref() {
+            Ok("reverse") => Self::Reverse,
+            _ => Self::Forward,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct SimRuntime {
     parallel: bool,
+    order: ThreadOrder,
 }
 
 impl SimRuntime {
@@ -51,7 +76,11 @@ impl SimRuntime {
         if !ffi::BUILT {
             return Err(sim_err("simulator", ffi::NOT_BUILT.to_string()));
         }
-        Ok(Self { parallel })
+        Ok(Self { parallel, order: ThreadOrder::from_env() })
+    }
+    /// The same runtime with the threads of each block run in `order` between barriers.
+    pub fn with_order(self, order: ThreadOrder) -> Self {
+        Self { order, ..self }
     }
 }
 
@@ -135,7 +164,7 @@ impl Runtime for SimRuntime {
         // SAFETY: the caller guarantees buffer sizes (see `Runtime::launch`); the argument kinds
         // are checked against the kernel's signature on the C side; blocks of one grid do not
         // race under CUDA's rules, which the kernels follow.
-        let run = |r: std::ops::Range<u64>| unsafe { ffi::launch(kernel, grid, block, dims.shared_mem_bytes, ptrs.get(), &kinds, r) };
+        let run = |r: std::ops::Range<u64>| unsafe { ffi::launch(kernel, grid, block, dims.shared_mem_bytes, ptrs.get(), &kinds, r, self.order == ThreadOrder::Reverse) };
         let result = if threads > 1 && total > 1 {
             // A few ranges per thread so uneven blocks (attention over different lengths) balance.
             let chunk = total.div_ceil(threads * 4).max(1);
