@@ -110,13 +110,13 @@ fn logits_match_transformers(m: LoadedModel, on: &str) {
         let probe_ids = ids(&p["logits_probe_ids"]);
         for (pos, probe) in p["logits_probe"].as_array().unwrap().iter().enumerate() {
             for (&id, want) in probe_ids.iter().zip(probe.as_array().unwrap()) {
-                worst = worst.max((flat[pos * vocab + id as usize] - want.as_f64().unwrap() as f32).abs());
+                worst = worst.max(kernels::compare::abs_error(flat[pos * vocab + id as usize], want.as_f64().unwrap() as f32));
             }
         }
         for (pos, top) in p["logits_top"].as_array().unwrap().iter().enumerate() {
             for pair in top.as_array().unwrap() {
                 let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap() as f32);
-                worst = worst.max((flat[pos * vocab + id] - want).abs());
+                worst = worst.max(kernels::compare::abs_error(flat[pos * vocab + id], want));
             }
             positions += 1;
             argmax_agree += usize::from(wasmserve::sampling::argmax(&flat[pos * vocab..(pos + 1) * vocab]) == top[0][0].as_u64().unwrap() as u32);
@@ -191,8 +191,7 @@ fn random_smollm2_error(m: &LoadedModel, cases: &[common::ReferenceCase], paged:
     let vocab = m.config().vocab_size;
     let (mut worst, mut agree, mut total) = (0.0f32, 0, 0);
     let mut rel = |got: &[f32], want: &[f32]| {
-        let scale = want.iter().fold(1e-6f32, |a, v| a.max(v.abs()));
-        worst = worst.max(got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale);
+        worst = worst.max(kernels::compare::max_rel_error(got, want, 1e-6));
     };
     for (s, c) in cases.iter().enumerate() {
         let n = c.ids.len();

@@ -49,7 +49,7 @@ fn cases() -> Vec<Case> {
 
 fn max_diff(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
-    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+    kernels::compare::max_abs_error(got, want)
 }
 
 fn argmax(x: &[f32]) -> u32 {
@@ -173,10 +173,10 @@ fn check_against_reference(run: &EngineRun, case: &Case, what: &str) -> f32 {
     let mut worst = 0.0f32;
     for (k, ((lp, top), want)) in run.logprobs.iter().zip(&case.steps).enumerate() {
         let ls = log_softmax(want);
-        worst = worst.max((lp - ls[case.greedy[k] as usize]).abs());
+        worst = worst.max(kernels::compare::abs_error(*lp, ls[case.greedy[k] as usize]));
         assert_eq!(top.len(), 5);
         for &(t, l) in top {
-            worst = worst.max((l - ls[t as usize]).abs());
+            worst = worst.max(kernels::compare::abs_error(l, ls[t as usize]));
         }
     }
     assert!(worst <= LOGIT_TOLERANCE, "{what}: max logprob diff {worst}");
@@ -375,8 +375,8 @@ fn fp8_latent_cache_equals_per_row_e4m3_rounding() {
         let want = log_softmax(&m.model.forward(&c.ids, &rows, &mut kv, &[n - 1])[..vocab]);
         let exact = log_softmax(&c.steps[0]);
         for &(t, l) in &r.logprobs[0].1 {
-            worst = worst.max((l - want[t as usize]).abs());
-            drift = drift.max((l - exact[t as usize]).abs());
+            worst = worst.max(kernels::compare::abs_error(l, want[t as usize]));
+            drift = drift.max(kernels::compare::abs_error(l, exact[t as usize]));
         }
     }
     eprintln!("fp8 latent cache: first-step top-5 logprobs vs E4M3-rounded forward {worst:.1e}, vs f32 transformers {drift:.3}");

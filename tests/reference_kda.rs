@@ -87,7 +87,7 @@ fn run(case: &Case, schedule: &[Vec<(usize, usize)>]) -> Vec<Vec<f32>> {
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    kernels::compare::max_abs_error(a, b)
 }
 
 fn check(name: &str) {

@@ -38,7 +38,7 @@ fn cases() -> Vec<Case> {
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    kernels::compare::max_abs_error(a, b)
 }
 
 fn log_softmax(x: &[f32]) -> Vec<f32> {

@@ -68,13 +68,13 @@ fn logits_match_transformers() {
         let probe_ids = ids(&p["logits_probe_ids"]);
         for (pos, probe) in p["logits_probe"].as_array().unwrap().iter().enumerate() {
             for (&id, want) in probe_ids.iter().zip(f32s(probe)) {
-                worst = worst.max((ours[pos][id as usize] - want).abs());
+                worst = worst.max(kernels::compare::abs_error(ours[pos][id as usize], want));
             }
         }
         for (pos, top) in p["logits_top"].as_array().unwrap().iter().enumerate() {
             for pair in top.as_array().unwrap() {
                 let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap() as f32);
-                worst = worst.max((ours[pos][id] - want).abs());
+                worst = worst.max(kernels::compare::abs_error(ours[pos][id], want));
             }
             // The best token agrees at every position.
             let best = top[0][0].as_u64().unwrap() as u32;
@@ -84,7 +84,7 @@ fn logits_match_transformers() {
         let last: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
         assert_eq!(last.len(), ours.last().unwrap().len());
         for (a, b) in ours.last().unwrap().iter().zip(&last) {
-            worst = worst.max((a - b).abs());
+            worst = worst.max(kernels::compare::abs_error(*a, *b));
         }
     }
     eprintln!("max |logit - transformers| = {worst}");

@@ -33,7 +33,7 @@ fn sharded_bf16_checkpoint_matches_transformers() {
         let mut max_diff = 0.0f32;
         for (p, want_row) in case["logits"].as_array().unwrap().iter().enumerate() {
             for (v, w) in want_row.as_array().unwrap().iter().enumerate() {
-                max_diff = max_diff.max((logits[p * cfg.vocab_size + v] - w.as_f64().unwrap() as f32).abs());
+                max_diff = max_diff.max(kernels::compare::abs_error(logits[p * cfg.vocab_size + v], w.as_f64().unwrap() as f32));
             }
         }
         assert!(max_diff <= LOGIT_TOLERANCE, "{text:?}: max logit difference {max_diff}");

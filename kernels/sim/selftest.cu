@@ -77,6 +77,11 @@ extern "C" __global__ void simtest_write_past_end(float* out, int n) {
     if (threadIdx.x == 0) out[n] = 1.0f;
 }
 
+// Thread i copies in[i + 1]: the last thread reads one element past the end of `in`.
+extern "C" __global__ void simtest_read_past_end(float* out, const float* in) {
+    out[threadIdx.x] = in[threadIdx.x + 1];
+}
+
 // Thread 0 writes a shared value that every thread reads with no barrier in between (a race on a
 // GPU): the threads that run before thread 0 miss the write (the reverse thread order's point) and
 // read what the previous block on this OS thread left (the simulator's shared memory persists).

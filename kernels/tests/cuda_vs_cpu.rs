@@ -123,7 +123,7 @@ on_every_runtime!(
 fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
+    let worst = kernels::compare::max_rel_error(got, want, 1e-6);
     eprintln!("{what}: max error {worst:.2e} of max |ref| {scale:.3}");
     assert!(worst <= tol, "{what}: max relative error {worst} > {tol}");
 }

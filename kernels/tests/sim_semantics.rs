@@ -132,6 +132,15 @@ fn atomics_and_argument_checks() {
     assert!(e.contains("grid (0, 1, 1)"), "{e}");
     let e = launch(&rt, "simtest_write_past_end", Dims::new((1, 1, 1), 32), &[KArg::F32s(&f), KArg::I32(4)]).unwrap_err();
     assert!(e.contains("out of bounds"), "{e}");
+
+    // A read past the end is not detected, but the guard bytes it reads are a NaN, which fails
+    // any comparison with the reference (kernels::compare).
+    let (input, copy) = (rt.upload(&[1.0f32, 2.0, 3.0, 4.0]).unwrap(), rt.zeros::<f32>(4).unwrap());
+    launch(&rt, "simtest_read_past_end", Dims::new((1, 1, 1), 4), &[KArg::F32s(&copy), KArg::F32s(&input)]).unwrap();
+    let got = rt.download(&copy).unwrap();
+    assert_eq!(&got[..3], &[2.0, 3.0, 4.0]);
+    assert!(got[3].is_nan(), "{got:?}");
+    assert_eq!(kernels::compare::max_abs_error(&got, &[2.0, 3.0, 4.0, 0.0]), f32::INFINITY);
 }
 
 /// A read of another thread's write with no barrier between them sees the write in forward order

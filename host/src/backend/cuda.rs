@@ -159,8 +159,7 @@ mod tests {
     }
 
     fn close(what: &str, a: &[f32], b: &[f32], tol: f32) {
-        let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max) / scale;
+        let worst = kernels::compare::max_rel_error(a, b, 1e-6);
         assert!(worst <= tol, "{what}: {worst}");
     }
 

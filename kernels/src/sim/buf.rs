@@ -8,7 +8,9 @@ use crate::gpu::{DevBuf, Elem};
 
 /// Guard size on each side, in bytes.
 const GUARD_BYTES: usize = 64;
-const GUARD_BYTE: u8 = 0xA5;
+/// All ones: an f32 or bf16 read past the end is a NaN and an i32 one is -1, so a kernel that
+/// *reads* out of bounds (which the guards cannot see) poisons its output instead of passing.
+const GUARD_BYTE: u8 = 0xFF;
 
 pub struct SimBuf<T> {
     /// `guard` elements, then `len` elements, then `guard` elements.

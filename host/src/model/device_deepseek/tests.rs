@@ -68,10 +68,7 @@ fn row_errors(got: &[f32], want: &[f32], vocab: usize) -> Vec<f32> {
     assert_eq!(got.len(), want.len());
     got.chunks(vocab)
         .zip(want.chunks(vocab))
-        .map(|(g, w)| {
-            let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-            g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale
-        })
+        .map(|(g, w)| kernels::compare::max_rel_error(g, w, 1e-3))
         .collect()
 }
 
@@ -196,7 +193,7 @@ fn prefill_error_vs<R: Runtime>(dev: &DeviceDeepseek<R>, reference: &serde_json:
         let got = dev.try_forward(&toks, &rows, &mut view, &all).unwrap();
         for (p, want) in case["prefill_logits"].as_array().unwrap().iter().enumerate() {
             let want = floats(want);
-            worst = worst.max(got[p * vocab..(p + 1) * vocab].iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
+            worst = worst.max(kernels::compare::max_abs_error(&got[p * vocab..(p + 1) * vocab], &want));
         }
     }
     worst

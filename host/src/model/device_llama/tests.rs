@@ -192,8 +192,7 @@ fn worst_error_with<R: Runtime>(gpu: Kernels<R>, tied: bool, w: Weights, storage
         let got = dev.try_forward(&tokens, &rows, &mut BlockTables::new(BS, tables.clone(), copies), &logit_rows).unwrap();
         assert_eq!(got.len(), want.len());
         for (g, w) in got.chunks(VOCAB).zip(want.chunks(VOCAB)) {
-            let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-            let err = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale;
+            let err = kernels::compare::max_rel_error(g, w, 1e-3);
             worst = worst.max(err);
         }
     }
@@ -225,8 +224,7 @@ fn long_prefill_error<R: Runtime>(gpu: Kernels<R>, w: Weights) -> f32 {
         let want = cpu.forward(t, r, &mut host, l);
         let got = dev.try_forward(t, r, &mut BlockTables::new(BS, tables.clone(), Vec::new()), l).unwrap();
         for (g, w) in got.chunks(VOCAB).zip(want.chunks(VOCAB)) {
-            let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-            worst = worst.max(g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale);
+            worst = worst.max(kernels::compare::max_rel_error(g, w, 1e-3));
         }
     }
     worst
@@ -332,7 +330,7 @@ fn logits_match_transformers(m: crate::model::LoadedModel, reference: &serde_jso
         let got = m.model.try_forward(&toks, &rows, &mut BlockTables::new(BS, vec![table], vec![]), &all).unwrap();
         for (p, want) in case["logits"].as_array().unwrap().iter().enumerate() {
             for (v, w) in want.as_array().unwrap().iter().enumerate() {
-                worst = worst.max((got[p * vocab + v] - w.as_f64().unwrap() as f32).abs());
+                worst = worst.max(kernels::compare::abs_error(got[p * vocab + v], w.as_f64().unwrap() as f32));
             }
         }
     }
@@ -397,7 +395,7 @@ fn a_rank_failing_mid_step_fails_the_step_not_its_peers_or_the_next_step() {
     assert!(e.to_string().contains("injected launch failure"), "the failing rank's own error, not its peer's abort: {e}");
     let got = m.model.try_forward(&toks, &rows, &mut tables(), &last).unwrap();
     let want: Vec<f32> = case["logits"].as_array().unwrap().last().unwrap().as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
-    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let worst = kernels::compare::max_abs_error(&got, &want);
     assert!(worst < 2e-2, "the step after the failure: {worst}");
 }
 
@@ -427,8 +425,7 @@ fn ct_int4_error<R: Runtime + 'static>(tp: usize, gpu: impl Fn() -> Kernels<R>) 
         let want: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         assert_eq!(want.len(), got.len());
         for (g, w) in got.chunks(vocab).zip(want.chunks(vocab)) {
-            let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-            worst = worst.max(g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale);
+            worst = worst.max(kernels::compare::max_rel_error(g, w, 1e-3));
         }
     }
     worst
