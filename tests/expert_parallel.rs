@@ -45,8 +45,7 @@ fn case(name: &str) -> Case {
 
 fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max(kernels::compare::abs_error(*a, *b))) / scale
+    kernels::compare::max_rel_error(got, want, 0.0)
 }
 
 fn load_ranks(c: &Case, ep: usize) -> Vec<ExpertParallelMoe> {
@@ -203,13 +202,12 @@ mod deepseek {
 
     pub fn rel(got: &[f32], want: &[f32]) -> f32 {
         assert_eq!(got.len(), want.len());
-        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
-        got.iter().zip(want).fold(0f32, |m, (a, b)| m.max(kernels::compare::abs_error(*a, *b))) / scale
+        kernels::compare::max_rel_error(got, want, 1e-3)
     }
 
     pub fn abs(got: &[f32], want: &[f32]) -> f32 {
         assert_eq!(got.len(), want.len());
-        got.iter().zip(want).fold(0f32, |m, (a, b)| m.max(kernels::compare::abs_error(*a, *b)))
+        kernels::compare::max_abs_error(got, want)
     }
 
     pub fn argmax(x: &[f32]) -> u32 {

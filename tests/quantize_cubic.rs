@@ -119,7 +119,7 @@ fn more_bits_track_the_dense_model() {
     for (bits, tag) in [(3, "c3"), (5, "c5"), (8, "c8")] {
         let out = tmp(tag);
         quantize(&args(&out, FormatArg::Cubic, bits, 32, None)).unwrap();
-        let diff = last_logits(&out).iter().zip(&dense).fold(0.0f32, |a, (x, y)| a.max(kernels::compare::abs_error(*x, *y)));
+        let diff = kernels::compare::max_abs_error(&last_logits(&out), &dense);
         eprintln!("cubic {bits} bits: max |logit − dense| {diff:.4}");
         assert!(diff < prev, "{bits} bits: {diff} not below {prev}");
         prev = diff;
@@ -136,7 +136,7 @@ fn int_output_is_a_compressed_tensors_checkpoint() {
     let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["quantization_config"]["quant_method"], "compressed-tensors");
     let dense = last_logits(&common::repo_root().join("tests/reference/tiny_llama"));
-    let diff = last_logits(&out).iter().zip(&dense).fold(0.0f32, |a, (x, y)| a.max(kernels::compare::abs_error(*x, *y)));
+    let diff = kernels::compare::max_abs_error(&last_logits(&out), &dense);
     eprintln!("int4 g32: max |logit − dense| {diff:.4}, NRMSE {:.4}", s.nrmse());
     assert!(diff.is_finite() && diff < 1.0);
 }

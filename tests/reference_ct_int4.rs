@@ -109,7 +109,7 @@ fn max_logit_diff_tp(name: &str, tp: usize) {
         for (variant, d) in [("exact", &mut d_exact), ("transformers", &mut d_tf)] {
             let want = reference.f32s(&format!("logits.{variant}.{i}"));
             assert_eq!(want.len(), logits.len());
-            *d = logits.iter().zip(&want).fold(*d, |acc, (a, b)| acc.max(kernels::compare::abs_error(*a, *b)));
+            *d = d.max(kernels::compare::max_abs_error(&logits, &want));
         }
     }
     let route = reference.meta["transformers_route"].as_str().unwrap();

@@ -50,8 +50,7 @@ fn io(name: &str, cfg: &MoeConfig) -> Io {
 /// Max |a − b| relative to the largest reference value.
 fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max(kernels::compare::abs_error(*a, *b))) / scale
+    kernels::compare::max_rel_error(got, want, 0.0)
 }
 
 fn load(name: &str) -> (MoeConfig, MoeLayer, Io) {

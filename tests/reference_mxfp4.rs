@@ -66,7 +66,7 @@ fn compressed_tensors_mxfp4_llama_matches_transformers() {
         let t = st.tensor(&format!("logits.transformers.{i}")).unwrap();
         let want: Vec<f32> = t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         assert_eq!(want.len(), logits.len());
-        max = logits.iter().zip(&want).fold(max, |a, (x, y)| a.max(kernels::compare::abs_error(*x, *y)));
+        max = max.max(kernels::compare::max_abs_error(&logits, &want));
     }
     eprintln!("ct_mxfp4: max |logit diff| vs transformers ({}) {max:.2e}", meta["transformers_route"]);
     assert!(max <= LOGIT_TOLERANCE, "{max}");

@@ -83,9 +83,7 @@ fn logits_match_transformers() {
         let bytes = std::fs::read(dir.join(p["last_logits_file"].as_str().unwrap())).unwrap();
         let last: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
         assert_eq!(last.len(), ours.last().unwrap().len());
-        for (a, b) in ours.last().unwrap().iter().zip(&last) {
-            worst = worst.max(kernels::compare::abs_error(*a, *b));
-        }
+        worst = worst.max(kernels::compare::max_abs_error(ours.last().unwrap(), &last));
     }
     eprintln!("max |logit - transformers| = {worst}");
     assert!(worst <= LOGIT_TOLERANCE, "max logit difference {worst} > {LOGIT_TOLERANCE}");

@@ -191,22 +191,13 @@ std::string where(const char* what, const char* file, int line) {
 // reports a deadlock.
 inline __attribute__((always_inline)) void schedule_from(unsigned self) {
     unsigned n = L->n;
-    if (__builtin_expect(L->reverse, 0)) {
-        for (unsigned k = 1; k < n; k++) {
-            unsigned i = self >= k ? self - k : self + n - k;
-            if (L->fibers[i].state == Ready) {
-                resume(self, i);
-                return;
-            }
-        }
-        deadlock();
-    }
-    if (self + 1 < n && L->fibers[self + 1].state == Ready) {  // the usual case: the next lane
+    bool reverse = L->reverse;
+    if (!reverse && self + 1 < n && L->fibers[self + 1].state == Ready) {  // the usual case: the next lane
         resume(self, self + 1);
         return;
     }
     for (unsigned k = 1; k < n; k++) {
-        unsigned i = self + k < n ? self + k : self + k - n;
+        unsigned i = reverse ? (self >= k ? self - k : self + n - k) : (self + k < n ? self + k : self + k - n);
         if (L->fibers[i].state == Ready) {
             resume(self, i);
             return;

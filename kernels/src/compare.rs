@@ -12,11 +12,7 @@ pub fn abs_error(got: f32, want: f32) -> f32 {
         return 0.0;
     }
     let d = (got - want).abs();
-    if d.is_nan() {
-        f32::INFINITY
-    } else {
-        d
-    }
+    if d.is_nan() { f32::INFINITY } else { d }
 }
 
 /// The largest [`abs_error`] over two slices of the same length (infinite if the lengths differ).
@@ -24,19 +20,13 @@ pub fn max_abs_error(got: &[f32], want: &[f32]) -> f32 {
     if got.len() != want.len() {
         return f32::INFINITY;
     }
-    got.iter()
-        .zip(want)
-        .map(|(&g, &w)| abs_error(g, w))
-        .fold(0.0, f32::max)
+    got.iter().zip(want).map(|(&g, &w)| abs_error(g, w)).fold(0.0, f32::max)
 }
 
 /// [`max_abs_error`] relative to the reference's largest magnitude (at least `floor`, so an
 /// all-zero reference does not divide by zero).
 pub fn max_rel_error(got: &[f32], want: &[f32], floor: f32) -> f32 {
-    let scale = want
-        .iter()
-        .filter(|v| v.is_finite())
-        .fold(floor, |m, v| m.max(v.abs()));
+    let scale = want.iter().filter(|v| v.is_finite()).fold(floor, |m, v| m.max(v.abs()));
     max_abs_error(got, want) / scale
 }
 

@@ -123,7 +123,7 @@ on_every_runtime!(
 fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    let worst = kernels::compare::max_rel_error(got, want, 1e-6);
+    let worst = kernels::compare::max_abs_error(got, want) / scale;
     eprintln!("{what}: max error {worst:.2e} of max |ref| {scale:.3}");
     assert!(worst <= tol, "{what}: max relative error {worst} > {tol}");
 }
