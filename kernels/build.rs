@@ -46,7 +46,11 @@ fn main() {
         let ns = format!("wsim_{stem}");
         let table = format!("wsim_entries_{stem}");
         let mut w = String::new();
-        writeln!(w, "#include \"cuda_sim.h\"\nnamespace {ns} {{\n#include \"prelude.cuh\"\n#include \"{}\"\n}}", src.display()).unwrap();
+        // The simulator compiles a copy whose `__shared__` declarations poison their variables
+        // for each block (cuda_sim.h, fresh_shared); NVRTC gets the source as written.
+        let copy = out.join(format!("sim_src_{stem}.cu"));
+        write_if_changed(&copy, &with_fresh_shared(&code, src));
+        writeln!(w, "#include \"cuda_sim.h\"\nnamespace {ns} {{\n#include \"prelude.cuh\"\n#include \"{}\"\n}}", copy.display()).unwrap();
         writeln!(w, "extern \"C\" const cuda_sim::Entry {table}[] = {{").unwrap();
         for k in kernel_names(&code) {
             writeln!(w, "    {{\"{k}\", &cuda_sim::invoke<&{ns}::{k}>, cuda_sim::signature(&{ns}::{k})}},").unwrap();
@@ -66,6 +70,41 @@ fn main() {
     // compile), not a reason to skip.
     build.compile("wasmserve_cuda_sim");
     println!("cargo::rustc-cfg=wasmserve_sim");
+}
+
+/// `code` with a `cuda_sim::fresh_shared` call for each variable of every `__shared__`
+/// declaration, placed right after the declaration's `;` on the same line (a `#line` at the top and
+/// no added lines keep `__FILE__`/`__LINE__`, which the simulator's errors report, the source's).
+/// A declaration must fit on one line; one that does not stops the build instead of going unpoisoned.
+fn with_fresh_shared(code: &str, src: &Path) -> String {
+    let mut out = format!("#line 1 \"{}\"\n", src.display());
+    for (n, line) in code.lines().enumerate() {
+        match line.trim_start().strip_prefix("__shared__ ") {
+            None => out.push_str(line),
+            Some(decl) => {
+                let end = line.find(';').unwrap_or_else(|| panic!("{}:{}: a __shared__ declaration must end on its line", src.display(), n + 1));
+                let decl = &decl[..decl.find(';').unwrap()];
+                out.push_str(&line[..=end]);
+                for name in declared_names(decl) {
+                    write!(out, " cuda_sim::fresh_shared(&{name}, sizeof({name}));").unwrap();
+                }
+                out.push_str(&line[end + 1..]);
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// The variables `float a[N], b[M][K]` declares (what follows `__shared__`, up to its `;`).
+fn declared_names(decl: &str) -> Vec<String> {
+    decl.split(',')
+        .map(|d| {
+            let head = d.split('[').next().unwrap().trim_end();
+            let name: String = head.chars().rev().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            name.chars().rev().collect()
+        })
+        .collect()
 }
 
 /// The file names in `src!("name.cu", [...])` entries.

@@ -2,8 +2,8 @@
 // prelude.cuh) with `-x c++`. Every CUDA thread of a block is a cooperative fiber (sim.cpp);
 // barriers and warp collectives switch to the next runnable fiber, blocks run one after another on
 // one OS thread (the runtime may hand ranges of blocks to several threads). Nothing preempts a
-// fiber, so `__shared__` is a `static thread_local`: blocks on different OS threads share nothing.
-// Dynamic (`extern __shared__`) shared memory is not supported.
+// fiber, so `__shared__` is a `static thread_local`: blocks on different OS threads share nothing,
+// and each block finds its shared variables poisoned (`fresh_shared`). Dynamic (`extern __shared__`) shared memory is not supported.
 #pragma once
 #include <math.h>
 #include <cmath>
@@ -44,6 +44,12 @@ void sync_block(const char* file, int line);
 // that exists (partial-warp masks are not simulated and are reported as errors).
 const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const char* file, int line);
 void sync_warp(uint32_t mask, const char* file, int line);
+// On a GPU a block's shared memory starts undefined; here a `__shared__` variable is a static that
+// outlives the block, so a read of an element the block never wrote would see what the previous
+// block left, plausible numbers that hide the bug. build.rs appends a call of this to every
+// `__shared__` declaration: the first thread of a block to pass it fills the variable with 0xFF
+// bytes (a NaN as a float, -1 as an int), which the comparisons with the reference catch.
+void fresh_shared(void* p, std::size_t bytes);
 inline unsigned lane_id() { return cur.lane; }
 
 template <class T>

@@ -77,6 +77,22 @@ extern "C" __global__ void simtest_write_past_end(float* out, int n) {
     if (threadIdx.x == 0) out[n] = 1.0f;
 }
 
+// Thread 0 copies in[at]: `at` far enough past the end reaches the inaccessible page after the
+// buffer's padding.
+extern "C" __global__ void simtest_read_at(float* out, const float* in, int at) {
+    if (threadIdx.x == 0) out[0] = in[at];
+}
+
+// Recursion a few hundred bytes a level deep: `depth` levels overflow a simulated thread's stack.
+__device__ __noinline__ float simtest_deep(int n) {
+    volatile float frame[128];
+    frame[n % 128] = (float)n;
+    return n == 0 ? frame[0] : simtest_deep(n - 1) + frame[n % 128];
+}
+extern "C" __global__ void simtest_stack_overflow(float* out, int depth) {
+    out[threadIdx.x] = simtest_deep(depth);
+}
+
 // Thread i copies in[i + 1]: the last thread reads one element past the end of `in`.
 extern "C" __global__ void simtest_read_past_end(float* out, const float* in) {
     out[threadIdx.x] = in[threadIdx.x + 1];
@@ -84,7 +100,8 @@ extern "C" __global__ void simtest_read_past_end(float* out, const float* in) {
 
 // Thread 0 writes a shared value that every thread reads with no barrier in between (a race on a
 // GPU): the threads that run before thread 0 miss the write (the reverse thread order's point) and
-// read what the previous block on this OS thread left (the simulator's shared memory persists).
+// read the poison every block's shared variables start with (0xFF bytes: -1), not what the previous
+// block on this OS thread left there.
 extern "C" __global__ void simtest_missing_barrier(int* out, int tag) {
     __shared__ int v;
     if (threadIdx.x == 0) v = tag + blockIdx.x;

@@ -2,14 +2,20 @@
 // one after another on the calling OS thread. A fiber runs until it reaches a barrier or a warp
 // collective it cannot pass yet, then switches straight to the next runnable fiber of the block.
 // A barrier that can never complete (lanes exited before a collective, threads at different
-// barriers) ends the launch with an error message instead of hanging.
+// barriers) ends the launch with an error message instead of hanging. So does a memory fault in a
+// kernel: simulated device memory lies between inaccessible pages (wsim_map), and a fault handler
+// turns an access that reaches one into the launch's error.
 #include "cuda_sim.h"
 
+#include <signal.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdarg>
 #include <cstdio>
 #include <string>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #if !defined(__x86_64__) || defined(WSIM_UCONTEXT)
@@ -111,6 +117,9 @@ struct Launch {
 
 thread_local Launch launch_state;
 thread_local Launch* L __attribute__((tls_model("initial-exec"))) = nullptr;
+// True while a fiber (a simulated thread) runs on this OS thread, false in the launch's own code
+// between blocks: only a fault in a fiber can be turned into a launch error.
+thread_local bool in_fiber __attribute__((tls_model("initial-exec"))) = false;
 
 void fiber_main();
 
@@ -279,6 +288,19 @@ const uint32_t* warp_exchange(uint32_t mask, uint32_t v, const char* what, const
     return slots;
 }
 
+// Counts the blocks run on this OS thread, so a shared variable knows whether this block has
+// poisoned it yet (threads of one block pass its declaration at different times, some after
+// others wrote it).
+thread_local uint64_t block_serial = 0;
+
+void fresh_shared(void* p, std::size_t bytes) {
+    thread_local std::unordered_map<void*, uint64_t> poisoned_in;
+    uint64_t& last = poisoned_in[p];
+    if (last == block_serial) return;
+    last = block_serial;
+    memset(p, 0xFF, bytes);
+}
+
 void sync_warp(uint32_t mask, const char* file, int line) { warp_exchange(mask, 0, "__syncwarp", file, line); }
 
 void sync_block(const char* file, int line) {
@@ -300,6 +322,73 @@ void sync_block(const char* file, int line) {
 }  // namespace cuda_sim
 
 using namespace cuda_sim;
+
+// Memory faults. A kernel that reads or writes past a buffer by more than its padding reaches an
+// inaccessible page (wsim_map), and one that overflows a simulated thread's stack reaches that
+// stack's guard page. Either would kill the process; instead the fault ends the launch with an
+// error naming the block, the thread and the address, like CUDA's "illegal address". Faults
+// outside a simulated thread go to the handler that was installed before (Rust's stack-overflow
+// handler, or the default action).
+namespace {
+struct sigaction previous_segv;
+
+void on_segv(int sig, siginfo_t* info, void* uctx) {
+    if (L != nullptr && in_fiber) {
+        auto* addr = static_cast<char*>(info->si_addr);
+        for (char* s : L->stacks)
+            if (addr >= s && addr < s + kGuard) fail("stack overflow (a simulated thread has %zu KiB of stack)", kStack / 1024);
+        fail("memory fault at %p: an access outside every buffer (out of bounds by more than a buffer's padding, or a bad pointer)",
+             info->si_addr);
+    }
+    if (previous_segv.sa_flags & SA_SIGINFO) {
+        previous_segv.sa_sigaction(sig, info, uctx);
+        return;
+    }
+    if (previous_segv.sa_handler != SIG_DFL && previous_segv.sa_handler != SIG_IGN) {
+        previous_segv.sa_handler(sig);
+        return;
+    }
+    // Default action: returning re-executes the faulting access, which now kills the process.
+    signal(SIGSEGV, SIG_DFL);
+}
+
+// Runs on the stack Rust gives every thread for its own stack-overflow handler (SA_ONSTACK), so a
+// fiber that overflowed can still be reported; SA_NODEFER because the handler never returns to the
+// kernel it interrupted (fail() switches to the launch's context), which would leave SIGSEGV
+// blocked for the rest of the thread's life.
+void install_fault_handler() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        struct sigaction sa = {};
+        sa.sa_sigaction = on_segv;
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGSEGV, &sa, &previous_segv);
+    });
+}
+}  // namespace
+
+extern "C" std::size_t wsim_page_size() { return (std::size_t)sysconf(_SC_PAGESIZE); }
+
+// Simulated device memory: `bytes` (a multiple of the page size) readable and writable, between
+// two inaccessible pages. Returns the first usable byte, or null when out of memory.
+extern "C" char* wsim_map(std::size_t bytes) {
+    std::size_t page = wsim_page_size();
+    void* m = mmap(nullptr, bytes + 2 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return nullptr;
+    char* usable = static_cast<char*>(m) + page;
+    if (mprotect(usable, bytes, PROT_READ | PROT_WRITE) != 0) {
+        munmap(m, bytes + 2 * page);
+        return nullptr;
+    }
+    return usable;
+}
+
+// Frees what wsim_map(bytes) returned.
+extern "C" void wsim_unmap(char* usable, std::size_t bytes) {
+    std::size_t page = wsim_page_size();
+    munmap(usable - page, bytes + 2 * page);
+}
 
 static const Entry* find(const char* name) {
     for (const Entry* const* t = wsim_tables; *t; t++)
@@ -346,6 +435,7 @@ extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_
     if (shared_bytes != 0) return report(err, errlen, "%s: dynamic shared memory (%u bytes) is not simulated", name, shared_bytes);
     if (L != nullptr) return report(err, errlen, "%s launched from inside a simulated kernel", name);
 
+    install_fault_handler();
     Launch& l = launch_state;
     unsigned n = (unsigned)threads;
     while (l.stacks.size() < n) {
@@ -372,6 +462,7 @@ extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_
     for (uint64_t b = first; b < end && rc == 0; b++) {
         unsigned x = (unsigned)(b % grid[0]), y = (unsigned)(b / grid[0] % grid[1]), z = (unsigned)(b / ((uint64_t)grid[0] * grid[1]));
         cur.bid = {x, y, z};
+        block_serial++;
         for (Fiber& f : l.fibers) {
             f.state = Ready;
             prepare(f);
@@ -385,7 +476,9 @@ extern "C" int wsim_launch(const char* name, const uint32_t* grid, const uint32_
         l.current = start, l.at_barrier = 0, l.exited = 0, l.bfile = nullptr;
         cur.tid = l.fibers[start].tid;
         cur.lane = start % 32;
+        in_fiber = true;
         switch_ctx(l.main, l.fibers[start].ctx);
+        in_fiber = false;
         if (l.failed) {
             unsigned t = l.current;
             rc = report(err, errlen, "%s: block (%u, %u, %u), thread (%u, %u, %u): %s", name, x, y, z, l.fibers[t].tid.x, l.fibers[t].tid.y,

@@ -133,7 +133,7 @@ fn atomics_and_argument_checks() {
     let e = launch(&rt, "simtest_write_past_end", Dims::new((1, 1, 1), 32), &[KArg::F32s(&f), KArg::I32(4)]).unwrap_err();
     assert!(e.contains("out of bounds"), "{e}");
 
-    // A read past the end is not detected, but the guard bytes it reads are a NaN, which fails
+    // A read just past the end does not fault, but the padding it reads is a NaN, which fails
     // any comparison with the reference (kernels::compare).
     let (input, copy) = (rt.upload(&[1.0f32, 2.0, 3.0, 4.0]).unwrap(), rt.zeros::<f32>(4).unwrap());
     launch(&rt, "simtest_read_past_end", Dims::new((1, 1, 1), 4), &[KArg::F32s(&copy), KArg::F32s(&input)]).unwrap();
@@ -143,8 +143,39 @@ fn atomics_and_argument_checks() {
     assert_eq!(kernels::compare::max_abs_error(&got, &[2.0, 3.0, 4.0, 0.0]), f32::INFINITY);
 }
 
+/// An access past a buffer's padding, and a simulated thread overflowing its stack, reach an
+/// inaccessible page: the fault ends that launch with an error (block, thread, what happened), as
+/// CUDA's "illegal address" would, and the next launch on the same OS thread runs normally.
+#[test]
+fn memory_faults_fail_the_launch_not_the_process() {
+    let Some(rt) = sim("memory_faults_fail_the_launch_not_the_process") else { return };
+    let rt = rt.with_order(ThreadOrder::Forward);
+    let (input, out) = (rt.upload(&[1.0f32, 2.0, 3.0, 4.0]).unwrap(), rt.zeros::<f32>(32).unwrap());
+    let read_at = |at: i32| launch(&rt, "simtest_read_at", Dims::new((1, 1, 1), 32), &[KArg::F32s(&out), KArg::F32s(&input), KArg::I32(at)]);
+    // Within the padding: a NaN, no fault.
+    read_at(100).unwrap();
+    assert!(rt.download(&out).unwrap()[0].is_nan());
+    // Past the padding, into the inaccessible page after the buffer or before it (an access that
+    // jumps over that page lands in whatever is mapped beyond, unchecked).
+    for at in [1020, 2000, -17, -1000] {
+        let e = read_at(at).unwrap_err();
+        assert!(e.contains("simtest_read_at: block (0, 0, 0), thread (0, 0, 0): memory fault at"), "{at}: {e}");
+    }
+    let e = launch(&rt, "simtest_write_past_end", Dims::new((1, 1, 1), 32), &[KArg::F32s(&out), KArg::I32(1100)]).unwrap_err();
+    assert!(e.contains("memory fault at"), "{e}");
+    let e = launch(&rt, "simtest_stack_overflow", Dims::new((1, 1, 1), 32), &[KArg::F32s(&out), KArg::I32(100_000)]).unwrap_err();
+    assert!(e.contains("thread (0, 0, 0): stack overflow"), "{e}");
+
+    // The same OS thread goes on launching.
+    launch(&rt, "simtest_stack_overflow", Dims::new((1, 1, 1), 32), &[KArg::F32s(&out), KArg::I32(3)]).unwrap();
+    assert_eq!(rt.download(&out).unwrap(), vec![6.0; 32]);
+    read_at(2).unwrap();
+    assert_eq!(rt.download(&out).unwrap()[0], 3.0);
+}
+
 /// A read of another thread's write with no barrier between them sees the write in forward order
-/// and misses it in reverse order; a race-free kernel (the collectives one) gives the same results
+/// and misses it in reverse order (reading the poison every block's shared memory starts with);
+/// a race-free kernel (the collectives one) gives the same results
 /// in both.
 #[test]
 fn reverse_thread_order_exposes_a_missing_barrier() {
@@ -163,7 +194,9 @@ fn reverse_thread_order_exposes_a_missing_barrier() {
     for b in 0..blocks {
         let tag = 200 + b as i32;
         assert_eq!(got[b * threads], tag, "thread 0 reads its own write");
-        assert!(got[b * threads + 1..(b + 1) * threads].iter().all(|&v| v != tag), "block {b}: the other threads ran first and missed the write: {got:?}");
+        // They read the poison each block's shared memory starts with (all ones), not the write
+        // the previous block left there, which would be a plausible tag.
+        assert!(got[b * threads + 1..(b + 1) * threads].iter().all(|&v| v == -1), "block {b}: the other threads ran first and missed the write: {got:?}");
     }
 
     let collectives = |rt: &SimRuntime| {

@@ -85,6 +85,30 @@ def test_engine_validation_is_400(http):
     assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "suffix": "y"}), 400, param="suffix")
 
 
+def test_per_token_work_is_capped(http):
+    # Every entry of these lists is checked on every generated token: one request may not make
+    # the whole batch slow.
+    assert_openai_error(http.post("/v1/chat/completions", json=chat_body(stop=[f"s{i}" for i in range(17)])), 400, param="stop")
+    assert_openai_error(http.post("/v1/chat/completions", json=chat_body(stop=["x" * 300])), 400, param="stop")
+    assert_openai_error(http.post("/v1/chat/completions", json=chat_body(logit_bias={str(i): 1 for i in range(1025)})), 400, param="logit_bias")
+    assert_openai_error(http.post("/v1/chat/completions", json=chat_body(structured_outputs={"choice": [f"c{i}" for i in range(300)]})), 400, param="structured_outputs")
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
+    assert_openai_error(http.post("/v1/chat/completions", json=chat_body(tools=tools)), 400, param="tools")
+    assert_openai_error(http.post("/v1/completions", json={"prompt": ["a"] * 65, "max_tokens": 1}), 400, param="prompt")
+    assert_openai_error(http.post("/v1/completions", json={"prompt": ["a"] * 20, "n": 16, "max_tokens": 1}), 400, param="prompt")
+    assert http.post("/v1/chat/completions", json=chat_body(stop=[f"s{i}" for i in range(16)])).status_code == 200
+
+
+def test_non_ascii_stop_strings(http):
+    # A stop string whose byte prefix ends inside a character once killed the engine thread.
+    for stop in [["é"], ["。", "→"], ["aé", "日本"]]:
+        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "stop": stop, "temperature": 0})
+        assert r.status_code == 200, r.text
+    r = http.post("/v1/chat/completions", json=chat_body(stop=["é"]))
+    assert r.status_code == 200, r.text
+    assert http.get("/health").status_code == 200
+
+
 def test_context_length_exceeded(client, http):
     max_len = http.post("/tokenize", json={"prompt": "x"}).json()["max_model_len"]
     long_prompt = "hello " * (max_len + 10)

@@ -191,6 +191,10 @@ def test_request_policies_cap_reject_and_contain_bad_output(psrv):
                 chat(c, stop=["BADJSON"])
             assert e.value.status_code == 502 and e.value.body["code"] == "plugin_invalid_output"
             assert chat(c).usage.completion_tokens == 3
+            # A rewrite that makes the request invalid is the policy's error (500), not the client's.
+            with pytest.raises(openai.InternalServerError) as e:
+                chat(c, stop=["BADPARAM"])
+            assert e.value.body["code"] == "policy_error" and "top_p" in e.value.body["message"]
             m = a.get("/admin/plugins/p3-hostile").json()["metrics"]
             assert m["invalid_output"] == 1 and m["instances_discarded"] == 1
         finally:

@@ -209,6 +209,28 @@ def test_max_context_and_token_budget(tsrv):
     assert int(e.value.response.headers["retry-after"]) <= 3600
 
 
+def test_invalid_requests_are_400_before_limits_and_zero_limits_refuse(tsrv):
+    # A request the engine refuses is the client's 400, even where the limits would refuse it too
+    # (a huge n would otherwise count as a huge token reservation: "Request too large", 429).
+    new_tenant("strict-tpm", "--tpm", "50")
+    key = new_key("strict-tpm")["key"]
+    for body in [{"prompt": "Hello", "n": 10**15}, {"prompt": "Hello", "logprobs": 50}, {"prompt": ""}]:
+        r = httpx.post(tsrv.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, json={"model": MODEL_NAME, "max_tokens": 2, **body})
+        assert r.status_code == 400, (body, r.text)
+    complete(tsrv, key)
+    # An rpm of 0 switches a key off: 429 with Retry-After, and the server goes on serving.
+    new_tenant("off", "--rpm", "0")
+    off = new_key("off")["key"]
+    with pytest.raises(openai.RateLimitError) as e:
+        complete(tsrv, off)
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    complete(tsrv, key)
+    # A bad query string is an OpenAI-style 400, not axum's plain text.
+    r = httpx.get(tsrv.url + "/v1/usage", params={"limit": "abc"}, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+    assert "query" in r.json()["error"]["message"]
+
+
 def test_usage_rows_equal_responses(tsrv):
     new_tenant("acct")
     key = new_key("acct")["key"]

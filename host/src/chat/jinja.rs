@@ -7,7 +7,7 @@ use minijinja::{Environment, Error, ErrorKind};
 
 use wasmserve_parsers::strftime::format_utc;
 
-use super::{pyjson, ChatTemplate, ChatTemplateInput};
+use super::{pyjson, ChatTemplate, ChatTemplateInput, RenderError};
 
 pub struct JinjaChatTemplate {
     env: Environment<'static>,
@@ -71,8 +71,8 @@ impl JinjaChatTemplate {
 }
 
 impl ChatTemplate for JinjaChatTemplate {
-    fn render(&self, input: &ChatTemplateInput) -> Result<String, String> {
-        let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
+    fn render(&self, input: &ChatTemplateInput) -> Result<String, RenderError> {
+        let tmpl = self.env.get_template("chat").map_err(|e| RenderError::Renderer { status: 500, code: "chat_template_missing", message: e.to_string() })?;
         let mut ctx = serde_json::Map::new();
         // Extra variables first so the standard ones cannot be overridden by a client.
         for (k, v) in &input.extra {
@@ -85,7 +85,7 @@ impl ChatTemplate for JinjaChatTemplate {
         ctx.insert("add_generation_prompt".into(), input.add_generation_prompt.into());
         ctx.insert("bos_token".into(), self.bos_token.clone().into());
         ctx.insert("eos_token".into(), self.eos_token.clone().into());
-        tmpl.render(JValue::from(minijinja::value::Serde(&ctx))).map_err(|e| format!("chat template failed: {e:#}"))
+        tmpl.render(JValue::from(minijinja::value::Serde(&ctx))).map_err(|e| RenderError::Input(format!("chat template failed: {e:#}")))
     }
 }
 
@@ -111,7 +111,7 @@ mod tests {
     #[test]
     fn raise_exception_is_an_error_and_strftime_formats() {
         let t = JinjaChatTemplate::new("{{ raise_exception('no system') }}", None, None).unwrap();
-        assert!(t.render(&ChatTemplateInput::default()).unwrap_err().contains("no system"));
+        assert!(t.render(&ChatTemplateInput::default()).unwrap_err().to_string().contains("no system"));
     }
 
     fn reference(file: &str) -> serde_json::Value {

@@ -25,5 +25,25 @@ pub struct ChatTemplateInput {
 }
 
 pub trait ChatTemplate: Send + Sync {
-    fn render(&self, input: &ChatTemplateInput) -> Result<String, String>;
+    fn render(&self, input: &ChatTemplateInput) -> Result<String, RenderError>;
 }
+
+/// Why a chat template did not render: the request's fault or the renderer's.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RenderError {
+    /// The template refused the messages or options (`raise_exception`, a missing field): a 400.
+    Input(String),
+    /// The renderer failed (a template plugin that trapped, timed out, found every instance busy
+    /// or answered garbage): the server's error, with the HTTP status and error code to report.
+    Renderer { status: u16, code: &'static str, message: String },
+}
+
+impl std::fmt::Display for RenderError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RenderError::Input(m) | RenderError::Renderer { message: m, .. } => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for RenderError {}

@@ -110,5 +110,7 @@ pub struct EngineStats {
     pub preemptions_total: u64,
     /// Forward passes that failed (device errors); their batches' requests got an error.
     pub forward_errors_total: u64,
+    /// Steps that panicked (a bug); the requests in flight got an error and the engine went on.
+    pub step_panics_total: u64,
     pub steps_total: u64,
 }

@@ -22,7 +22,7 @@ use super::sequence::Sequence;
 use crate::generate::FinishReason;
 use crate::model::kv::BatchRow;
 use crate::model::LoadedModel;
-use crate::sampling::constraint::Constraint;
+use crate::sampling::constraint::{Constraint, ConstraintSpec};
 use crate::sampling::stop::{StopChecker, StopOutcome};
 use crate::sampling::{top_logprobs, Sampler, SamplingParams};
 use crate::tokenizer::incremental::IncrementalDecoder;
@@ -63,6 +63,41 @@ impl Default for EngineConfig {
     }
 }
 
+/// Caps on the lists every generated token is checked against: each entry costs work per token
+/// (per vocabulary entry, for a constraint's mask), and one request's cost stalls its whole batch.
+/// Looser than OpenAI's (4 stop sequences, 300 logit_bias entries, 128 tools).
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+pub const MAX_STOP_TOKEN_IDS: usize = 256;
+pub const MAX_LOGIT_BIAS: usize = 1024;
+pub const MAX_CHOICES: usize = 256;
+pub const MAX_CHOICE_BYTES: usize = 16 * 1024;
+pub const MAX_TOOLS: usize = 128;
+
+/// The per-token work a request asks for, within the caps above.
+fn check_list_sizes(req: &EngineRequest) -> Result<(), SubmitError> {
+    let too_many = |param: &'static str, message: String| Err(SubmitError::InvalidParam { param, message });
+    if req.stop.len() > MAX_STOP_STRINGS {
+        return too_many("stop", format!("'stop' may hold at most {MAX_STOP_STRINGS} strings, got {}", req.stop.len()));
+    }
+    if let Some(s) = req.stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+        return too_many("stop", format!("a stop string may be at most {MAX_STOP_STRING_BYTES} bytes, got {}", s.len()));
+    }
+    if req.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return too_many("stop_token_ids", format!("'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, got {}", req.stop_token_ids.len()));
+    }
+    if req.sampling.logit_bias.len() > MAX_LOGIT_BIAS {
+        return too_many("logit_bias", format!("'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {}", req.sampling.logit_bias.len()));
+    }
+    match &req.constraint {
+        Some(ConstraintSpec::Choice { choices }) if choices.len() > MAX_CHOICES || choices.iter().map(String::len).sum::<usize>() > MAX_CHOICE_BYTES => {
+            too_many("structured_outputs", format!("a choice constraint may hold at most {MAX_CHOICES} choices of {MAX_CHOICE_BYTES} bytes in all, got {}", choices.len()))
+        }
+        Some(ConstraintSpec::ToolCall { names }) if names.len() > MAX_TOOLS => too_many("tools", format!("at most {MAX_TOOLS} tools, got {}", names.len())),
+        _ => Ok(()),
+    }
+}
+
 /// The checks every request passes before it is queued (also run by `Engine::submit`, so a bad
 /// request is refused synchronously instead of failing later in its stream).
 pub fn validate_request(model: &LoadedModel, max_model_len: usize, cfg: &EngineConfig, req: &EngineRequest) -> Result<(), SubmitError> {
@@ -82,6 +117,7 @@ pub fn validate_request(model: &LoadedModel, max_model_len: usize, cfg: &EngineC
     if req.logprobs.is_some_and(|k| k > cfg.max_logprobs) {
         return Err(SubmitError::InvalidParam { param: "top_logprobs", message: format!("'top_logprobs' must be at most {}", cfg.max_logprobs) });
     }
+    check_list_sizes(req)?;
     if let Some(&t) = req.sampling.logit_bias.keys().find(|&&t| t as usize >= vocab) {
         return Err(SubmitError::InvalidParam { param: "logit_bias", message: format!("logit_bias token id {t} is outside the vocabulary") });
     }
@@ -256,6 +292,27 @@ impl EngineCore {
             prefix_cache_queries: self.pool.cache_queries,
             prefix_cache_hits: self.pool.cache_hits,
             ..self.stats.clone()
+        }
+    }
+
+    /// [`Self::step`] for the engine thread: a panic inside the step (a bug, in whatever code a
+    /// request reached) fails the requests in flight with an internal error and frees their
+    /// blocks, instead of killing the thread every later request needs. Waiting requests stay.
+    pub fn step_guarded(&mut self) -> bool {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step())) {
+            Ok(worked) => worked,
+            Err(panic) => {
+                let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into());
+                self.stats.step_panics_total += 1;
+                let mut ids: Vec<RequestId> = self.running.iter().map(|s| s.request).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                tracing::error!(panic = %what, requests = ids.len(), "an engine step panicked; failing the requests in flight");
+                for id in ids {
+                    self.fail_request(id, &format!("internal error in the engine: {what}"));
+                }
+                true
+            }
         }
     }
 

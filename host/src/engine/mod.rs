@@ -112,6 +112,12 @@ impl Engine {
         self.shared.max_model_len
     }
 
+    /// The checks `submit` makes of a request before queueing it, for callers that must refuse a
+    /// bad request before anything else (a tenant's rate limits count only valid requests).
+    pub fn validate(&self, req: &EngineRequest) -> Result<(), SubmitError> {
+        self::core::validate_request(&self.model, self.shared.max_model_len, &self.shared.cfg, req)
+    }
+
     pub fn submit(&self, req: EngineRequest) -> Result<RequestStream, SubmitError> {
         if self.shared.shutting_down.load(Ordering::SeqCst) {
             return Err(SubmitError::ShuttingDown);
@@ -188,7 +194,7 @@ fn run_loop(core: &mut EngineCore, rx: mpsc::Receiver<Command>, shared: &Shared)
         while let Ok(cmd) = rx.try_recv() {
             handle(cmd, core, &mut stopping);
         }
-        core.step();
+        core.step_guarded();
         let stats = core.stats();
         shared.waiting_new.store(core.num_waiting_new(), Ordering::SeqCst);
         *shared.stats.lock().unwrap() = stats;

@@ -138,7 +138,7 @@ impl StreamParsers {
                     v["id"] = json!(id);
                     v["type"] = json!("function");
                     v["function"]["name"] = json!(name);
-                    self.tool_calls = self.tool_calls.max(c.index + 1);
+                    self.tool_calls = self.tool_calls.max(c.index.saturating_add(1));
                 }
                 calls.push(v);
             }

@@ -10,7 +10,7 @@ use super::bindings::chat_template as ct;
 use super::error::{FailureKind, PluginError};
 use super::pool::Pool;
 use super::registry::{Pools, Registry};
-use crate::chat::{ChatTemplate, ChatTemplateInput};
+use crate::chat::{ChatTemplate, ChatTemplateInput, RenderError};
 
 pub type TemplatePool = Pool<ct::ChatTemplatePlugin>;
 
@@ -48,9 +48,10 @@ pub struct WasmChatTemplate {
 }
 
 impl ChatTemplate for WasmChatTemplate {
-    fn render(&self, input: &ChatTemplateInput) -> Result<String, String> {
-        let d = self.registry.get(&self.name).ok_or_else(|| format!("chat template plugin '{}' is not deployed", self.name))?;
-        let Pools::Template(pool) = &d.pools else { return Err(format!("plugin '{}' is not a chat template", self.name)) };
+    fn render(&self, input: &ChatTemplateInput) -> Result<String, RenderError> {
+        let misconfigured = |message: String| RenderError::Renderer { status: 500, code: "chat_template_missing", message };
+        let d = self.registry.get(&self.name).ok_or_else(|| misconfigured(format!("chat template plugin '{}' is not deployed", self.name)))?;
+        let Pools::Template(pool) = &d.pools else { return Err(misconfigured(format!("plugin '{}' is not a chat template", self.name))) };
         let mut extra = input.extra.clone();
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         extra.insert("__now".into(), now.into());
@@ -59,6 +60,10 @@ impl ChatTemplate for WasmChatTemplate {
         let tools = input.tools.as_ref().map(|t| Value::Array(t.clone()).to_string());
         render(pool, &messages, tools.as_deref(), input.add_generation_prompt, reasoning_effort.as_deref(), &Value::Object(extra).to_string())
             .map(|r| r.prompt)
-            .map_err(|e| e.to_string())
+            .map_err(|e| match e.kind {
+                // The template's own error result (it raised): the request's fault.
+                FailureKind::PluginError => RenderError::Input(e.to_string()),
+                kind => RenderError::Renderer { status: kind.status(), code: kind.code(), message: e.to_string() },
+            })
     }
 }

@@ -118,7 +118,10 @@ impl Sampler {
             seen.dedup();
             for t in seen {
                 if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                    // A tiny penalty would divide a logit to +inf, and inf - inf in the softmax is
+                    // a NaN that silently picks the last candidate: the largest finite value
+                    // keeps the token as the top one instead.
+                    *l = if *l > 0.0 { (*l / p.repetition_penalty).min(f32::MAX) } else { *l * p.repetition_penalty };
                 }
             }
         }

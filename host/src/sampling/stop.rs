@@ -35,7 +35,9 @@ impl StopChecker {
         let mut keep = 0;
         for s in &self.stops {
             for l in (1..s.len().min(self.pending.len() + 1)).rev() {
-                if self.pending.is_char_boundary(self.pending.len() - l) && self.pending.ends_with(&s[..l]) && s.is_char_boundary(l) {
+                // Both boundary checks before any slicing: a stop string's prefix may end inside
+                // one of its characters ("é" has a 1-byte proper prefix).
+                if s.is_char_boundary(l) && self.pending.is_char_boundary(self.pending.len() - l) && self.pending.ends_with(&s[..l]) {
                     keep = keep.max(l);
                     break;
                 }
@@ -72,6 +74,18 @@ mod tests {
         }
         out.push_str(&c.flush());
         (out, false)
+    }
+
+    /// Multi-byte stop strings: their byte prefixes that end inside a character are skipped, not
+    /// sliced (which panicked), and a character split over deltas is still held back.
+    #[test]
+    fn non_ascii_stop_strings() {
+        assert_eq!(run(&["é"], &["a", "b", "c"]), ("abc".into(), false));
+        assert_eq!(run(&["é"], &["ab", "é", "c"]), ("ab".into(), true));
+        assert_eq!(run(&["aé"], &["xa", "é"]), ("x".into(), true));
+        assert_eq!(run(&["aé"], &["xa", "b"]), ("xab".into(), false));
+        assert_eq!(run(&["。", "→x"], &["one", "→", "x two"]), ("one".into(), true));
+        assert_eq!(run(&["日本"], &["今日", "本"]), ("今".into(), true));
     }
 
     #[test]

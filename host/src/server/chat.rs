@@ -16,7 +16,7 @@ use super::openai::ChatCompletionRequest;
 use super::sse::{stream_response, ChunkFormatter};
 use super::tool_choice::{forced_constraint, tool_call_json};
 use super::state::{unix_now, AppState, ServerState};
-use crate::chat::ChatTemplateInput;
+use crate::chat::{ChatTemplateInput, RenderError};
 use crate::sampling::constraint::ConstraintSpec;
 use crate::model::LoadedModel;
 use crate::tenancy::http::{self as tenancy, CallerExt};
@@ -89,6 +89,10 @@ pub fn normalize_messages(messages: Vec<Value>) -> ApiResult<Vec<Value>> {
 }
 
 pub fn validate_tools(tools: &[Value]) -> ApiResult<()> {
+    let max = crate::engine::core::MAX_TOOLS;
+    if tools.len() > max {
+        return Err(ApiError::invalid_param("tools", format!("'tools' may hold at most {max} tools, got {}", tools.len())));
+    }
     for (i, t) in tools.iter().enumerate() {
         let ok = t.get("type").and_then(Value::as_str) == Some("function") && t.pointer("/function/name").and_then(Value::as_str).is_some();
         if !ok {
@@ -101,11 +105,30 @@ pub fn validate_tools(tools: &[Value]) -> ApiResult<()> {
     Ok(())
 }
 
+/// [`render_chat`] on tokio's blocking pool: rendering (a template plugin, too) and tokenizing a
+/// prompt of megabytes takes long enough to stall every other connection on an async worker
+/// (`/health` included).
+pub async fn render_chat_off_runtime(state: &AppState, input: ChatTemplateInput) -> ApiResult<(String, Vec<u32>)> {
+    let state = state.clone();
+    off_runtime(move || render_chat(&state, &input)).await?
+}
+
+/// Runs `work` on tokio's blocking pool.
+pub async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> ApiResult<T> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| ApiError::internal(format!("a blocking task failed: {e}")))
+}
+
 /// Renders the chat template and tokenizes the result. Special tokens come from the template
 /// text itself, so none are added (as transformers' `apply_chat_template(tokenize=True)`).
 pub fn render_chat(state: &ServerState, input: &ChatTemplateInput) -> ApiResult<(String, Vec<u32>)> {
     let tmpl = state.template.as_ref().ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions"))?;
-    let prompt = tmpl.render(input).map_err(|e| ApiError::invalid_param("messages", e))?;
+    let prompt = tmpl.render(input).map_err(|e| match e {
+        RenderError::Input(m) => ApiError::invalid_param("messages", m),
+        RenderError::Renderer { status, code, message } => {
+            let status = axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+            ApiError::new(status, "server_error", message).with_code(code)
+        }
+    })?;
     let ids = state.model.tokenizer.encode(&prompt, false).map_err(ApiError::internal)?;
     Ok((prompt, ids))
 }
@@ -184,7 +207,7 @@ pub async fn handler(
         add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
         extra: template_extra(req.reasoning_effort.as_deref(), req.chat_template_kwargs.as_ref()),
     };
-    let (_, prompt_ids) = render_chat(&state, &input)?;
+    let (_, prompt_ids) = render_chat_off_runtime(&state, input).await?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens).map_or(usize::MAX, |m| m.min(usize::MAX as u64) as usize);
     let mut ereq = req.sampling.to_engine_request(max_tokens).map_err(|e| {
         if e.param.as_deref() == Some("max_tokens") && req.max_completion_tokens.is_some() {
@@ -218,7 +241,14 @@ pub async fn handler(
     let want_logprobs = req.logprobs == Some(true);
     ereq.logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0) as usize);
     let policies = match &state.plugins {
-        Some(reg) => Some(crate::plugins::apply::apply(reg, &state.served_model_name, tenant, &mut ereq)?),
+        Some(reg) => {
+            // Validated before and after the policies: what they make invalid (a rewrite to
+            // top_p 0, too many stop strings) is the policy's error, not the client's.
+            state.engine.validate(&ereq)?;
+            let applied = crate::plugins::apply::apply(reg, &state.served_model_name, tenant, &mut ereq)?;
+            state.engine.validate(&ereq).map_err(|e| ApiError::internal(format!("a request policy made the request invalid: {e}")).with_code("policy_error"))?;
+            Some(applied)
+        }
         None => None,
     };
     let prompt_len = ereq.prompt_ids.len();

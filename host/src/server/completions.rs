@@ -17,6 +17,10 @@ use super::state::{unix_now, AppState};
 use crate::model::LoadedModel;
 use crate::tenancy::http::{self as tenancy, CallerExt};
 
+/// Prompts one request may carry, and choices (prompts x n) in all.
+const MAX_PROMPTS: usize = 64;
+const MAX_CHOICES: usize = 256;
+
 /// OpenAI's default for this endpoint (chat defaults to the rest of the context).
 const DEFAULT_MAX_TOKENS: usize = 16;
 
@@ -37,13 +41,23 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     }
     let in_flight = state.enter()?;
     let tok = &state.model.tokenizer;
-    let prompts: Vec<Vec<u32>> = parse_prompts(&req.prompt)?
-        .into_iter()
-        .map(|p| match p {
-            PromptInput::Text(t) => tok.encode(&t, true).map_err(ApiError::internal),
-            PromptInput::Ids(ids) => Ok(ids),
-        })
-        .collect::<Result<_, _>>()?;
+    let prompts = parse_prompts(&req.prompt)?;
+    // One request may not take the whole queue (nor get a "queue full" no retry can cure).
+    if prompts.len() > MAX_PROMPTS || (prompts.len() as u64).saturating_mul(n) > MAX_CHOICES as u64 {
+        return Err(ApiError::invalid_param("prompt", format!("at most {MAX_PROMPTS} prompts and {MAX_CHOICES} choices (prompts x n) per request, got {} x {n}", prompts.len())));
+    }
+    // Tokenized on the blocking pool (see chat::render_chat_off_runtime).
+    let st = state.clone();
+    let prompts: Vec<Vec<u32>> = super::chat::off_runtime(move || {
+        prompts
+            .into_iter()
+            .map(|p| match p {
+                PromptInput::Text(t) => st.model.tokenizer.encode(&t, true).map_err(ApiError::internal),
+                PromptInput::Ids(ids) => Ok(ids),
+            })
+            .collect::<Result<_, _>>()
+    })
+    .await??;
     let max_tokens = req.max_tokens.map_or(DEFAULT_MAX_TOKENS, |m| m.min(usize::MAX as u64) as usize);
     let base = req.sampling.to_engine_request(max_tokens)?;
     let n = base.n;

@@ -1,7 +1,8 @@
-//! The JSON body extractor: OpenAI-shaped 400s (naming the bad field) and 413s, where axum's own
-//! `Json` rejection would answer plain text.
+//! The JSON body and query-string extractors: OpenAI-shaped 400s (naming the bad field) and 413s,
+//! where axum's own `Json` and `Query` rejections would answer plain text.
 
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Query, Request};
+use axum::http::request::Parts;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -28,6 +29,17 @@ impl<T: JsonBody> FromRequest<AppState> for OpenAiJson<T> {
             Err(e) => return Err(ApiError::bad_request(format!("could not read the request body: {e}"))),
         };
         T::from_json(parse_object(&bytes)?).map(OpenAiJson)
+    }
+}
+
+/// A query string parsed into `T` (axum's `Query`), refused with an OpenAI-shaped 400.
+pub struct OpenAiQuery<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for OpenAiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        Query::<T>::from_request_parts(parts, state).await.map(|Query(q)| OpenAiQuery(q)).map_err(|e| ApiError::bad_request(format!("invalid query string: {}", e.body_text())))
     }
 }
 

@@ -123,6 +123,7 @@ impl Metrics {
         simple("wasmserve_prefix_cache_hit_rate", "gauge", "Prefix-cache hits over lookups since start (0 to 1).", rate.to_string());
         simple("wasmserve_num_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.", e.preemptions_total.to_string());
         simple("wasmserve_forward_errors_total", "counter", "Forward passes that failed (device errors); their requests got an error.", e.forward_errors_total.to_string());
+        simple("wasmserve_engine_step_panics_total", "counter", "Engine steps that panicked (a bug); the requests in flight got an error and the engine went on.", e.step_panics_total.to_string());
         simple("wasmserve_engine_steps_total", "counter", "Engine scheduling steps (batched forward passes).", e.steps_total.to_string());
         simple(
             "wasmserve_engine_prompt_tokens_total",

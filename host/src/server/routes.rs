@@ -8,7 +8,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use super::chat::{normalize_messages, render_chat, template_extra, validate_tools};
+use super::chat::{normalize_messages, off_runtime, render_chat_off_runtime, template_extra, validate_tools};
 use super::error::{ApiError, ApiResult};
 use super::extract::OpenAiJson;
 use super::logprobs::piece;
@@ -117,7 +117,10 @@ async fn tokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(r
     check_tenant_model(&caller, &state.served_model_name)?;
     let tok = &state.model.tokenizer;
     let ids = match (req.prompt, req.messages) {
-        (Some(p), None) => tok.encode(&p, req.add_special_tokens.unwrap_or(true)).map_err(ApiError::internal)?,
+        (Some(p), None) => {
+            let (st, add_special) = (state.clone(), req.add_special_tokens.unwrap_or(true));
+            off_runtime(move || st.model.tokenizer.encode(&p, add_special)).await?.map_err(ApiError::internal)?
+        }
         (None, Some(messages)) => {
             if let Some(t) = &req.tools {
                 validate_tools(t)?;
@@ -128,7 +131,7 @@ async fn tokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(r
                 add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
                 extra: template_extra(None, req.chat_template_kwargs.as_ref()),
             };
-            render_chat(&state, &input)?.1
+            render_chat_off_runtime(&state, input).await?.1
         }
         _ => return Err(ApiError::bad_request("give exactly one of 'prompt' or 'messages'")),
     };

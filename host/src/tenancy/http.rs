@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -19,7 +19,7 @@ use super::limits::{Scope, Refusal};
 use super::{Caller, Tenancy};
 use crate::engine::EngineRequest;
 use crate::server::error::{ApiError, ApiResult};
-use crate::server::extract::{JsonBody, OpenAiJson};
+use crate::server::extract::{JsonBody, OpenAiJson, OpenAiQuery};
 use crate::server::generation::Usage;
 use crate::server::state::AppState;
 
@@ -114,8 +114,10 @@ pub fn admit(state: &AppState, caller: &CallerExt, endpoint: &str, started: Inst
             }
             r.max_tokens = r.max_tokens.min((mc as usize) - prompt);
         }
+        // A request the engine would refuse is the client's error (400), not a use of its limits.
+        state.engine.validate(r)?;
         let completion = r.max_tokens.min(max_model_len.saturating_sub(prompt));
-        tokens += prompt as u64 + (r.n as u64) * completion as u64;
+        tokens = tokens.saturating_add((prompt as u64).saturating_add((r.n as u64).saturating_mul(completion as u64)));
     }
     let scopes = [
         Scope { id: format!("tenant:{}", p.tenant.id), limits: &p.tenant.settings.limits, budget_used: c.budget_used.0 },
@@ -210,7 +212,7 @@ fn internal(e: anyhow::Error) -> ApiError {
 }
 
 /// `GET /v1/usage`: the caller's tenant's own usage (rows newest first, and totals).
-pub async fn own_usage(State(state): State<AppState>, caller: CallerExt, Query(mut q): Query<UsageQuery>) -> ApiResult<Json<Value>> {
+pub async fn own_usage(State(state): State<AppState>, caller: CallerExt, OpenAiQuery(mut q): OpenAiQuery<UsageQuery>) -> ApiResult<Json<Value>> {
     let (Some(t), Some(c)) = (state.tenancy.clone(), caller_of(&caller)) else {
         return Err(ApiError::not_found("Usage accounting needs the server to run with --db"));
     };
@@ -286,7 +288,7 @@ struct KeyFilter {
     tenant: Option<String>,
 }
 
-async fn list_keys(State(state): State<AppState>, Query(f): Query<KeyFilter>) -> ApiResult<Json<Value>> {
+async fn list_keys(State(state): State<AppState>, OpenAiQuery(f): OpenAiQuery<KeyFilter>) -> ApiResult<Json<Value>> {
     let rows = tenancy(&state).with_conn(move |c, _| db::list_keys(c, f.tenant.as_deref())).await.map_err(internal)?;
     Ok(Json(json!({"object": "list", "data": rows})))
 }
@@ -311,7 +313,7 @@ async fn revoke_key(State(state): State<AppState>, Path(id): Path<String>) -> Ap
     Ok(Json(json!({"id": id, "revoked": true})))
 }
 
-async fn any_usage(State(state): State<AppState>, Query(q): Query<UsageQuery>) -> ApiResult<Json<Value>> {
+async fn any_usage(State(state): State<AppState>, OpenAiQuery(q): OpenAiQuery<UsageQuery>) -> ApiResult<Json<Value>> {
     usage_json(&tenancy(&state), q).await
 }
 

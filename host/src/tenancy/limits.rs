@@ -212,9 +212,10 @@ impl Limiter {
                 let used = w.requests.len() as u64;
                 let reset = w.requests.front().map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t)));
                 if used >= rpm {
-                    // Room again once the admission that keeps the window full leaves it.
-                    let t = w.requests[(used - rpm) as usize];
-                    refuse(format!("Rate limit reached for requests: {what} limit {rpm} requests per minute"), MINUTE.saturating_sub(now.duration_since(t)));
+                    // Room again once the admission that keeps the window full leaves it (never,
+                    // for a limit of 0: say a minute, like any other full window).
+                    let wait = w.requests.get((used - rpm) as usize).map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t)));
+                    refuse(format!("Rate limit reached for requests: {what} limit {rpm} requests per minute"), wait);
                 }
                 status.merge_requests(Gauge { limit: rpm, remaining: rpm.saturating_sub(used + 1), reset });
             }
@@ -222,9 +223,9 @@ impl Limiter {
                 let used = w.tokens_sum;
                 if tokens > tpm {
                     refuse(format!("Request too large: it may use {tokens} tokens, more than the {what} limit of {tpm} tokens per minute"), MINUTE);
-                } else if used + tokens > tpm {
+                } else if used.saturating_add(tokens) > tpm {
                     // Wait until enough reserved tokens leave the window.
-                    let need = used + tokens - tpm;
+                    let need = used.saturating_add(tokens) - tpm;
                     let mut freed = 0;
                     let mut wait = MINUTE;
                     for &(t, _, n) in &w.tokens {
@@ -241,7 +242,7 @@ impl Limiter {
                 } else {
                     w.tokens.back().map_or(Duration::ZERO, |&(t, _, _)| MINUTE.saturating_sub(now.duration_since(t)))
                 };
-                status.merge_tokens(Gauge { limit: tpm, remaining: tpm.saturating_sub(used + tokens), reset });
+                status.merge_tokens(Gauge { limit: tpm, remaining: tpm.saturating_sub(used.saturating_add(tokens)), reset });
             }
             if let Some(mc) = l.max_concurrent {
                 if w.concurrent >= mc {
@@ -249,7 +250,7 @@ impl Limiter {
                 }
             }
             if let Some(b) = l.token_budget {
-                if w.budget_used + tokens > b {
+                if w.budget_used.saturating_add(tokens) > b {
                     let end = w.budget_start + l.budget_window();
                     refuse(
                         format!("Token budget exhausted: {what} budget {b} tokens per {}s window, {} used", l.budget_window(), w.budget_used),
@@ -362,6 +363,21 @@ mod tests {
         held.into_iter().for_each(|r| r.settle(0));
         assert!(lim.admit(&[scope("t:a", &l)], 0, t0 + Duration::from_secs(30), 0).is_err());
         assert!(lim.admit(&[scope("t:a", &l)], 0, t0 + MINUTE, 0).is_ok());
+    }
+
+    /// Limits of 0 refuse every request (a key switched off), and a request's token estimate near
+    /// u64::MAX is refused rather than overflowing the sums.
+    #[test]
+    fn zero_limits_and_huge_estimates_are_refusals() {
+        let lim = Limiter::new();
+        let t0 = Instant::now();
+        for l in [Limits { rpm: Some(0), ..Default::default() }, Limits { tpm: Some(0), ..Default::default() }, Limits { max_concurrent: Some(0), ..Default::default() }, Limits { token_budget: Some(0), ..Default::default() }] {
+            let e = lim.admit(&[scope("t:zero", &l)], 1, t0, 0).unwrap_err();
+            assert!(e.retry_after > Duration::ZERO, "{l:?}: {}", e.message);
+        }
+        let l = Limits { tpm: Some(100), token_budget: Some(100), ..Default::default() };
+        lim.admit(&[scope("t:big", &l)], 10, t0, 0).unwrap().settle(10);
+        assert!(lim.admit(&[scope("t:big", &l)], u64::MAX - 5, t0, 0).is_err());
     }
 
     #[test]

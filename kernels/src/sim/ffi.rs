@@ -18,6 +18,34 @@ unsafe extern "C" {
         errlen: usize,
     ) -> c_int;
     fn wsim_signature(name: *const c_char) -> *const c_char;
+    fn wsim_page_size() -> usize;
+    fn wsim_map(bytes: usize) -> *mut u8;
+    fn wsim_unmap(usable: *mut u8, bytes: usize);
+}
+
+/// The page size (what [`map`] rounds to).
+#[cfg(wasmserve_sim)]
+pub fn page_size() -> usize {
+    // SAFETY: no arguments; sysconf cannot fail for the page size.
+    unsafe { wsim_page_size() }
+}
+
+/// `bytes` (a multiple of [`page_size`]) of zeroed memory between two inaccessible pages, so a
+/// kernel reaching past it faults and the simulator reports the fault; None when out of memory.
+#[cfg(wasmserve_sim)]
+pub fn map(bytes: usize) -> Option<std::ptr::NonNull<u8>> {
+    // SAFETY: mmap of fresh anonymous memory; the C side checks every call it makes.
+    std::ptr::NonNull::new(unsafe { wsim_map(bytes) })
+}
+
+/// Frees what [`map`]`(bytes)` returned.
+///
+/// # Safety
+/// `usable` came from `map(bytes)` and nothing uses it any more.
+#[cfg(wasmserve_sim)]
+pub unsafe fn unmap(usable: std::ptr::NonNull<u8>, bytes: usize) {
+    // SAFETY: see the contract above.
+    unsafe { wsim_unmap(usable.as_ptr(), bytes) }
 }
 
 /// Whether the simulator library was built (a C++ compiler was found at build time).

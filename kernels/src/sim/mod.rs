@@ -114,13 +114,13 @@ impl Runtime for SimRuntime {
         "CPU simulator".into()
     }
     fn upload<T: Elem>(&self, host: &[T]) -> Result<SimBuf<T>, CudaError> {
-        Ok(SimBuf::from_slice(host))
+        SimBuf::from_slice(host).ok_or_else(|| sim_err("simulated device memory", format!("out of memory for {} bytes", std::mem::size_of_val(host))))
     }
     fn download<T: Elem>(&self, buf: &SimBuf<T>) -> Result<Vec<T>, CudaError> {
         Ok(buf.to_vec())
     }
     fn zeros<T: Elem>(&self, n: usize) -> Result<SimBuf<T>, CudaError> {
-        Ok(SimBuf::from_slice(&vec![T::default(); n.max(1)]))
+        self.upload(&vec![T::default(); n.max(1)])
     }
     fn write<T: Elem>(&self, buf: &mut SimBuf<T>, offset: usize, host: &[T]) -> Result<(), CudaError> {
         gpu::kernels::check(offset.checked_add(host.len()).is_some_and(|end| end <= buf.len()), || format!("write of {} at {offset} into {}", host.len(), buf.len()))?;
@@ -184,7 +184,7 @@ impl Runtime for SimRuntime {
                 _ => true,
             };
             if !intact {
-                return Err(sim_err("simulator", format!("{kernel}: argument {i} was written out of bounds (guard bytes changed)")));
+                return Err(sim_err("simulator", format!("{kernel}: argument {i} was written out of bounds (the padding around it changed)")));
             }
         }
         Ok(())

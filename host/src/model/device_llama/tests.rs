@@ -494,6 +494,46 @@ fn a_failed_forward_fails_the_requests_not_the_engine() {
     assert_eq!(core.pool().unreferenced(), core.pool().num_blocks());
 }
 
+/// A model whose forward panics (a bug anywhere in a step).
+struct Panicking(crate::model::config::ModelConfig);
+
+impl LanguageModel for Panicking {
+    fn config(&self) -> &crate::model::config::ModelConfig {
+        &self.0
+    }
+    fn cache_layout(&self) -> crate::model::kv::CacheLayout {
+        Failing(self.0.clone()).cache_layout()
+    }
+    fn forward(&self, _: &[u32], _: &[BatchRow], _: &mut dyn KvCache, _: &[usize]) -> Vec<f32> {
+        panic!("injected bug")
+    }
+}
+
+/// A step that panics fails the requests in flight with the panic's message and frees their
+/// blocks; the engine (thread) goes on and serves the next request.
+#[test]
+fn a_panicking_step_fails_the_requests_not_the_engine() {
+    use crate::engine::{Engine, EngineConfig, EngineEvent, EngineRequest};
+    let (m, _) = tiny_checkpoint();
+    let m = std::sync::Arc::new(crate::model::LoadedModel { model: Box::new(Panicking(m.config().clone())), ..m });
+    let engine = Engine::start(m, EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, ..Default::default() });
+    for _ in 0..2 {
+        let mut stream = engine.submit(EngineRequest { prompt_ids: vec![1, 5, 9], max_tokens: 4, n: 2, ..Default::default() }).unwrap();
+        match stream.blocking_next() {
+            Some(EngineEvent::Error(e)) => assert!(e.contains("internal error in the engine: injected bug"), "{e}"),
+            other => panic!("expected an error event, got {other:?}"),
+        }
+    }
+    // The engine thread publishes its stats after the step that sent the error.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while engine.stats().step_panics_total < 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let stats = engine.stats();
+    assert_eq!(stats.step_panics_total, 2);
+    assert_eq!(stats.kv_blocks_free, stats.kv_blocks_total);
+}
+
 /// The same checks on the CPU simulator, which runs the real `.cu` sources (kernels/sim): the
 /// device forward's kernels, launch geometry and composition as a GPU would run them.
 mod sim {
