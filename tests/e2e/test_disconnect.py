@@ -1,4 +1,5 @@
-"""A client that hangs up frees its request in the engine (checked through /metrics)."""
+"""A client that hangs up, or stops reading a stream, frees its request in the engine (checked
+through /metrics)."""
 
 import json
 import socket
@@ -6,7 +7,7 @@ import time
 
 import httpx
 
-from conftest import MODEL_NAME
+from conftest import MODEL_NAME, Server
 
 
 def long_chat(**kw):
@@ -53,6 +54,40 @@ def test_non_stream_disconnect_frees_the_request(server):
     wait_running(server, 1)
     s.close()
     server.wait_idle(timeout=10)
+
+
+def test_a_stream_the_client_stops_reading_is_aborted():
+    """A client that keeps the connection open but never reads would hold its plugin sessions and
+    concurrency slot for the whole generation; --stream-stall-timeout cuts it off."""
+    srv = Server("stall", ["--stream-stall-timeout", "1"]).start()
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        # Big chunks (8 choices with 20 top logprobs each) and a tiny receive window fill the
+        # socket buffers quickly; the body is a 3000-token stream the client never reads.
+        body = json.dumps(long_chat(stream=True, n=8, logprobs=True, top_logprobs=20)).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_running(srv, 8)
+        deadline = time.time() + 90
+        while srv.metrics()["wasmserve_stream_stalled_total"] < 1:
+            assert time.time() < deadline, "the stalled stream was never aborted"
+            time.sleep(0.2)
+        # Freed while the connection is still open, long before 3000 tokens.
+        m = srv.wait_idle(timeout=10)
+        assert m['wasmserve_request_finished_total{outcome="abort"}'] == 1
+        assert "client stopped reading" in srv.log_text()
+        s.close()
+        # The server goes on serving.
+        r = srv.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert r.choices[0].finish_reason == "length"
+    finally:
+        srv.stop()
 
 
 def test_server_still_serves_after_disconnects(client):

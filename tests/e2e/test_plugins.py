@@ -1,8 +1,9 @@
 """Wasm plugins in the real server with the real built components (target/plugins/, from
 scripts/build-plugins): parsers deployed from a config file and through the admin API, a
 plugin failure failing only its own request (clear 5xx naming the plugin) while the next
-request succeeds, a failing upload changing nothing, and a parser hot-swapped while 32 streams
-run without any stream failing.
+request succeeds, a failing upload changing nothing, a parser hot-swapped while 32 streams
+run without any stream failing, and a chat-template plugin that fails: a server error naming it,
+while the template's own refusal stays the client's 400.
 """
 
 import asyncio
@@ -201,3 +202,45 @@ def test_request_policies_cap_reject_and_contain_bad_output(psrv):
             for n in ("p1-cap", "p2-len", "p3-hostile"):
                 a.delete(f"/admin/plugins/{n}")
     assert chat(c).usage.completion_tokens > 3
+
+
+# A ChatML template (SmolLM2's format) that loops for ever on a message "LOOP" and raises on "RAISE".
+LOOPING_TEMPLATE = (
+    "{% if messages[-1]['content'] == 'LOOP' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+    "{% if messages[-1]['content'] == 'RAISE' %}{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_failing_chat_template_plugin_is_a_server_error():
+    cfg = LOG_DIR / "template-plugin.json"
+    cfg.write_text(json.dumps({"plugins": [{"name": "template", "kind": "chat-template", "component": str(PLUGINS / "chat-template-jinja.wasm"),
+                                            "config": {"template": LOOPING_TEMPLATE}, "limits": {"call_timeout_ms": 200}}]}))
+    srv = Server("template-plugin", ["--plugins", str(cfg)]).start()
+    try:
+        c = srv.client()
+        say = lambda text, **kw: c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": text}], max_tokens=4, **kw)
+        assert "chat template rendered by a Wasm plugin" in srv.log_text()
+        with pytest.raises(openai.APIStatusError) as e:
+            say("LOOP")
+        assert e.value.status_code == 504
+        assert e.value.body["code"] == "plugin_timeout" and "'template'" in e.value.body["message"], e.value.body
+        # Streaming renders before the stream starts: the same status, not an event.
+        with pytest.raises(openai.APIStatusError) as e:
+            say("LOOP", stream=True)
+        assert e.value.status_code == 504
+        r = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "LOOP"}]}, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "plugin_timeout", r.text
+        # The template's own refusal is the request's fault.
+        with pytest.raises(openai.BadRequestError) as e:
+            say("RAISE")
+        assert "roles must alternate" in e.value.message
+        # Other requests render through the plugin and are answered.
+        r = say("Hi")
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+        ids = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
+        assert r.usage.prompt_tokens == len(ids)
+        assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    finally:
+        srv.stop()

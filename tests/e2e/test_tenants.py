@@ -210,8 +210,8 @@ def test_max_context_and_token_budget(tsrv):
 
 
 def test_invalid_requests_are_400_before_limits_and_zero_limits_refuse(tsrv):
-    # A request the engine refuses is the client's 400, even where the limits would refuse it too
-    # (a huge n would otherwise count as a huge token reservation: "Request too large", 429).
+    # A request the engine refuses is the client's 400, even where the token limits would refuse
+    # it too (a huge n would otherwise count as a huge token reservation: "Request too large", 429).
     new_tenant("strict-tpm", "--tpm", "50")
     key = new_key("strict-tpm")["key"]
     for body in [{"prompt": "Hello", "n": 10**15}, {"prompt": "Hello", "logprobs": 50}, {"prompt": ""}]:
@@ -224,11 +224,44 @@ def test_invalid_requests_are_400_before_limits_and_zero_limits_refuse(tsrv):
     with pytest.raises(openai.RateLimitError) as e:
         complete(tsrv, off)
     assert int(e.value.response.headers["retry-after"]) >= 1
+    # A limit that refuses any request at all refuses before the prompt is tokenized or the chat
+    # rendered: even an empty prompt (a 400 above) and an 8 MB-limit-sized chat are a quick 429.
+    h = {"Authorization": f"Bearer {off}"}
+    r = httpx.post(tsrv.url + "/v1/completions", headers=h, json={"model": MODEL_NAME, "prompt": "", "max_tokens": 2})
+    assert r.status_code == 429, r.text
+    big = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "word " * 1_500_000}], "max_tokens": 2}
+    t = time.time()
+    assert httpx.post(tsrv.url + "/v1/chat/completions", headers=h, json=big, timeout=60).status_code == 429
+    assert time.time() - t < 2, "the refusal waited for the 7.5 MB prompt to be rendered and tokenized"
     complete(tsrv, key)
     # A bad query string is an OpenAI-style 400, not axum's plain text.
     r = httpx.get(tsrv.url + "/v1/usage", params={"limit": "abc"}, headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
     assert "query" in r.json()["error"]["message"]
+
+
+def test_tokenizer_endpoints_count_against_the_request_rate(tsrv):
+    # Rendering a chat runs the template (maybe a tenant's plugin) on the server: /tokenize and
+    # /detokenize are requests like any other for rpm and concurrency, though they use no tokens.
+    new_tenant("tok", "--rpm", "2")
+    key = new_key("tok")["key"]
+    h = {"Authorization": f"Bearer {key}"}
+    r = httpx.post(tsrv.url + "/tokenize", headers=h, json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200 and r.json()["count"] > 0, r.text
+    assert r.headers["x-ratelimit-remaining-requests"] == "1"
+    assert httpx.post(tsrv.url + "/detokenize", headers=h, json={"tokens": [100]}).status_code == 200
+    r = httpx.post(tsrv.url + "/tokenize", headers=h, json={"prompt": "Hi"})
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    with pytest.raises(openai.RateLimitError):
+        complete(tsrv, key)
+    # A key switched off with rpm 0 cannot tokenize either.
+    new_tenant("tok-off", "--rpm", "0")
+    off = new_key("tok-off")["key"]
+    assert httpx.post(tsrv.url + "/tokenize", headers={"Authorization": f"Bearer {off}"}, json={"prompt": "Hi"}).status_code == 429
+    # No usage row: the tenant's usage lists nothing for them.
+    rows = httpx.get(tsrv.url + "/v1/usage", headers=h).json()
+    assert rows["totals"]["requests"] == 0, rows
 
 
 def test_usage_rows_equal_responses(tsrv):

@@ -190,6 +190,8 @@ pub async fn handler(
     state.check_model(req.model.as_deref())?;
     tenancy::check_model(&caller, &state.served_model_name)?;
     check_unsupported(&req)?;
+    // Before the tokenizing: a caller at its limits gets its 429 without costing that work.
+    tenancy::precheck(&state, &caller)?;
     let in_flight = state.enter()?;
     let messages = normalize_messages(req.messages)?;
     let tools = match (&req.tools, req.tool_choice.as_ref().and_then(Value::as_str)) {

@@ -39,6 +39,8 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     if echo && req.logprobs.is_some() {
         return Err(ApiError::not_supported("echo", "'echo' together with 'logprobs' (prompt logprobs) is not supported"));
     }
+    // Before the tokenizing: a caller at its limits gets its 429 without costing that work.
+    tenancy::precheck(&state, &caller)?;
     let in_flight = state.enter()?;
     let tok = &state.model.tokenizer;
     let prompts = parse_prompts(&req.prompt)?;

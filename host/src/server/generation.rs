@@ -93,6 +93,10 @@ impl Generation {
         })
     }
 
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
     pub fn with_admission(mut self, admission: Option<Admission>) -> Self {
         self.admission = admission;
         self

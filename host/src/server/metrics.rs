@@ -69,6 +69,8 @@ pub struct Metrics {
     pub e2e: Histogram,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
+    /// Streams aborted because the client stopped reading (`--stream-stall-timeout`).
+    pub stalled_streams: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -81,6 +83,7 @@ impl Default for Metrics {
             e2e: Histogram::new(E2E_BUCKETS),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
+            stalled_streams: AtomicU64::new(0),
         }
     }
 }
@@ -148,6 +151,12 @@ impl Metrics {
             "counter",
             "Completion tokens of finished requests (usage.completion_tokens).",
             self.generation_tokens.load(Ordering::Relaxed).to_string(),
+        );
+        simple(
+            "wasmserve_stream_stalled_total",
+            "counter",
+            "Streams aborted because the client stopped reading for --stream-stall-timeout.",
+            self.stalled_streams.load(Ordering::Relaxed).to_string(),
         );
 
         let _ = writeln!(

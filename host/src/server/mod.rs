@@ -101,6 +101,10 @@ pub struct ServeArgs {
     /// Largest accepted request body (bytes or with a suffix); larger ones get 413.
     #[arg(long, default_value = "8MiB", value_parser = parse_size)]
     pub max_body_bytes: usize,
+    /// Seconds a stream may wait for its client to read the next event before the request is
+    /// aborted (its plugin instances and concurrency slot freed); 0 waits forever.
+    #[arg(long, default_value_t = 60.0)]
+    pub stream_stall_timeout: f64,
     /// Seconds to let in-flight requests finish after SIGTERM before closing anyway.
     #[arg(long, default_value_t = 60)]
     pub shutdown_timeout: u64,
@@ -188,6 +192,7 @@ pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec, dense: crate
     let engine = Engine::try_start(model, cfg).map_err(anyhow::Error::msg)?;
     let mut state = ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes);
     state.tenancy = tenancy;
+    state.stream_stall_timeout = stall_timeout(args.stream_stall_timeout)?;
     let plugins = crate::plugins::registry::Registry::new(crate::plugins::Runtime::new(args.plugin_cache_dir.clone())?);
     plugins.set_admin_key(args.admin_key.clone());
     if let Some(src) = state.model.tokenizer.chat_template.as_deref() {
@@ -212,6 +217,13 @@ pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec, dense: crate
     let result = rt.block_on(serve(state, &args));
     engine.stop();
     result
+}
+
+fn stall_timeout(secs: f64) -> Result<Option<Duration>> {
+    if !secs.is_finite() || secs < 0.0 {
+        bail!("--stream-stall-timeout must be a number of seconds, 0 or more (got {secs})");
+    }
+    Ok((secs > 0.0).then(|| Duration::from_secs_f64(secs)))
 }
 
 /// `--reasoning-parser` / `--tool-call-parser` (default `auto`: the model's usual parsers).

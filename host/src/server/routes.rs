@@ -16,7 +16,7 @@ use super::openai::{DetokenizeRequest, TokenizeRequest};
 use super::state::AppState;
 use super::{chat, completions};
 use crate::chat::ChatTemplateInput;
-use crate::tenancy::http::{check_model as check_tenant_model, model_visible, CallerExt};
+use crate::tenancy::http::{add_headers as add_rate_headers, admit_call, check_model as check_tenant_model, model_visible, CallerExt};
 
 pub fn router(state: AppState) -> Router {
     let api = Router::new()
@@ -111,10 +111,36 @@ async fn metrics(State(state): State<AppState>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
 }
 
+/// Runs a tokenizer endpoint inside its tenant admission (rate and concurrency, see
+/// `admit_call`), adding the rate-limit headers to whatever it answers.
+async fn admitted_call<Fut>(state: &AppState, caller: &CallerExt, call: Fut) -> Response
+where
+    Fut: std::future::Future<Output = ApiResult<Json<Value>>>,
+{
+    let admission = match admit_call(state, caller) {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    let mut resp = call.await.into_response();
+    if let Some(a) = admission {
+        add_rate_headers(&mut resp, &a.headers());
+        a.finish();
+    }
+    resp
+}
+
+async fn tokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<TokenizeRequest>) -> Response {
+    admitted_call(&state, &caller, tokenize_call(&state, &caller, req)).await
+}
+
+async fn detokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<DetokenizeRequest>) -> Response {
+    admitted_call(&state, &caller, detokenize_call(&state, &caller, req)).await
+}
+
 /// vLLM's `/tokenize`: a raw `prompt`, or `messages` rendered exactly as chat completions does.
-async fn tokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<TokenizeRequest>) -> ApiResult<Json<Value>> {
+async fn tokenize_call(state: &AppState, caller: &CallerExt, req: TokenizeRequest) -> ApiResult<Json<Value>> {
     state.check_model(req.model.as_deref())?;
-    check_tenant_model(&caller, &state.served_model_name)?;
+    check_tenant_model(caller, &state.served_model_name)?;
     let tok = &state.model.tokenizer;
     let ids = match (req.prompt, req.messages) {
         (Some(p), None) => {
@@ -131,7 +157,7 @@ async fn tokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(r
                 add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
                 extra: template_extra(None, req.chat_template_kwargs.as_ref()),
             };
-            render_chat_off_runtime(&state, input).await?.1
+            render_chat_off_runtime(state, input).await?.1
         }
         _ => return Err(ApiError::bad_request("give exactly one of 'prompt' or 'messages'")),
     };
@@ -142,9 +168,9 @@ async fn tokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(r
     Ok(Json(out))
 }
 
-async fn detokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<DetokenizeRequest>) -> ApiResult<Json<Value>> {
+async fn detokenize_call(state: &AppState, caller: &CallerExt, req: DetokenizeRequest) -> ApiResult<Json<Value>> {
     state.check_model(req.model.as_deref())?;
-    check_tenant_model(&caller, &state.served_model_name)?;
+    check_tenant_model(caller, &state.served_model_name)?;
     let vocab = state.model.config().vocab_size;
     if let Some(t) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::invalid_param("tokens", format!("token id {t} is outside the vocabulary (size {vocab})")));

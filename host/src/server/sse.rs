@@ -1,14 +1,23 @@
 //! Server-sent events for streaming responses: one `data: {json}` event per chunk, an optional
-//! usage chunk, then `data: [DONE]`. The event stream owns the `Generation`, so when hyper drops
-//! the body (the client hung up) the engine request is aborted.
+//! usage chunk, then `data: [DONE]`.
+//!
+//! A task pumps the events into a small channel that the response body drains. The task owns
+//! the `Generation` (and the formatter with its parser plugin sessions), and drops them, which
+//! aborts the engine request, as soon as the client hangs up or stops reading: a client that
+//! keeps the connection open without reading would otherwise hold its plugin instances, its
+//! tenant's concurrency slot and the shutdown drain for as long as it liked.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use futures_util::stream;
+use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::SendTimeoutError;
 
 use super::error::ApiError;
 use super::generation::{GenEvent, Generation, Usage};
@@ -48,16 +57,71 @@ fn data(mut v: Value, include_usage: bool) -> Event {
     Event::default().data(v.to_string())
 }
 
-pub fn stream_response<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_usage: bool) -> Response {
+/// Events queued between the generation and the socket. Small: the socket's own buffers
+/// absorb bursts, and a full queue is what reveals a client that stopped reading.
+const QUEUE_EVENTS: usize = 16;
+
+pub fn stream_response<F: ChunkFormatter>(gen: Generation, fmt: F, include_usage: bool) -> Response {
+    let state = gen.state().clone();
+    let stall = state.stream_stall_timeout;
+    let events = chunk_events(gen, fmt, include_usage);
+    let (tx, rx) = mpsc::channel(QUEUE_EVENTS);
+    tokio::spawn(async move {
+        if pump(events, tx, stall).await == PumpEnd::Stalled {
+            state.metrics.stalled_streams.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(timeout_s = stall.map_or(0.0, |d| d.as_secs_f64()), "the client stopped reading the stream: request aborted");
+        }
+    });
+    let body = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok::<Event, Infallible>(e), rx)) });
+    Sse::new(body).into_response()
+}
+
+#[derive(Debug, PartialEq)]
+enum PumpEnd {
+    /// Every event was queued.
+    Done,
+    /// The body was dropped: the client hung up.
+    ClientGone,
+    /// The queue stayed full for the stall timeout: the client stopped reading.
+    Stalled,
+}
+
+/// Moves events into the body's queue until they run out, the client hangs up (noticed even
+/// while waiting for the next token), or one event cannot be queued within `stall`. Dropping
+/// `events` on return is what aborts an unfinished generation.
+async fn pump<S: Stream<Item = Event>>(events: S, tx: mpsc::Sender<Event>, stall: Option<Duration>) -> PumpEnd {
+    let mut events = std::pin::pin!(events);
+    loop {
+        let next = tokio::select! {
+            biased;
+            _ = tx.closed() => return PumpEnd::ClientGone,
+            e = events.next() => e,
+        };
+        let Some(e) = next else { return PumpEnd::Done };
+        let sent = match stall {
+            Some(d) => tx.send_timeout(e, d).await.map_err(|err| matches!(err, SendTimeoutError::Timeout(_))),
+            None => tx.send(e).await.map_err(|_| false),
+        };
+        match sent {
+            Ok(()) => {}
+            Err(true) => return PumpEnd::Stalled,
+            Err(false) => return PumpEnd::ClientGone,
+        }
+    }
+}
+
+/// The response's events, in order: the formatter's start chunks, a chunk per token, the finish
+/// chunks, an error event if the request failed, the usage chunk and `[DONE]`.
+fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_usage: bool) -> impl Stream<Item = Event> + Send {
     let mut pending: VecDeque<Event> = VecDeque::new();
     for c in fmt.start(gen.num_choices()) {
         pending.push_back(data(c, include_usage));
     }
     let st = StreamState { gen: Some(gen), fmt, include_usage, pending };
-    let events = stream::unfold(st, |mut st| async move {
+    stream::unfold(st, |mut st| async move {
         loop {
             if let Some(e) = st.pending.pop_front() {
-                return Some((Ok::<Event, Infallible>(e), st));
+                return Some((e, st));
             }
             let gen = st.gen.as_mut()?;
             match gen.next().await {
@@ -109,6 +173,65 @@ pub fn stream_response<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_u
                 }
             }
         }
-    });
-    Sse::new(events).into_response()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use super::*;
+
+    /// Sets its flag when dropped: stands for the generation the event stream owns.
+    struct DropFlag(Arc<AtomicBool>);
+    impl Drop for DropFlag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn owning<S: Stream<Item = Event> + Send + 'static>(s: S) -> (impl Stream<Item = Event> + Send, Arc<AtomicBool>) {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let flag = DropFlag(dropped.clone());
+        (s.inspect(move |_| { let _ = &flag; }), dropped)
+    }
+
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_cut_off_after_the_stall_timeout() {
+        let (events, dropped) = owning(stream::repeat_with(|| Event::default().data("x")));
+        let (tx, _rx_never_read) = mpsc::channel(2);
+        let t = Instant::now();
+        assert_eq!(pump(events, tx, Some(Duration::from_millis(100))).await, PumpEnd::Stalled);
+        assert!(t.elapsed() >= Duration::from_millis(100) && t.elapsed() < Duration::from_secs(5));
+        assert!(dropped.load(Ordering::SeqCst), "the generation must be dropped (aborted)");
+    }
+
+    #[tokio::test]
+    async fn a_hang_up_is_noticed_while_waiting_for_the_next_token() {
+        let (events, dropped) = owning(stream::iter([Event::default().data("first")]).chain(stream::pending()));
+        let (tx, mut rx) = mpsc::channel(2);
+        let task = tokio::spawn(pump(events, tx, None));
+        assert!(rx.recv().await.is_some());
+        drop(rx);
+        let end = tokio::time::timeout(Duration::from_secs(5), task).await.expect("pump must notice the hang-up").unwrap();
+        assert_eq!(end, PumpEnd::ClientGone);
+        assert!(dropped.load(Ordering::SeqCst));
+    }
+
+    #[tokio::test]
+    async fn a_reading_client_gets_every_event_however_slowly_it_reads() {
+        let (events, _) = owning(stream::iter((0..40).map(|i| Event::default().data(i.to_string()))));
+        let (tx, mut rx) = mpsc::channel(2);
+        let task = tokio::spawn(pump(events, tx, Some(Duration::from_millis(200))));
+        let mut got = 0;
+        while let Some(_e) = rx.recv().await {
+            got += 1;
+            // Slower than the producer but well within the stall timeout per event.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(got, 40);
+        assert_eq!(task.await.unwrap(), PumpEnd::Done);
+    }
 }

@@ -26,6 +26,8 @@ pub struct ServerState {
     /// Wasm plugin deployments (`--plugins`, `/admin/plugins`); None in tests that build a bare state.
     pub plugins: Option<Arc<crate::plugins::registry::Registry>>,
     pub max_body_bytes: usize,
+    /// How long a stream may wait for its client to read before it is aborted (None: forever).
+    pub stream_stall_timeout: Option<std::time::Duration>,
     pub metrics: Metrics,
     /// Unix time the server started (the `created` of the model listing).
     pub started_at: u64,
@@ -51,6 +53,7 @@ impl ServerState {
             tenancy: None,
             plugins: None,
             max_body_bytes,
+            stream_stall_timeout: Some(std::time::Duration::from_secs(60)),
             metrics: Metrics::default(),
             started_at: unix_now(),
             shutting_down: AtomicBool::new(false),

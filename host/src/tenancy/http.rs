@@ -119,12 +119,8 @@ pub fn admit(state: &AppState, caller: &CallerExt, endpoint: &str, started: Inst
         let completion = r.max_tokens.min(max_model_len.saturating_sub(prompt));
         tokens = tokens.saturating_add((prompt as u64).saturating_add((r.n as u64).saturating_mul(completion as u64)));
     }
-    let scopes = [
-        Scope { id: format!("tenant:{}", p.tenant.id), limits: &p.tenant.settings.limits, budget_used: c.budget_used.0 },
-        Scope { id: format!("key:{}", p.key.id), limits: &p.key.settings.limits, budget_used: c.budget_used.1 },
-    ];
     let now_unix = db::unix_now().max(0) as u64;
-    match t.limiter.admit(&scopes, tokens, Instant::now(), now_unix) {
+    match t.limiter.admit(&scopes_of(c), tokens, Instant::now(), now_unix) {
         Err(r) => Err(rate_limited(r)),
         Ok(res) => {
             let headers = res.status.headers();
@@ -148,6 +144,53 @@ pub fn admit(state: &AppState, caller: &CallerExt, endpoint: &str, started: Inst
                 headers,
             }))
         }
+    }
+}
+
+/// 429 now, before any tokenizing or rendering, for a caller that `admit` would refuse
+/// whatever the request's size (see `Limiter::precheck`).
+pub fn precheck(state: &AppState, caller: &CallerExt) -> ApiResult<()> {
+    let (Some(t), Some(c)) = (state.tenancy.as_ref(), caller_of(caller)) else { return Ok(()) };
+    t.limiter.precheck(&scopes_of(c), Instant::now(), db::unix_now().max(0) as u64).map_err(rate_limited)
+}
+
+/// The limit scopes a caller's request counts against: its tenant and its key.
+fn scopes_of(c: &Caller) -> [Scope<'_>; 2] {
+    let p = &c.principal;
+    [
+        Scope { id: format!("tenant:{}", p.tenant.id), limits: &p.tenant.settings.limits, budget_used: c.budget_used.0 },
+        Scope { id: format!("key:{}", p.key.id), limits: &p.key.settings.limits, budget_used: c.budget_used.1 },
+    ]
+}
+
+/// An admitted call to an endpoint that generates nothing; holds a concurrency slot until
+/// finished.
+pub struct CallAdmission {
+    reservation: super::limits::Reservation,
+}
+
+impl CallAdmission {
+    /// The `x-ratelimit-*` headers for the response.
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        self.reservation.status.headers()
+    }
+
+    /// The call is over, whatever its answer: it stays counted against the request rate.
+    pub fn finish(self) {
+        self.reservation.settle(0);
+    }
+}
+
+/// Admission for `/tokenize` and `/detokenize`: they generate nothing, but rendering a chat
+/// runs the template (perhaps a tenant's Wasm plugin) on the server, so they count against the
+/// caller's request rate and concurrency like any request; they reserve no tokens and write
+/// no usage row. Without this, a key switched off with `rpm 0` could still keep the server busy.
+pub fn admit_call(state: &AppState, caller: &CallerExt) -> ApiResult<Option<CallAdmission>> {
+    let (Some(t), Some(c)) = (state.tenancy.as_ref(), caller_of(caller)) else { return Ok(None) };
+    let now_unix = db::unix_now().max(0) as u64;
+    match t.limiter.admit(&scopes_of(c), 0, Instant::now(), now_unix) {
+        Ok(reservation) => Ok(Some(CallAdmission { reservation })),
+        Err(r) => Err(rate_limited(r)),
     }
 }
 

@@ -81,6 +81,19 @@ impl Window {
         }
     }
 
+    /// None while the request window has room under `rpm`; else how long until it has: once
+    /// the admission that keeps it full leaves it (never, for a limit of 0: say a minute, like
+    /// any other full window).
+    fn request_room_in(&self, rpm: u64, now: Instant) -> Option<Duration> {
+        let used = self.requests.len() as u64;
+        (used >= rpm).then(|| self.requests.get((used - rpm) as usize).map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t))))
+    }
+
+    /// Until the oldest admission leaves the request window.
+    fn request_window_reset(&self, now: Instant) -> Duration {
+        self.requests.front().map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t)))
+    }
+
     fn roll_budget(&mut self, limits: &Limits, now_unix: u64, seed: u64) {
         let start = limits.budget_window_start(now_unix);
         if !self.budget_loaded {
@@ -92,6 +105,10 @@ impl Window {
             self.budget_used = 0;
         }
     }
+}
+
+fn rpm_message(what: &str, rpm: u64) -> String {
+    format!("Rate limit reached for requests: {what} limit {rpm} requests per minute")
 }
 
 /// Why a request was refused, with what the 429 says.
@@ -175,6 +192,23 @@ struct Inner {
     next_id: u64,
 }
 
+impl Inner {
+    /// `sc`'s window brought up to `now`: old admissions expired, the budget window rolled.
+    fn current_window(&mut self, sc: &Scope, now: Instant, now_unix: u64) -> &mut Window {
+        let w = self.windows.entry(sc.id.clone()).or_default();
+        w.expire(now);
+        w.roll_budget(sc.limits, now_unix, sc.budget_used);
+        w
+    }
+}
+
+impl Scope<'_> {
+    /// `tenant` or `key`, for messages.
+    fn kind(&self) -> &str {
+        self.id.split(':').next().unwrap_or("scope")
+    }
+}
+
 /// An admitted request's hold on its scopes: counted as concurrent until settled (or dropped,
 /// which refunds the whole reservation).
 pub struct Reservation {
@@ -203,19 +237,12 @@ impl Limiter {
             }
         };
         for sc in scopes {
-            let w = inner.windows.entry(sc.id.clone()).or_default();
-            w.expire(now);
-            w.roll_budget(sc.limits, now_unix, sc.budget_used);
-            let l = sc.limits;
-            let what = sc.id.split(':').next().unwrap_or("scope");
+            let w = inner.current_window(sc, now, now_unix);
+            let (l, what) = (sc.limits, sc.kind());
             if let Some(rpm) = l.rpm {
-                let used = w.requests.len() as u64;
-                let reset = w.requests.front().map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t)));
-                if used >= rpm {
-                    // Room again once the admission that keeps the window full leaves it (never,
-                    // for a limit of 0: say a minute, like any other full window).
-                    let wait = w.requests.get((used - rpm) as usize).map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t)));
-                    refuse(format!("Rate limit reached for requests: {what} limit {rpm} requests per minute"), wait);
+                let (used, reset) = (w.requests.len() as u64, w.request_window_reset(now));
+                if let Some(wait) = w.request_room_in(rpm, now) {
+                    refuse(rpm_message(what, rpm), wait);
                 }
                 status.merge_requests(Gauge { limit: rpm, remaining: rpm.saturating_sub(used + 1), reset });
             }
@@ -273,6 +300,48 @@ impl Limiter {
             w.budget_used += tokens;
         }
         Ok(Reservation { limiter: self.clone(), scopes: scopes.iter().map(|s| s.id.clone()).collect(), id, reserved: tokens, status, done: false })
+    }
+
+    /// Refuses early, without reserving anything, a request that `admit` would refuse whatever
+    /// its size: a full request window, every concurrency slot taken, or a spent token budget.
+    /// Callers use it before the costly part of a request (tokenizing, rendering the chat
+    /// template) so that a key at its limits, or switched off with rpm 0, cannot make the
+    /// server do that work. `admit` still decides: this only answers sooner.
+    pub fn precheck(&self, scopes: &[Scope], now: Instant, now_unix: u64) -> Result<(), Refusal> {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut worst: Option<Refusal> = None;
+        for sc in scopes {
+            let w = inner.current_window(sc, now, now_unix);
+            let (l, what) = (sc.limits, sc.kind());
+            let mut refuse = |message: String, retry_after: Duration, status: RateStatus| {
+                if worst.as_ref().is_none_or(|r| retry_after > r.retry_after) {
+                    worst = Some(Refusal { message, retry_after, status });
+                }
+            };
+            if let Some(rpm) = l.rpm {
+                if let Some(wait) = w.request_room_in(rpm, now) {
+                    let status = RateStatus { requests: Some(Gauge { limit: rpm, remaining: 0, reset: w.request_window_reset(now) }), tokens: None };
+                    refuse(rpm_message(what, rpm), wait, status);
+                }
+            }
+            if let Some(mc) = l.max_concurrent {
+                if w.concurrent >= mc {
+                    refuse(format!("Too many concurrent requests: {what} limit {mc}"), Duration::from_secs(1), RateStatus::default());
+                }
+            }
+            if let Some(b) = l.token_budget {
+                // Every request has at least one prompt token.
+                if w.budget_used >= b {
+                    let end = w.budget_start + l.budget_window();
+                    refuse(
+                        format!("Token budget exhausted: {what} budget {b} tokens per {}s window, {} used", l.budget_window(), w.budget_used),
+                        Duration::from_secs(end.saturating_sub(now_unix).max(1)),
+                        RateStatus::default(),
+                    );
+                }
+            }
+        }
+        worst.map_or(Ok(()), Err)
     }
 
     /// Whether the limiter already tracks `scope`'s budget window starting at `window_start`
@@ -344,6 +413,37 @@ mod tests {
 
     fn scope(id: &str, l: &Limits) -> Scope<'static> {
         Scope { id: id.into(), limits: Box::leak(Box::new(l.clone())), budget_used: 0 }
+    }
+
+    #[test]
+    fn precheck_refuses_what_admit_would_refuse_whatever_the_size_and_reserves_nothing() {
+        let lim = Limiter::new();
+        let t0 = Instant::now();
+        let l = Limits { rpm: Some(2), max_concurrent: Some(5), tpm: Some(10), ..Default::default() };
+        // Token limits are not its business: a request too large for tpm passes the precheck.
+        assert!(lim.precheck(&[scope("t:a", &l)], t0, 0).is_ok());
+        let a = lim.admit(&[scope("t:a", &l)], 3, t0, 0).unwrap();
+        assert!(lim.precheck(&[scope("t:a", &l)], t0, 0).is_ok());
+        assert_eq!(lim.concurrent("t:a"), 1, "the precheck reserves nothing");
+        let _b = lim.admit(&[scope("t:a", &l)], 3, t0, 0).unwrap();
+        let e = lim.precheck(&[scope("t:a", &l)], t0 + Duration::from_secs(10), 0).unwrap_err();
+        assert!(e.message.contains("requests"), "{}", e.message);
+        assert_eq!(e.retry_after, Duration::from_secs(50));
+        assert_eq!(e.status.requests.as_ref().unwrap().remaining, 0);
+        // Once the window moves on it passes again; an rpm of 0 never does.
+        a.settle(3);
+        assert!(lim.precheck(&[scope("t:a", &l)], t0 + MINUTE, 0).is_ok());
+        let off = Limits { rpm: Some(0), ..Default::default() };
+        assert!(lim.precheck(&[scope("t:off", &off)], t0, 0).is_err());
+        // A full concurrency count, and a spent budget, refuse too.
+        let one = Limits { max_concurrent: Some(1), ..Default::default() };
+        let held = lim.admit(&[scope("t:c", &one)], 0, t0, 0).unwrap();
+        assert!(lim.precheck(&[scope("t:c", &one)], t0, 0).unwrap_err().message.contains("concurrent"));
+        drop(held);
+        assert!(lim.precheck(&[scope("t:c", &one)], t0, 0).is_ok());
+        let budget = Limits { token_budget: Some(100), ..Default::default() };
+        let spent = Scope { id: "t:b".into(), limits: &budget, budget_used: 100 };
+        assert!(lim.precheck(&[spent], t0, 0).unwrap_err().message.contains("budget"));
     }
 
     #[test]
