@@ -103,7 +103,7 @@ pub struct ServeArgs {
     pub max_body_bytes: usize,
     /// Seconds a stream may wait for its client to read the next event before the request is
     /// aborted (its plugin instances and concurrency slot freed); 0 waits forever.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = state::DEFAULT_STREAM_STALL_SECS)]
     pub stream_stall_timeout: f64,
     /// Seconds to let in-flight requests finish after SIGTERM before closing anyway.
     #[arg(long, default_value_t = 60)]

@@ -14,6 +14,9 @@ use crate::model::LoadedModel;
 
 pub type AppState = Arc<ServerState>;
 
+/// `--stream-stall-timeout`'s default, seconds.
+pub const DEFAULT_STREAM_STALL_SECS: f64 = 60.0;
+
 pub struct ServerState {
     pub engine: Engine,
     pub model: Arc<LoadedModel>,
@@ -53,7 +56,7 @@ impl ServerState {
             tenancy: None,
             plugins: None,
             max_body_bytes,
-            stream_stall_timeout: Some(std::time::Duration::from_secs(60)),
+            stream_stall_timeout: Some(std::time::Duration::from_secs_f64(DEFAULT_STREAM_STALL_SECS)),
             metrics: Metrics::default(),
             started_at: unix_now(),
             shutting_down: AtomicBool::new(false),

@@ -81,19 +81,6 @@ impl Window {
         }
     }
 
-    /// None while the request window has room under `rpm`; else how long until it has: once
-    /// the admission that keeps it full leaves it (never, for a limit of 0: say a minute, like
-    /// any other full window).
-    fn request_room_in(&self, rpm: u64, now: Instant) -> Option<Duration> {
-        let used = self.requests.len() as u64;
-        (used >= rpm).then(|| self.requests.get((used - rpm) as usize).map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t))))
-    }
-
-    /// Until the oldest admission leaves the request window.
-    fn request_window_reset(&self, now: Instant) -> Duration {
-        self.requests.front().map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t)))
-    }
-
     fn roll_budget(&mut self, limits: &Limits, now_unix: u64, seed: u64) {
         let start = limits.budget_window_start(now_unix);
         if !self.budget_loaded {
@@ -105,10 +92,6 @@ impl Window {
             self.budget_used = 0;
         }
     }
-}
-
-fn rpm_message(what: &str, rpm: u64) -> String {
-    format!("Rate limit reached for requests: {what} limit {rpm} requests per minute")
 }
 
 /// Why a request was refused, with what the 429 says.
@@ -193,6 +176,76 @@ struct Inner {
 }
 
 impl Inner {
+    /// Checks a request reserving `tokens` against every scope's limits, changing nothing but
+    /// the windows' expiry: the tightest gauges (for the `x-ratelimit-*` headers) and, if a limit
+    /// refuses it, the refusal with the longest wait. `tokens: None` asks about any request
+    /// whatever its size: token rates are not checked, and the budget as for one token.
+    fn evaluate(&mut self, scopes: &[Scope], tokens: Option<u64>, now: Instant, now_unix: u64) -> (RateStatus, Option<(String, Duration)>) {
+        let mut status = RateStatus::default();
+        let mut refusal: Option<(String, Duration)> = None;
+        let mut refuse = |msg: String, wait: Duration| {
+            if refusal.as_ref().is_none_or(|(_, w)| wait > *w) {
+                refusal = Some((msg, wait));
+            }
+        };
+        for sc in scopes {
+            let w = self.current_window(sc, now, now_unix);
+            let (l, what) = (sc.limits, sc.kind());
+            if let Some(rpm) = l.rpm {
+                let used = w.requests.len() as u64;
+                let reset = w.requests.front().map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t)));
+                if used >= rpm {
+                    // Room again once the admission that keeps the window full leaves it (never,
+                    // for a limit of 0: say a minute, like any other full window).
+                    let wait = w.requests.get((used - rpm) as usize).map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t)));
+                    refuse(format!("Rate limit reached for requests: {what} limit {rpm} requests per minute"), wait);
+                }
+                status.merge_requests(Gauge { limit: rpm, remaining: rpm.saturating_sub(used + 1), reset });
+            }
+            if let (Some(tpm), Some(tokens)) = (l.tpm, tokens) {
+                let used = w.tokens_sum;
+                if tokens > tpm {
+                    refuse(format!("Request too large: it may use {tokens} tokens, more than the {what} limit of {tpm} tokens per minute"), MINUTE);
+                } else if used.saturating_add(tokens) > tpm {
+                    // Wait until enough reserved tokens leave the window.
+                    let need = used.saturating_add(tokens) - tpm;
+                    let mut freed = 0;
+                    let mut wait = MINUTE;
+                    for &(t, _, n) in &w.tokens {
+                        freed += n;
+                        if freed >= need {
+                            wait = MINUTE.saturating_sub(now.duration_since(t));
+                            break;
+                        }
+                    }
+                    refuse(format!("Rate limit reached for tokens: {what} limit {tpm} tokens per minute, {used} in use, this request needs {tokens}"), wait);
+                }
+                let reset = if tokens > 0 {
+                    MINUTE
+                } else {
+                    w.tokens.back().map_or(Duration::ZERO, |&(t, _, _)| MINUTE.saturating_sub(now.duration_since(t)))
+                };
+                status.merge_tokens(Gauge { limit: tpm, remaining: tpm.saturating_sub(used.saturating_add(tokens)), reset });
+            }
+            if let Some(mc) = l.max_concurrent {
+                if w.concurrent >= mc {
+                    refuse(format!("Too many concurrent requests: {what} limit {mc}"), Duration::from_secs(1));
+                }
+            }
+            if let Some(b) = l.token_budget {
+                // Every request has at least one prompt token.
+                if w.budget_used.saturating_add(tokens.unwrap_or(1)) > b {
+                    let end = w.budget_start + l.budget_window();
+                    refuse(
+                        format!("Token budget exhausted: {what} budget {b} tokens per {}s window, {} used", l.budget_window(), w.budget_used),
+                        Duration::from_secs(end.saturating_sub(now_unix).max(1)),
+                    );
+                }
+            }
+        }
+        (status, refusal)
+    }
+
     /// `sc`'s window brought up to `now`: old admissions expired, the budget window rolled.
     fn current_window(&mut self, sc: &Scope, now: Instant, now_unix: u64) -> &mut Window {
         let w = self.windows.entry(sc.id.clone()).or_default();
@@ -229,63 +282,7 @@ impl Limiter {
     /// anything.
     pub fn admit(self: &Arc<Self>, scopes: &[Scope], tokens: u64, now: Instant, now_unix: u64) -> Result<Reservation, Refusal> {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let mut status = RateStatus::default();
-        let mut refusal: Option<(String, Duration)> = None;
-        let mut refuse = |msg: String, wait: Duration| {
-            if refusal.as_ref().is_none_or(|(_, w)| wait > *w) {
-                refusal = Some((msg, wait));
-            }
-        };
-        for sc in scopes {
-            let w = inner.current_window(sc, now, now_unix);
-            let (l, what) = (sc.limits, sc.kind());
-            if let Some(rpm) = l.rpm {
-                let (used, reset) = (w.requests.len() as u64, w.request_window_reset(now));
-                if let Some(wait) = w.request_room_in(rpm, now) {
-                    refuse(rpm_message(what, rpm), wait);
-                }
-                status.merge_requests(Gauge { limit: rpm, remaining: rpm.saturating_sub(used + 1), reset });
-            }
-            if let Some(tpm) = l.tpm {
-                let used = w.tokens_sum;
-                if tokens > tpm {
-                    refuse(format!("Request too large: it may use {tokens} tokens, more than the {what} limit of {tpm} tokens per minute"), MINUTE);
-                } else if used.saturating_add(tokens) > tpm {
-                    // Wait until enough reserved tokens leave the window.
-                    let need = used.saturating_add(tokens) - tpm;
-                    let mut freed = 0;
-                    let mut wait = MINUTE;
-                    for &(t, _, n) in &w.tokens {
-                        freed += n;
-                        if freed >= need {
-                            wait = MINUTE.saturating_sub(now.duration_since(t));
-                            break;
-                        }
-                    }
-                    refuse(format!("Rate limit reached for tokens: {what} limit {tpm} tokens per minute, {used} in use, this request needs {tokens}"), wait);
-                }
-                let reset = if tokens > 0 {
-                    MINUTE
-                } else {
-                    w.tokens.back().map_or(Duration::ZERO, |&(t, _, _)| MINUTE.saturating_sub(now.duration_since(t)))
-                };
-                status.merge_tokens(Gauge { limit: tpm, remaining: tpm.saturating_sub(used.saturating_add(tokens)), reset });
-            }
-            if let Some(mc) = l.max_concurrent {
-                if w.concurrent >= mc {
-                    refuse(format!("Too many concurrent requests: {what} limit {mc}"), Duration::from_secs(1));
-                }
-            }
-            if let Some(b) = l.token_budget {
-                if w.budget_used.saturating_add(tokens) > b {
-                    let end = w.budget_start + l.budget_window();
-                    refuse(
-                        format!("Token budget exhausted: {what} budget {b} tokens per {}s window, {} used", l.budget_window(), w.budget_used),
-                        Duration::from_secs(end.saturating_sub(now_unix).max(1)),
-                    );
-                }
-            }
-        }
+        let (status, refusal) = inner.evaluate(scopes, Some(tokens), now, now_unix);
         if let Some((message, retry_after)) = refusal {
             return Err(Refusal { message, retry_after, status });
         }
@@ -308,40 +305,8 @@ impl Limiter {
     /// template) so that a key at its limits, or switched off with rpm 0, cannot make the
     /// server do that work. `admit` still decides: this only answers sooner.
     pub fn precheck(&self, scopes: &[Scope], now: Instant, now_unix: u64) -> Result<(), Refusal> {
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let mut worst: Option<Refusal> = None;
-        for sc in scopes {
-            let w = inner.current_window(sc, now, now_unix);
-            let (l, what) = (sc.limits, sc.kind());
-            let mut refuse = |message: String, retry_after: Duration, status: RateStatus| {
-                if worst.as_ref().is_none_or(|r| retry_after > r.retry_after) {
-                    worst = Some(Refusal { message, retry_after, status });
-                }
-            };
-            if let Some(rpm) = l.rpm {
-                if let Some(wait) = w.request_room_in(rpm, now) {
-                    let status = RateStatus { requests: Some(Gauge { limit: rpm, remaining: 0, reset: w.request_window_reset(now) }), tokens: None };
-                    refuse(rpm_message(what, rpm), wait, status);
-                }
-            }
-            if let Some(mc) = l.max_concurrent {
-                if w.concurrent >= mc {
-                    refuse(format!("Too many concurrent requests: {what} limit {mc}"), Duration::from_secs(1), RateStatus::default());
-                }
-            }
-            if let Some(b) = l.token_budget {
-                // Every request has at least one prompt token.
-                if w.budget_used >= b {
-                    let end = w.budget_start + l.budget_window();
-                    refuse(
-                        format!("Token budget exhausted: {what} budget {b} tokens per {}s window, {} used", l.budget_window(), w.budget_used),
-                        Duration::from_secs(end.saturating_sub(now_unix).max(1)),
-                        RateStatus::default(),
-                    );
-                }
-            }
-        }
-        worst.map_or(Ok(()), Err)
+        let (status, refusal) = self.inner.lock().unwrap_or_else(|e| e.into_inner()).evaluate(scopes, None, now, now_unix);
+        refusal.map_or(Ok(()), |(message, retry_after)| Err(Refusal { message, retry_after, status }))
     }
 
     /// Whether the limiter already tracks `scope`'s budget window starting at `window_start`
