@@ -14,6 +14,22 @@ def long_chat(**kw):
     return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000, "ignore_eos": True, **kw}
 
 
+def raw_post(server, body, rcvbuf=None):
+    """Sends a chat request on a bare socket and returns the socket unread."""
+    host, port = server.url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect((host, int(port)))
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return s
+
+
 def wait_running(server, n, timeout=10):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -43,14 +59,7 @@ def test_stream_disconnect_frees_the_request(server):
 
 def test_non_stream_disconnect_frees_the_request(server):
     server.wait_idle()
-    host, port = server.url.removeprefix("http://").split(":")
-    body = json.dumps(long_chat()).encode()
-    s = socket.create_connection((host, int(port)))
-    s.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    s = raw_post(server, long_chat())
     wait_running(server, 1)
     s.close()
     server.wait_idle(timeout=10)
@@ -61,18 +70,9 @@ def test_a_stream_the_client_stops_reading_is_aborted():
     concurrency slot for the whole generation; --stream-stall-timeout cuts it off."""
     srv = Server("stall", ["--stream-stall-timeout", "1"]).start()
     try:
-        host, port = srv.url.removeprefix("http://").split(":")
         # Big chunks (8 choices with 20 top logprobs each) and a tiny receive window fill the
         # socket buffers quickly; the body is a 3000-token stream the client never reads.
-        body = json.dumps(long_chat(stream=True, n=8, logprobs=True, top_logprobs=20)).encode()
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.connect((host, int(port)))
-        s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        s = raw_post(srv, long_chat(stream=True, n=8, logprobs=True, top_logprobs=20), rcvbuf=4096)
         wait_running(srv, 8)
         deadline = time.time() + 90
         while srv.metrics()["wasmserve_stream_stalled_total"] < 1:
