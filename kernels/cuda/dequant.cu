@@ -7,19 +7,22 @@
 //
 // The dequant kernels run one block per weight row (gridDim.x = rows, so any row count fits) and
 // stride its threads over the columns: writes are coalesced and no thread divides a 64-bit flat
-// index (emulated and slow on the GPU). CPU references: kernels/src/cpu/dequant.rs over
-// cpu::{quant_int, cubic, mxfp4}.
+// index (emulated and slow on the GPU). They expand source rows row0..row0+rows into out rows
+// 0..rows: a dense prefill expands the whole weight (row0 = 0), a routed-MoE prefill one expert's
+// rows of the stacked expert weight (row0 = expert * rows per expert). CPU references:
+// kernels/src/cpu/dequant.rs over cpu::{quant_int, cubic, mxfp4}.
 
 // Pack-quantized INT, the layout int_gemv reads: w = (u - z) * s per (row, group), any width 1..8.
 extern "C" __global__ void dequant_int_bf16(const u8* __restrict__ packed, long stride, const float* __restrict__ scale,
-                                            const float* __restrict__ zero, u16* __restrict__ out, int rows, int cols,
-                                            int bits, int group_size) {
-    int row = blockIdx.x;
-    if (row >= rows) return;
+                                            const float* __restrict__ zero, u16* __restrict__ out, int row0, int rows,
+                                            int cols, int bits, int group_size) {
+    int i = blockIdx.x;
+    if (i >= rows) return;
+    long row = (long)row0 + i;
     int groups = (cols + group_size - 1) / group_size;
-    const u8* r = packed + (long)row * stride;
-    const float *s = scale + (long)row * groups, *z = zero + (long)row * groups;
-    u16* o = out + (long)row * cols;
+    const u8* r = packed + row * stride;
+    const float *s = scale + row * groups, *z = zero + row * groups;
+    u16* o = out + (long)i * cols;
     for (int j = threadIdx.x; j < cols; j += blockDim.x) {
         int g = j / group_size;
         o[j] = f32_to_bf16(((float)code_at(r, bits, j) - z[g]) * s[g]);
@@ -29,15 +32,16 @@ extern "C" __global__ void dequant_int_bf16(const u8* __restrict__ packed, long 
 // Cubic codebook, cubic_gemv's level formula: s * fma(a*t, t*t, t), t = (i - h)/h, h = 2^(b-1).
 // Evaluated per element (no shared-memory table): the kernel is bound by its bf16 writes.
 extern "C" __global__ void dequant_cubic_bf16(const u8* __restrict__ packed, long stride, const float* __restrict__ scale,
-                                              const float* __restrict__ shape, u16* __restrict__ out, int rows, int cols,
-                                              int bits, int group_size) {
-    int row = blockIdx.x;
-    if (row >= rows) return;
+                                              const float* __restrict__ shape, u16* __restrict__ out, int row0, int rows,
+                                              int cols, int bits, int group_size) {
+    int i = blockIdx.x;
+    if (i >= rows) return;
+    long row = (long)row0 + i;
     int groups = (cols + group_size - 1) / group_size;
     float h = (float)(1 << (bits - 1));
-    const u8* r = packed + (long)row * stride;
-    const float *s = scale + (long)row * groups, *a = shape + (long)row * groups;
-    u16* o = out + (long)row * cols;
+    const u8* r = packed + row * stride;
+    const float *s = scale + row * groups, *a = shape + row * groups;
+    u16* o = out + (long)i * cols;
     for (int j = threadIdx.x; j < cols; j += blockDim.x) {
         int g = j / group_size;
         float t = ((float)code_at(r, bits, j) - h) / h;
@@ -48,12 +52,13 @@ extern "C" __global__ void dequant_cubic_bf16(const u8* __restrict__ packed, lon
 // MXFP4, mxfp4_gemv's layout: element 2k in the low nibble of byte k of a cols/2-byte row, one
 // E8M0 scale per 32 inputs ([rows, cols/32]); cols is a multiple of 32.
 extern "C" __global__ void dequant_mxfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ scales,
-                                              u16* __restrict__ out, int rows, int cols) {
-    int row = blockIdx.x;
-    if (row >= rows) return;
-    const u8* r = packed + (long)row * (cols / 2);
-    const u8* sc = scales + (long)row * (cols / 32);
-    u16* o = out + (long)row * cols;
+                                              u16* __restrict__ out, int row0, int rows, int cols) {
+    int i = blockIdx.x;
+    if (i >= rows) return;
+    long row = (long)row0 + i;
+    const u8* r = packed + row * (cols / 2);
+    const u8* sc = scales + row * (cols / 32);
+    u16* o = out + (long)i * cols;
     for (int j = threadIdx.x; j < cols; j += blockDim.x) {
         u8 byte = r[j >> 1];
         u32 code = (j & 1) ? (u32)(byte >> 4) : (u32)(byte & 15u);

@@ -1,6 +1,7 @@
 // Routed MoE (CPU reference kernels/src/cpu/moe.rs): router logits (matmul_f32), routing
 // (moe_route), grouping of the assignments by expert (moe_count/offsets/scatter), tiles of grouped
-// slots (moe_tiles), the bf16 expert GEMV (moe_gemv_bf16; the quantized formats' MoE GEMVs sit
+// slots (moe_tiles), the prefill path's gather/scatter around a per-expert GEMM (moe_gather_bf16,
+// moe_scatter_rows), the bf16 expert GEMV (moe_gemv_bf16; the quantized formats' MoE GEMVs sit
 // beside their plain GEMVs) and the weighted combine (moe_combine).
 //
 // Grouping: the router's top-k choices `experts` [assignments = tokens * k] are grouped by expert
@@ -46,14 +47,17 @@ extern "C" __global__ void moe_scatter(const int* __restrict__ experts, int assi
 
 // Tiles of up to TOK consecutive grouped slots of one expert, for experts 0..held (the bucket
 // `held` of experts held elsewhere gets none), from moe_offsets' offsets [held + 2]: (first slot,
-// slots, expert) triples in tiles[3 * max_tiles], their number in count[0]. Serial on one thread:
-// a loop over the experts is short next to the GEMVs it feeds, and keeps the list on the device.
-extern "C" __global__ void moe_tiles(const int* __restrict__ offsets, int held, int max_tiles, int* __restrict__ tiles,
-                                     int* __restrict__ count) {
+// slots, expert) triples in tiles[3 * max_tiles], their number in count[0]. Experts with more than
+// max_slots slots get no tiles either: the prefill path multiplies those with a dequantised GEMM.
+// Serial on one thread: a loop over the experts is short next to the GEMVs it feeds, and keeps the
+// list on the device.
+extern "C" __global__ void moe_tiles(const int* __restrict__ offsets, int held, int max_tiles, int max_slots,
+                                     int* __restrict__ tiles, int* __restrict__ count) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     int n = 0;
     for (int e = 0; e < held; e++) {
         int end = offsets[e + 1];
+        if (end - offsets[e] > max_slots) continue;
         for (int s = offsets[e]; s < end && n < max_tiles; s += TOK, n++) {
             tiles[3 * n] = s;
             tiles[3 * n + 1] = min(TOK, end - s);
@@ -61,6 +65,30 @@ extern "C" __global__ void moe_tiles(const int* __restrict__ offsets, int held, 
         }
     }
     count[0] = n;
+}
+
+// The prefill path's gather: the activations of one expert's grouped slots first..first+count as
+// bf16 rows for the GEMM, out[i, :] = bf16(x[order[first + i] / x_div, :]) (x_div = k for the
+// token rows the first projection reads, 1 for the assignment rows of the down projection). One
+// block per slot, threads over the columns.
+extern "C" __global__ void moe_gather_bf16(const float* __restrict__ x, int x_div, const int* __restrict__ order, int first,
+                                           int count, int cols, u16* __restrict__ out) {
+    int i = blockIdx.x;
+    if (i >= count) return;
+    const float* src = x + (long)(order[first + i] / x_div) * cols;
+    u16* dst = out + (long)i * cols;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = f32_to_bf16(src[j]);
+}
+
+// ... and its scatter: the GEMM's rows y[count, rows] back to their assignments,
+// out[order[first + i], :] = y[i, :].
+extern "C" __global__ void moe_scatter_rows(const float* __restrict__ y, const int* __restrict__ order, int first, int count,
+                                            int rows, float* __restrict__ out) {
+    int i = blockIdx.x;
+    if (i >= count) return;
+    const float* src = y + (long)i * rows;
+    float* dst = out + (long)order[first + i] * rows;
+    for (int j = threadIdx.x; j < rows; j += blockDim.x) dst[j] = src[j];
 }
 
 // Dense row bodies (bf16 expert weights, the f32 router weight): one weight row times a RowTile.

@@ -6,7 +6,10 @@
 //!  * prefill: INT4 matmuls of 1536x576 (SmolLM2's MLP shape) and 4096x4096 over 8..512 tokens,
 //!    GEMV path vs dequant + cuBLAS bf16 GEMM path (`Kernels::quant_gemv` / `quant_gemm`), tok/s,
 //!    the ratio, and the smallest batch where the GEMM path wins (where `GEMM_MIN_TOKENS` belongs);
-//!    the same for Cubic 4-bit and MXFP4 at 4096x4096.
+//!    the same for Cubic 4-bit and MXFP4 at 4096x4096;
+//!  * routed-expert prefill: 16 INT4 experts of DeepSeek-V3's gate_up shape (4096x7168), tokens
+//!    spread evenly over them, `Kernels::moe_matmul` with GEMV tiles only vs the plan that sends
+//!    experts with more than `GEMM_MIN_TOKENS` tokens to dequant + cuBLAS.
 //!
 //! Weights are random: these are kernel-throughput figures with the real model's shapes.
 
@@ -15,7 +18,7 @@ use std::time::Instant;
 use kernels::cpu::attention::PagedGeometry;
 use kernels::cuda::launch::{CudaRuntime, CudaSlice, DevGrouped, Gpu};
 use kernels::cuda::nvrtc::PtxCache;
-use kernels::gpu::{GemmScratch, QuantWeight, GEMM_MIN_TOKENS};
+use kernels::gpu::{ExpertWeight, GemmScratch, QuantWeight, GEMM_MIN_TOKENS};
 
 const HIDDEN: usize = 576;
 const HEADS: usize = 9;
@@ -228,6 +231,30 @@ fn prefill_report(g: &Gpu) {
     crossover(g, &format!("MXFP4 {rows}x{cols}"), QuantWeight::Mxfp4(&mx), &[16, 32, 64, 512]);
 }
 
+/// Routed-expert prefill through one expert-stacked INT4 weight: tok/s of the GEMV tiles alone
+/// and of the plan that multiplies crowded experts with dequant + cuBLAS, side by side.
+fn moe_prefill_report(g: &Gpu) {
+    let (experts, rows, cols) = (16usize, 4096usize, 7168usize);
+    let w = int4(g, experts * rows, cols, 31);
+    let weight = ExpertWeight::Quant(QuantWeight::Int(&w));
+    let max_n = 4096;
+    let x = g.upload(&rand_f32(max_n * cols, 32, 1.0)).unwrap();
+    let mut out = g.zeros::<f32>(max_n * rows).unwrap();
+    let mut scratch = g.gemm_scratch(rows * cols, max_n * cols).unwrap();
+    for n in [512usize, 1024, 2048, 4096] {
+        // Token i to expert i % 16 (one expert per token: the rank's share of a top-k routing).
+        let local: Vec<i32> = (0..n).map(|i| (i % experts) as i32).collect();
+        let (offsets, order) = g.moe_group(&g.upload(&local).unwrap(), experts + 1).unwrap();
+        let mut tok_s = [0.0f64; 2];
+        for (i, gemm) in [false, true].into_iter().enumerate() {
+            let plan = g.moe_plan(&offsets, experts, n, n, gemm).unwrap();
+            let secs = time_per_call(g, || g.moe_matmul(weight, rows, &x, 1, &order, &plan, &mut out, n, &mut scratch).unwrap());
+            tok_s[i] = n as f64 / secs;
+        }
+        println!("MoE prefill INT4 experts {experts}x{rows}x{cols} g{GROUP} n={n} ({} tokens per expert): GEMV tiles {:.0} tok/s, GEMM plan {:.0} tok/s, ratio {:.2}x", n / experts, tok_s[0], tok_s[1], tok_s[1] / tok_s[0]);
+    }
+}
+
 fn main() {
     let g = match Gpu::open(0, &PtxCache::new(PtxCache::default_dir())) {
         Ok(g) => g,
@@ -246,4 +273,5 @@ fn main() {
         }
     }
     prefill_report(&g);
+    moe_prefill_report(&g);
 }

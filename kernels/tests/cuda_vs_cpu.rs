@@ -108,6 +108,7 @@ on_every_runtime!(
     moe_routing_matches_route_token_bit_for_bit,
     moe_tiles_match_cpu_for_skewed_routing,
     moe_gemv_matches_cpu_for_every_format,
+    moe_matmul_multiplies_crowded_experts_with_the_gemm,
     moe_combine_matches_cpu,
     moe_layer_end_to_end_matches_per_token_cpu,
     mla_pieces_match_cpu,

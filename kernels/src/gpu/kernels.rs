@@ -3,7 +3,7 @@
 //! argument list the `.cu` signature expects are built. Callers keep weights and the KV pool in
 //! runtime buffers allocated once, at load time.
 
-use std::ops::Deref;
+use std::ops::{Deref, Range};
 
 use super::runtime::{DevBuf, Dims, Elem, KArg, Runtime};
 use crate::cuda::CudaError;
@@ -265,26 +265,36 @@ impl<R: Runtime> Kernels<R> {
     /// Expands `w` to bf16 bit patterns in `out[..rows * cols]` (row-major `[rows, cols]`); the
     /// values are the format's dequantised weights rounded to nearest even.
     pub fn dequant_bf16(&self, w: QuantWeight<'_, R>, out: &mut R::Buf<u16>) -> Result<(), CudaError> {
-        let (rows, cols) = (w.rows(), w.cols());
-        let count = rows * cols;
-        check(out.len() >= count, || format!("dequant: scratch holds {} bf16 weights, need {rows} x {cols}", out.len()))?;
-        // One block per row (gridDim.x); columns are an int in the kernels.
-        check(rows <= i32::MAX as usize && cols <= i32::MAX as usize, || format!("dequant: {rows} x {cols} exceeds 32-bit dimensions"))?;
+        self.dequant_rows_bf16(w, 0..w.rows(), out)
+    }
+
+    /// As [`Self::dequant_bf16`] for rows `rows` of `w` only, into `out[..rows.len() * cols]`
+    /// (one expert of an expert-stacked weight).
+    pub fn dequant_rows_bf16(&self, w: QuantWeight<'_, R>, rows: Range<usize>, out: &mut R::Buf<u16>) -> Result<(), CudaError> {
+        let cols = w.cols();
+        check(rows.start <= rows.end && rows.end <= w.rows(), || format!("dequant: rows {rows:?} of a {}-row weight", w.rows()))?;
+        let (row0, n) = (rows.start, rows.len());
+        let count = n * cols;
+        check(out.len() >= count, || format!("dequant: scratch holds {} bf16 weights, need {n} x {cols}", out.len()))?;
+        // One block per row (gridDim.x); rows and columns are ints in the kernels.
+        check(w.rows() <= i32::MAX as usize && cols <= i32::MAX as usize, || format!("dequant: {} x {cols} exceeds 32-bit dimensions", w.rows()))?;
         if count == 0 {
             return Ok(()); // nothing to write, and CUDA refuses an empty grid
         }
-        let dims = Self::row_dims(rows);
+        let dims = Self::row_dims(n);
+        let (row0, n) = (A::I32(row0 as i32), A::I32(n as i32));
         match w {
             QuantWeight::Int(g) | QuantWeight::Cubic(g) => {
                 let (name, what) = if matches!(w, QuantWeight::Int(_)) { ("dequant_int_bf16", "dequant INT") } else { ("dequant_cubic_bf16", "dequant Cubic") };
                 Self::check_grouped(what, g)?;
                 let p = &g.packed;
-                let args = [A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&g.p0), A::F32s(&g.p1), A::U16s(out), A::I32(rows as i32), A::I32(cols as i32), A::I32(p.bits as i32), A::I32(g.group_size as i32)];
+                let args = [A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&g.p0), A::F32s(&g.p1), A::U16s(out), row0, n, A::I32(cols as i32), A::I32(p.bits as i32), A::I32(g.group_size as i32)];
                 self.go(name, dims, &args)
             }
             QuantWeight::Mxfp4(m) => {
-                check(cols % 32 == 0 && m.packed.len() >= count / 2 && m.scales.len() >= count / 32, || format!("dequant MXFP4 {rows}x{cols}: {} code bytes, {} scales", m.packed.len(), m.scales.len()))?;
-                let args = [A::U8s(&m.packed), A::U8s(&m.scales), A::U16s(out), A::I32(rows as i32), A::I32(cols as i32)];
+                let all = m.rows * cols;
+                check(cols.is_multiple_of(32) && m.packed.len() >= all / 2 && m.scales.len() >= all / 32, || format!("dequant MXFP4 {}x{cols}: {} code bytes, {} scales", m.rows, m.packed.len(), m.scales.len()))?;
+                let args = [A::U8s(&m.packed), A::U8s(&m.scales), A::U16s(out), row0, n, A::I32(cols as i32)];
                 self.go("dequant_mxfp4_bf16", dims, &args)
             }
         }

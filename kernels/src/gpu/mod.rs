@@ -14,6 +14,6 @@ pub use crate::cpu::mla::LatentGeometry;
 pub use kda::KdaGeometry;
 pub use kernels::{DevGrouped, DevMxfp4, DevPacked, GemmScratch, Kernels, MatmulPath, PagedGeometry, QuantWeight, GEMM_MIN_TOKENS};
 pub use latent_pool::DeviceLatentPool;
-pub use moe::{ExpertGroups, ExpertWeight, MoeTiles, Routed};
+pub use moe::{ExpertGroups, ExpertSlots, ExpertWeight, MoePlan, MoeTiles, Routed};
 pub use recurrent_pool::DeviceRecurrentPool;
 pub use runtime::{DevBuf, Dims, Elem, KArg, Runtime};

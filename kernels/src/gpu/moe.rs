@@ -2,16 +2,19 @@
 //! each quantized GEMV; CPU references in [`crate::cpu::moe`]). A layer runs
 //!
 //! `matmul_f32` (router logits) → [`Kernels::moe_route`] → [`Kernels::moe_group`] (of the local
-//! ids, `held + 1` buckets) → [`Kernels::moe_tiles`] → [`Kernels::moe_gemv`] (gate+up, `x_div =
-//! k`) → `silu_mul` → [`Kernels::moe_gemv`] (down, `x_div = 1`) → [`Kernels::moe_combine`],
+//! ids, `held + 1` buckets) → [`Kernels::moe_plan`] → [`Kernels::moe_matmul`] (gate+up, `x_div =
+//! k`) → `silu_mul` → [`Kernels::moe_matmul`] (down, `x_div = 1`) → [`Kernels::moe_combine`].
 //!
-//! all on the device: no host round trip between routing and the GEMVs. Under expert parallelism a
-//! device holds the experts `held` (a range of global ids): assignments routed elsewhere land in
-//! the bucket `held.len()`, get no tile, and are skipped by the combine.
+//! In decode all of it stays on the device (no host round trip between routing and the GEMVs);
+//! a prefill reads the group offsets back once per layer to send crowded experts to a
+//! dequantising bf16 GEMM. Under expert parallelism a device holds the experts `held` (a range of global
+//! ids): assignments routed elsewhere land in the bucket `held.len()`, get no tile, and are
+//! skipped by the combine.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::kernels::{check, Kernels, QuantWeight, GEMV_WARPS, TOK};
+use super::kernels::{check, GemmScratch, Kernels, QuantWeight, GEMM_MIN_TOKENS, GEMV_WARPS, TOK};
 use super::runtime::{DevBuf, Dims, KArg, Runtime};
 use crate::cpu::moe::{RouterScoring, RouterSpec, RouterTopk};
 use crate::cuda::CudaError;
@@ -39,6 +42,21 @@ pub struct Routed<R: Runtime> {
 pub struct MoeTiles<R: Runtime> {
     pub tiles: R::Buf<i32>,
     pub count: R::Buf<i32>,
+}
+
+/// One expert's grouped slots `first..first + slots` (a [`MoePlan`] GEMM expert).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertSlots {
+    pub expert: usize,
+    pub first: usize,
+    pub slots: usize,
+}
+
+/// [`Kernels::moe_plan`]'s output: GEMV tiles for the experts with few slots, the crowded experts
+/// (more than [`GEMM_MIN_TOKENS`] slots) for the dequantise + GEMM path, in expert order.
+pub struct MoePlan<R: Runtime> {
+    pub tiles: MoeTiles<R>,
+    pub gemm: Vec<ExpertSlots>,
 }
 
 /// A weight of experts stacked by rows, in any stored format, for [`Kernels::moe_gemv`].
@@ -73,6 +91,15 @@ impl<R: Runtime> ExpertWeight<'_, R> {
             ExpertWeight::Quant(q) => q.cols(),
         }
     }
+}
+
+/// Experts every [`Kernels::moe_plan`] in this process has sent to the GEMM path: lets a test of
+/// a whole model see that its prefill took that path (the plan is made deep inside a forward).
+static GEMM_EXPERTS_PLANNED: AtomicU64 = AtomicU64::new(0);
+
+/// The running total of experts planned for the GEMM path in this process.
+pub fn gemm_experts_planned() -> u64 {
+    GEMM_EXPERTS_PLANNED.load(Ordering::Relaxed)
 }
 
 fn fits_i32(v: usize) -> bool {
@@ -159,12 +186,75 @@ impl<R: Runtime> Kernels<R> {
     /// bucket `held` is skipped), from the offsets of `moe_group(local, held + 1)`; built on the
     /// device. At most `assignments` tiles (each holds at least one slot).
     pub fn moe_tiles(&self, offsets: &R::Buf<i32>, held: usize, assignments: usize) -> Result<MoeTiles<R>, CudaError> {
+        self.moe_tiles_up_to(offsets, held, assignments, assignments)
+    }
+
+    /// As [`Self::moe_tiles`], leaving out the experts with more than `max_slots` slots (those
+    /// [`Self::moe_plan`] gives to the GEMM).
+    pub fn moe_tiles_up_to(&self, offsets: &R::Buf<i32>, held: usize, assignments: usize, max_slots: usize) -> Result<MoeTiles<R>, CudaError> {
         check(offsets.len() > held, || format!("moe_tiles: {} offsets for {held} experts", offsets.len()))?;
         check(fits_i32(held) && fits_i32(3 * assignments), || format!("moe_tiles: {held} experts, {assignments} assignments"))?;
         let tiles = self.zeros::<i32>(3 * assignments)?;
         let count = self.zeros::<i32>(1)?;
-        self.go("moe_tiles", Dims::new((1, 1, 1), 32), &[A::I32s(offsets), A::I32(held as i32), A::I32(assignments as i32), A::I32s(&tiles), A::I32s(&count)])?;
+        let max_slots = A::I32(max_slots.min(i32::MAX as usize) as i32);
+        self.go("moe_tiles", Dims::new((1, 1, 1), 32), &[A::I32s(offsets), A::I32(held as i32), A::I32(assignments as i32), max_slots, A::I32s(&tiles), A::I32s(&count)])?;
         Ok(MoeTiles { tiles, count })
+    }
+
+    /// Decides how a layer's grouped assignments are multiplied. Experts with more than
+    /// [`GEMM_MIN_TOKENS`] slots go to the dequantise + bf16 GEMM path of
+    /// [`Self::moe_matmul`] (as [`Self::matmul_quant`] does for a dense prefill: the GEMV would
+    /// re-read the expert's packed weight once per 8 of its tokens), the rest to GEMV tiles.
+    ///
+    /// `tokens` is the batch's token count: a token picks distinct experts, so no expert has more
+    /// slots than that, and at `tokens <= GEMM_MIN_TOKENS` (decode) the plan is all tiles, built
+    /// on the device with no host round trip. Above it the offsets are read back (one
+    /// synchronisation per layer, small next to a prefill's GEMMs) to size the GEMMs. `gemm`
+    /// false (dense experts, whose GEMV keeps f32 activations) always plans tiles only.
+    pub fn moe_plan(&self, offsets: &R::Buf<i32>, held: usize, assignments: usize, tokens: usize, gemm: bool) -> Result<MoePlan<R>, CudaError> {
+        if !gemm || tokens <= GEMM_MIN_TOKENS {
+            return Ok(MoePlan { tiles: self.moe_tiles(offsets, held, assignments)?, gemm: Vec::new() });
+        }
+        check(offsets.len() > held, || format!("moe_plan: {} offsets for {held} experts", offsets.len()))?;
+        let host = self.download(offsets)?;
+        let spans: Vec<ExpertSlots> = (0..held)
+            .map(|e| ExpertSlots { expert: e, first: host[e] as usize, slots: (host[e + 1] - host[e]) as usize })
+            .filter(|s| s.slots > GEMM_MIN_TOKENS)
+            .collect();
+        GEMM_EXPERTS_PLANNED.fetch_add(spans.len() as u64, Ordering::Relaxed);
+        Ok(MoePlan { tiles: self.moe_tiles_up_to(offsets, held, assignments, GEMM_MIN_TOKENS)?, gemm: spans })
+    }
+
+    /// [`Self::moe_gemv`] over the plan's tiles, then for each of its GEMM experts `e`: gather
+    /// the expert's activation rows as bf16 into `scratch.x`, dequantise its rows of `w` into
+    /// `scratch.weight`, run the bf16 GEMM (f32 accumulation) and scatter the rows to their
+    /// assignments. Same result as [`Self::moe_gemv`] over every expert's tiles, up to the bf16
+    /// rounding of the GEMM experts' activations. A plan with GEMM experts needs a packed `w` and
+    /// scratch for `rows_per_expert × cols` weights and `slots × cols` activations.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_matmul(&self, w: ExpertWeight<'_, R>, rows_per_expert: usize, x: &R::Buf<f32>, x_div: usize, order: &R::Buf<i32>, plan: &MoePlan<R>, out: &mut R::Buf<f32>, assignments: usize, scratch: &mut GemmScratch<R>) -> Result<(), CudaError> {
+        // Checks every size the GEMM experts use too: their slots are assignments.
+        self.moe_gemv(w, rows_per_expert, x, x_div, order, &plan.tiles, out, assignments)?;
+        let Some(widest) = plan.gemm.iter().map(|s| s.slots).max() else { return Ok(()) };
+        let cols = w.cols();
+        let ExpertWeight::Quant(q) = w else {
+            return Err(CudaError::BadArgs("moe_matmul: the GEMM path needs a packed expert weight".into()));
+        };
+        let experts = w.rows() / rows_per_expert;
+        check(plan.gemm.iter().all(|s| s.expert < experts && s.first + s.slots <= assignments), || format!("moe_matmul: a GEMM expert outside {experts} experts / {assignments} assignments"))?;
+        check(scratch.x.len() >= widest * cols && scratch.weight.len() >= rows_per_expert * cols, || format!("moe_matmul: scratch holds {} activations / {} weights, need {widest} x {cols} / {rows_per_expert} x {cols}", scratch.x.len(), scratch.weight.len()))?;
+        check(fits_i32(cols) && fits_i32(rows_per_expert) && fits_i32(x_div), || format!("moe_matmul: {rows_per_expert}x{cols} exceeds 32-bit sizes"))?;
+        let mut y = self.zeros::<f32>(widest * rows_per_expert)?;
+        for s in &plan.gemm {
+            let (first, slots) = (s.first as i32, s.slots as i32);
+            let gather = [A::F32s(x), A::I32(x_div as i32), A::I32s(order), A::I32(first), A::I32(slots), A::I32(cols as i32), A::U16s(&scratch.x)];
+            self.go("moe_gather_bf16", Self::row_dims(s.slots), &gather)?;
+            self.dequant_rows_bf16(q, s.expert * rows_per_expert..(s.expert + 1) * rows_per_expert, &mut scratch.weight)?;
+            self.gemm_bf16(&scratch.x, &scratch.weight, &mut y, s.slots, cols, rows_per_expert)?;
+            let scatter = [A::F32s(&y), A::I32s(order), A::I32(first), A::I32(slots), A::I32(rows_per_expert as i32), A::F32s(out)];
+            self.go("moe_scatter_rows", Self::row_dims(s.slots), &scatter)?;
+        }
+        Ok(())
     }
 
     /// For every tile slot `g` with `a = order[g]` and the tile's expert `e`:

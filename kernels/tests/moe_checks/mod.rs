@@ -10,7 +10,7 @@ use std::ops::Range;
 use kernels::cpu;
 use kernels::cpu::bitpack::PackedRows;
 use kernels::cpu::moe::{ExpertRows, RouterScoring, RouterSpec, RouterTopk};
-use kernels::gpu::kernels::TOK;
+use kernels::gpu::kernels::{GEMM_MIN_TOKENS, TOK};
 use kernels::gpu::{DevGrouped, DevMxfp4, ExpertWeight, Kernels, MoeTiles, QuantWeight, Routed, Runtime};
 
 use super::test_data::{codes, lcg, uniform};
@@ -291,6 +291,85 @@ pub fn moe_grouping_and_expert_gemv_match_cpu<R: Runtime>(g: &Kernels<R>, t: &To
     let mut dout = g.zeros::<f32>(tokens * k * rows).unwrap();
     g.moe_gemv(dw.view(), rows, &g.upload(&x).unwrap(), k, &dorder, &dtiles, &mut dout, tokens * k).unwrap();
     assert_close("moe expert gemv bf16", &g.download(&dout).unwrap(), &want, t.gemv);
+}
+
+/// The prefill path: experts with more than `GEMM_MIN_TOKENS` slots are multiplied by gather →
+/// dequantise their rows → bf16 GEMM → scatter, the rest by GEMV tiles. Against the f32 CPU
+/// reference over every expert's tiles: GEMV experts within the GEMV tolerance, GEMM experts
+/// within the bf16 bound of the dense prefill GEMM, rows routed elsewhere untouched; the plan's
+/// experts and tiles against the offsets.
+pub fn moe_matmul_multiplies_crowded_experts_with_the_gemm<R: Runtime>(g: &Kernels<R>, t: &Tol) {
+    // 160 assignments (80 tokens × top-2) over 5 held experts and the bucket 5: expert 1 takes 45,
+    // expert 3 34 (both GEMM), expert 2 exactly GEMM_MIN_TOKENS (tiles), 0 and 4 fewer.
+    let (n, k, held, rpe) = (80usize, 2usize, 5usize, 38usize);
+    let a = n * k;
+    let counts = [(1, 45), (3, 34), (2, GEMM_MIN_TOKENS), (0, 20), (4, 9), (5, 20)];
+    let mut local: Vec<i32> = counts.iter().flat_map(|&(e, c)| std::iter::repeat_n(e, c)).collect();
+    assert_eq!(local.len(), a);
+    let mut r = lcg(17);
+    for i in (1..a).rev() {
+        local.swap(i, r() as usize % (i + 1)); // interleave the experts' slots over the assignments
+    }
+    let (off, order) = cpu::moe::group_by_expert(&local, held + 1).unwrap();
+    let (doff, dorder) = g.moe_group(&g.upload(&local).unwrap(), held + 1).unwrap();
+    let all_tiles = cpu::moe::tiles(&off, held, TOK);
+
+    // The plan: a decode-sized batch is all tiles; this one sends experts 1 and 3 to the GEMM.
+    let decode = g.moe_plan(&doff, held, a, GEMM_MIN_TOKENS, true).unwrap();
+    assert!(decode.gemm.is_empty());
+    assert_eq!(download_tiles(g, &decode.tiles), all_tiles, "a decode-sized plan tiles every expert");
+    let plan = g.moe_plan(&doff, held, a, n, true).unwrap();
+    let gemm_experts: Vec<usize> = plan.gemm.iter().map(|s| s.expert).collect();
+    assert_eq!(gemm_experts, [1, 3], "GEMM experts");
+    for s in &plan.gemm {
+        assert_eq!((s.first, s.slots), (off[s.expert], off[s.expert + 1] - off[s.expert]), "expert {}'s slots", s.expert);
+    }
+    let tiled: Vec<cpu::moe::Tile> = all_tiles.iter().copied().filter(|t| !gemm_experts.contains(&t.expert)).collect();
+    assert_eq!(download_tiles(g, &plan.tiles), tiled, "the plan's tiles leave the GEMM experts out");
+    assert!(g.moe_plan(&doff, held, a, n, false).unwrap().gemm.is_empty(), "dense experts are never planned for the GEMM");
+
+    const UNTOUCHED: f32 = 1e-3;
+    let mut scratch = g.gemm_scratch(rpe * 256, 45 * 256).unwrap();
+    for (fi, f) in [Fmt::Int(4, 32), Fmt::Int(3, 40), Fmt::Cubic(3, 32), Fmt::Mxfp4].into_iter().enumerate() {
+        for (x_div, cols) in [(k, 256), (1, 96)] {
+            let (dw, cw) = weight(g, f, held * rpe, cols, 60 + fi as u64, 0..held * rpe);
+            let x = uniform(a.div_ceil(x_div) * cols, 3 + x_div as u64, -1.0, 1.0);
+            let mut want = vec![UNTOUCHED; a * rpe];
+            cpu::moe::moe_gemv(&cw.view(), rpe, &x, x_div, &order, &all_tiles, &mut want);
+            let mut out = g.upload(&vec![UNTOUCHED; a * rpe]).unwrap();
+            g.moe_matmul(dw.view(), rpe, &g.upload(&x).unwrap(), x_div, &dorder, &plan, &mut out, a, &mut scratch).unwrap();
+            let got = g.download(&out).unwrap();
+            let what = format!("moe matmul {f:?} x_div={x_div} {rpe}x{cols}");
+            let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+            let (mut worst_gemv, mut worst_gemm) = (0.0f32, 0.0f64);
+            for (ai, &e) in local.iter().enumerate() {
+                let (gr, wr) = (&got[ai * rpe..(ai + 1) * rpe], &want[ai * rpe..(ai + 1) * rpe]);
+                if e as usize == held {
+                    assert!(gr.iter().all(|&v| v == UNTOUCHED), "{what}: assignment {ai} (not held) was written");
+                } else if gemm_experts.contains(&(e as usize)) {
+                    let xr = &x[(ai / x_div) * cols..][..cols];
+                    for (r, (&gv, &wv)) in gr.iter().zip(wr).enumerate() {
+                        let row = cw.view().row(e as usize * rpe + r);
+                        let s: f64 = row.iter().zip(xr).map(|(&w, &v)| (w as f64 * v as f64).abs()).sum();
+                        let frac = (gv as f64 - wv as f64).abs() / super::prefill_gemm::gemm_bound(s, cols);
+                        assert!(frac <= 1.0, "{what}: assignment {ai} (expert {e}) row {r}: {gv} vs {wv} beyond the bf16 bound");
+                        worst_gemm = worst_gemm.max(frac);
+                    }
+                } else {
+                    worst_gemv = worst_gemv.max(kernels::compare::max_abs_error(gr, wr) / scale);
+                }
+            }
+            eprintln!("{what}: GEMV experts {worst_gemv:.2e} of max |ref|, GEMM experts {:.0}% of the bf16 bound", worst_gemm * 100.0);
+            assert!(worst_gemv <= t.gemv, "{what}: GEMV experts' relative error {worst_gemv}");
+        }
+    }
+    // A GEMM plan over a dense weight, or scratch too small for the widest expert, is an error.
+    let (dw, _) = weight(g, Fmt::Bf16, held * rpe, 96, 1, 0..held * rpe);
+    let (x, mut out) = (g.upload(&vec![0.0f32; a * 96]).unwrap(), g.zeros::<f32>(a * rpe).unwrap());
+    assert!(g.moe_matmul(dw.view(), rpe, &x, 1, &dorder, &plan, &mut out, a, &mut scratch).is_err());
+    let (qw, _) = weight(g, Fmt::Int(4, 32), held * rpe, 96, 1, 0..held * rpe);
+    let mut short = g.gemm_scratch(rpe * 96, 44 * 96).unwrap();
+    assert!(g.moe_matmul(qw.view(), rpe, &x, 1, &dorder, &plan, &mut out, a, &mut short).is_err());
 }
 
 pub fn moe_combine_matches_cpu<R: Runtime>(g: &Kernels<R>, _t: &Tol) {

@@ -109,7 +109,7 @@ pub fn dequant_matches_cpu_bit_for_bit<R: Runtime>(k: &Kernels<R>) {
 /// most (2u + u²)|w_ij x_j|, and each side's f32 accumulation adds at most about
 /// k·2^-24·Σ|w_ij x_j| whatever the summation order. Hence (2^-8 + 2^-18 + 2k·2^-24)·S_i with
 /// S_i = Σ_j |w_ij x_j| (computed from the CPU's dequantised weights), plus 1e-30 for S_i = 0.
-fn gemm_bound(s_i: f64, k: usize) -> f64 {
+pub fn gemm_bound(s_i: f64, k: usize) -> f64 {
     ((2f64.powi(-8) + 2f64.powi(-18) + 2.0 * k as f64 * 2f64.powi(-24)) * s_i) * 1.001 + 1e-30
 }
 

@@ -325,13 +325,18 @@ impl<R: Runtime> DevMoe<R> {
         gpu.moe_route(&logits, self.bias.as_ref(), &self.spec, n, self.held.clone(), &mut routed)?;
         // Bucket `held` collects the assignments of experts other ranks hold.
         let (offsets, order) = gpu.moe_group(&routed.local, held + 1)?;
-        let tiles = gpu.moe_tiles(&offsets, held, a)?;
+        // Decode: GEMV tiles for every expert. Prefill: experts with many tokens by dequantise +
+        // bf16 GEMM (one read of their packed weights instead of one per 8 tokens).
+        let plan = gpu.moe_plan(&offsets, held, a, n, self.gemm_path())?;
+        if !plan.gemm.is_empty() {
+            tracing::trace!(n, gemm_experts = plan.gemm.len(), "routed experts on the GEMM path");
+        }
         let mut gate_up = gpu.zeros::<f32>(a * 2 * inter)?;
-        gpu.moe_gemv(self.gate_up.expert_weight(), 2 * inter, x, k, &order, &tiles, &mut gate_up, a)?;
+        gpu.moe_matmul(self.gate_up.expert_weight(), 2 * inter, x, k, &order, &plan, &mut gate_up, a, scratch)?;
         let mut act = gpu.zeros::<f32>(a * inter)?;
         gpu.silu_mul(&gate_up, &mut act, a, inter)?;
         let mut y = gpu.zeros::<f32>(a * d)?;
-        gpu.moe_gemv(self.down.expert_weight(), d, &act, 1, &order, &tiles, &mut y, a)?;
+        gpu.moe_matmul(self.down.expert_weight(), d, &act, 1, &order, &plan, &mut y, a, scratch)?;
         match (&self.shared, rank) {
             (Some(s), 0) => s.forward(gpu, x, n, scratch, out)?,
             _ => *out = gpu.zeros::<f32>(n * d)?,

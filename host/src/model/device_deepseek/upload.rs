@@ -168,6 +168,29 @@ impl<R: Runtime> ExpertStack<R> {
             packed => ExpertWeight::Quant(packed.quant().expect("a packed weight")),
         }
     }
+
+    /// Whether the experts are packed (so crowded experts of a prefill can take the dequantise +
+    /// GEMM path, `Kernels::moe_plan`).
+    pub fn is_packed(&self) -> bool {
+        self.0.quant().is_some()
+    }
+}
+
+impl<R: Runtime> DevMoe<R> {
+    /// Whether crowded experts take the dequantise + GEMM path: both projections packed (dense
+    /// experts keep the GEMV, whose activations stay f32).
+    pub fn gemm_path(&self) -> bool {
+        self.gate_up.is_packed() && self.down.is_packed()
+    }
+
+    /// `(dequantised elements, widest input)` of one expert on the GEMM path (0 when none), for
+    /// the rank's scratch.
+    fn expert_scratch(&self) -> (usize, usize) {
+        if !self.gemm_path() {
+            return (0, 0);
+        }
+        (2 * self.inter * self.hidden, self.inter.max(self.hidden))
+    }
 }
 
 impl<R: Runtime> DevMlp<R> {
@@ -366,9 +389,9 @@ impl<R: Runtime> DecoderRank<R> {
         Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (0, false), latent, kda })
     }
 
-    /// The scratch sized for every dense projection a step may run (the prefill GEMM's
-    /// dequantisation buffer for the largest packed one, the bf16 activations for the widest
-    /// input), and the rank.
+    /// The scratch sized for every dense projection a step may run and every routed expert on the
+    /// prefill GEMM path (the dequantisation buffer for the largest packed weight or expert, the
+    /// bf16 activations for the widest input), and the rank.
     fn assemble(gpu: Kernels<R>, hidden: usize, u: Uploaded<R>) -> Result<Self, ForwardError> {
         gpu.synchronize()?;
         let dense: Vec<&DevLinear<R>> = u
@@ -387,8 +410,14 @@ impl<R: Runtime> DecoderRank<R> {
             })
             .chain(u.lm_head.as_ref())
             .collect();
-        let largest = dense.iter().map(|l| l.dequant_elements()).max().unwrap_or(0);
-        let max_in = dense.iter().map(|l| l.shape().1).chain([hidden]).max().unwrap_or(hidden);
+        // Routed experts on the prefill GEMM path dequantise one expert at a time.
+        let experts = u.layers.iter().filter_map(|l| match &l.ffn {
+            DevFfn::Moe(moe) => Some(moe.expert_scratch()),
+            DevFfn::Dense(_) => None,
+        });
+        let (expert_largest, expert_in) = experts.fold((0, 0), |(a, b), (c, d)| (a.max(c), b.max(d)));
+        let largest = dense.iter().map(|l| l.dequant_elements()).chain([expert_largest]).max().unwrap_or(0);
+        let max_in = dense.iter().map(|l| l.shape().1).chain([hidden, expert_in]).max().unwrap_or(hidden);
         let scratch = gpu.gemm_scratch(largest, 1)?;
         let latent_layers = u.layers.iter().filter(|l| matches!(l.mixer, DevMixer::Mla { .. })).count();
         Ok(DecoderRank {
