@@ -11,9 +11,11 @@
 //   output is the latent context [lora]. lora <= 1024, rope <= 256. CPU reference:
 //   kernels/src/cpu/mla.rs.
 //
-// One block per (query row, query head), one warp per position in a strided loop: each warp
-// computes its score, keeps a running softmax (max, sum) and the weighted value row in shared
-// memory; the warps' partial softmaxes are merged at the end.
+// paged_attention_*: one block per (query row, query head), one warp per position in a strided
+// loop: each warp computes its score, keeps a running softmax (max, sum) and the weighted value row
+// in shared memory; the warps' partial softmaxes are merged at the end.
+// mla_attention_*: one block per (query row, group of up to MLA_HEADS heads), one warp per head
+// (see latent_heads below).
 #define WARPS 4
 #define MAX_D 256
 #define MLA_MAX_LORA 1024
@@ -85,14 +87,6 @@ struct HeadRows {
     __device__ float value(long row, int i) const { return v.at((row * kv_heads + kvh) * head_dim + i, row * kv_heads + kvh); }
 };
 
-// MLA: key = latent ‖ rotary key, value = latent; one scale per row of each.
-template <typename S>
-struct LatentRows {
-    S c, kr; int lora, rope;
-    __device__ float key(long row, int i) const { return i < lora ? c.at(row * lora + i, row) : kr.at(row * rope + (i - lora), row); }
-    __device__ float value(long row, int i) const { return c.at(row * lora + i, row); }
-};
-
 template <typename S>
 __device__ void paged_head(const float* q, S k, S v, const int* block_tables, const int* seq_lens, float* out, int heads,
                            int kv_heads, int head_dim, int block_size, int max_blocks, float softmax_scale) {
@@ -121,32 +115,93 @@ extern "C" __global__ void paged_attention_fp8(const float* q, const u8* k, cons
                max_blocks, softmax_scale);
 }
 
-// One block per (token, head): ctx[t, h, 0..lora] over token t's lens[t] positions.
+// MLA. The key of a position is its latent c ‖ rotary key kr and its value the latent, the same
+// row for every head, so the heads of a token share one read of it: the block stages MLA_TILE
+// positions at a time in shared memory (widened to f32 once, FP8 scales applied), then each warp
+// scores them against its own head's query and updates that head's online softmax and latent
+// context, both held in registers (lane l owns elements l, l + 32, ...). DeepSeek-V3 has 128
+// heads over one 576-wide row per position: 8 heads per block read the cache 8x less often than
+// one block per head would. ctx[t, h, 0..lora] over token t's lens[t] positions.
+#define MLA_HEADS 8
+#define MLA_TILE 8
+#define MLA_LJ (MLA_MAX_LORA / WARP)
+#define MLA_RJ (MLA_MAX_ROPE / WARP)
 template <typename S>
-__device__ void latent_head(const float* q_lat, const float* q_rope, S c, S kr, const int* block_tables, const int* lens,
-                            float* ctx, int heads, int lora, int rope, int block_size, int max_blocks, float softmax_scale) {
-    int t = blockIdx.x, h = blockIdx.y;
+__device__ void latent_heads(const float* q_lat, const float* q_rope, S c, S kr, const int* block_tables, const int* lens,
+                             float* ctx, int heads, int lora, int rope, int block_size, int max_blocks, float softmax_scale) {
+    __shared__ float rows[MLA_TILE][MLA_MAX_LORA + MLA_MAX_ROPE];
+    int t = blockIdx.x, lane = threadIdx.x % WARP, group = blockDim.x / WARP;
+    int h = blockIdx.y * group + threadIdx.x / WARP;
+    bool active = h < heads; // warp-uniform: the last group may be partial
+    int len = lens[t], width = lora + rope;
+    const int* table = block_tables + (long)t * max_blocks;
     long th = (long)t * heads + h;
-    LatentRows<S> ld{c, kr, lora, rope};
-    attend<MLA_MAX_LORA + MLA_MAX_ROPE, MLA_MAX_LORA>(q_lat + th * lora, lora, q_rope + th * rope, rope, lora,
-                                                      block_tables + (long)t * max_blocks, lens[t], block_size, softmax_scale,
-                                                      ctx + th * lora, ld);
+    float ql[MLA_LJ], qr[MLA_RJ], acc[MLA_LJ];
+#pragma unroll
+    for (int j = 0; j < MLA_LJ; j++) {
+        int i = lane + j * WARP;
+        ql[j] = active && i < lora ? q_lat[th * lora + i] * softmax_scale : 0.0f;
+        acc[j] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < MLA_RJ; j++) {
+        int i = lane + j * WARP;
+        qr[j] = active && i < rope ? q_rope[th * rope + i] * softmax_scale : 0.0f;
+    }
+    float m = __int_as_float(0xff800000), l = 0.0f;
+    for (int p0 = 0; p0 < len; p0 += MLA_TILE) {
+        int count = min(MLA_TILE, len - p0);
+        for (int r = 0; r < count; r++) {
+            int pos = p0 + r;
+            long row = (long)table[pos / block_size] * block_size + pos % block_size;
+            for (int i = threadIdx.x; i < width; i += blockDim.x)
+                rows[r][i] = i < lora ? c.at(row * lora + i, row) : kr.at(row * rope + (i - lora), row);
+        }
+        __syncthreads();
+        if (active) {
+            for (int r = 0; r < count; r++) {
+                const float* k = rows[r];
+                float dot = 0.0f;
+#pragma unroll
+                for (int j = 0; j < MLA_LJ; j++)
+                    if (lane + j * WARP < lora) dot += ql[j] * k[lane + j * WARP];
+#pragma unroll
+                for (int j = 0; j < MLA_RJ; j++)
+                    if (lane + j * WARP < rope) dot += qr[j] * k[lora + lane + j * WARP];
+                dot = warp_sum(dot);
+                float m2 = fmaxf(m, dot);
+                float corr = expf(m - m2), p = expf(dot - m2);
+                l = l * corr + p;
+#pragma unroll
+                for (int j = 0; j < MLA_LJ; j++)
+                    if (lane + j * WARP < lora) acc[j] = acc[j] * corr + p * k[lane + j * WARP];
+                m = m2;
+            }
+        }
+        __syncthreads(); // the tile is overwritten next
+    }
+    if (!active) return;
+#pragma unroll
+    for (int j = 0; j < MLA_LJ; j++) {
+        int i = lane + j * WARP;
+        if (i < lora) ctx[th * lora + i] = len > 0 ? acc[j] / l : 0.0f;
+    }
 }
 
 extern "C" __global__ void mla_attention_f32(const float* q_lat, const float* q_rope, const float* c, const float* kr,
                                              const int* block_tables, const int* lens, float* ctx, int heads, int lora,
                                              int rope, int block_size, int max_blocks, float softmax_scale) {
-    latent_head(q_lat, q_rope, F32Rows{c}, F32Rows{kr}, block_tables, lens, ctx, heads, lora, rope, block_size, max_blocks, softmax_scale);
+    latent_heads(q_lat, q_rope, F32Rows{c}, F32Rows{kr}, block_tables, lens, ctx, heads, lora, rope, block_size, max_blocks, softmax_scale);
 }
 extern "C" __global__ void mla_attention_bf16(const float* q_lat, const float* q_rope, const u16* c, const u16* kr,
                                               const int* block_tables, const int* lens, float* ctx, int heads, int lora,
                                               int rope, int block_size, int max_blocks, float softmax_scale) {
-    latent_head(q_lat, q_rope, Bf16Rows{c}, Bf16Rows{kr}, block_tables, lens, ctx, heads, lora, rope, block_size, max_blocks, softmax_scale);
+    latent_heads(q_lat, q_rope, Bf16Rows{c}, Bf16Rows{kr}, block_tables, lens, ctx, heads, lora, rope, block_size, max_blocks, softmax_scale);
 }
 extern "C" __global__ void mla_attention_fp8(const float* q_lat, const float* q_rope, const u8* c, const u8* kr,
                                              const float* c_scales, const float* kr_scales, const int* block_tables,
                                              const int* lens, float* ctx, int heads, int lora, int rope, int block_size,
                                              int max_blocks, float softmax_scale) {
-    latent_head(q_lat, q_rope, Fp8Rows{c, c_scales}, Fp8Rows{kr, kr_scales}, block_tables, lens, ctx, heads, lora, rope, block_size,
+    latent_heads(q_lat, q_rope, Fp8Rows{c, c_scales}, Fp8Rows{kr, kr_scales}, block_tables, lens, ctx, heads, lora, rope, block_size,
                 max_blocks, softmax_scale);
 }

@@ -9,7 +9,10 @@
 //!    the same for Cubic 4-bit and MXFP4 at 4096x4096;
 //!  * routed-expert prefill: 16 INT4 experts of DeepSeek-V3's gate_up shape (4096x7168), tokens
 //!    spread evenly over them, `Kernels::moe_matmul` with GEMV tiles only vs the plan that sends
-//!    experts with more than `GEMM_MIN_TOKENS` tokens to dequant + cuBLAS.
+//!    experts with more than `GEMM_MIN_TOKENS` tokens to dequant + cuBLAS;
+//!  * MLA decode attention at DeepSeek-V3's shape (128 heads, latent 512 + rotary 64, bf16 latent
+//!    cache, 4096-token context) for 1 and 64 tokens: time per layer and the latent cache's
+//!    bytes per second against the peak (each token's rows are read once per group of 8 heads).
 //!
 //! Weights are random: these are kernel-throughput figures with the real model's shapes.
 
@@ -255,6 +258,26 @@ fn moe_prefill_report(g: &Gpu) {
     }
 }
 
+/// MLA decode attention over a bf16 latent cache at DeepSeek-V3's widths.
+fn mla_report(g: &Gpu) {
+    use kernels::gpu::kv_pool::KvStorage;
+    use kernels::gpu::DeviceLatentPool;
+    let (heads, lora, rope, context, block) = (128usize, 512usize, 64usize, 4096usize, 16usize);
+    let per_seq = context / block;
+    for n in [1usize, 64] {
+        let pool = DeviceLatentPool::new(g, 1, n * per_seq, block, lora, rope, KvStorage::Bf16).unwrap();
+        // Each token its own sequence of `context` positions in its own blocks.
+        let tables: Vec<i32> = (0..(n * per_seq) as i32).collect();
+        let (tables, lens) = (g.upload(&tables).unwrap(), g.upload(&vec![context as i32; n]).unwrap());
+        let q_lat = g.upload(&rand_f32(n * heads * lora, 41, 0.1)).unwrap();
+        let q_rope = g.upload(&rand_f32(n * heads * rope, 42, 0.1)).unwrap();
+        let mut ctx = g.zeros::<f32>(n * heads * lora).unwrap();
+        let secs = time_per_call(g, || pool.attention(g, 0, heads, per_seq, &q_lat, &q_rope, &tables, &lens, 0.07, &mut ctx).unwrap());
+        let bytes = (n * context * (lora + rope) * 2) as f64;
+        println!("MLA decode attention ({heads} heads, latent {lora}+{rope} bf16, context {context}), {n} token(s): {:.1} us per layer, latent cache {:.0} GB/s = {:.1}% of peak", secs * 1e6, bytes / secs / 1e9, bytes / secs / g.info.peak_bandwidth * 100.0);
+    }
+}
+
 fn main() {
     let g = match Gpu::open(0, &PtxCache::new(PtxCache::default_dir())) {
         Ok(g) => g,
@@ -274,4 +297,5 @@ fn main() {
     }
     prefill_report(&g);
     moe_prefill_report(&g);
+    mla_report(&g);
 }

@@ -14,6 +14,8 @@ use crate::cuda::CudaError;
 /// (`MLA_MAX_LORA`, `MLA_MAX_ROPE` in paged_attention.cu); DeepSeek-V3 uses 512 and 64.
 pub const MLA_MAX_LORA: usize = 1024;
 pub const MLA_MAX_ROPE: usize = 256;
+/// Heads per block of the MLA attention kernels (`MLA_HEADS` in paged_attention.cu).
+const MLA_HEADS: usize = 8;
 /// Rotary pairs per row `rope_rows` handles (32 lanes × `ROPE_PAIRS` in mla.cu).
 pub const ROPE_ROWS_MAX_PAIRS: usize = 256;
 /// Warps per block and tokens per tile of `head_matvec_bf16` (`HM_WARPS`, `HM_TOK` in mla.cu).
@@ -127,6 +129,8 @@ impl<R: Runtime> Kernels<R> {
         let mut args: Vec<A<'_, R>> = vec![A::F32s(q_lat), A::F32s(q_rope)];
         args.extend(cache);
         args.extend([A::I32s(tables), A::I32s(lens), A::F32s(ctx), A::I32(heads as i32), A::I32(lora as i32), A::I32(rope as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)]);
-        self.go(name, Dims::new((n as u32, heads as u32, 1), 128), &args)
+        // One warp per head, up to MLA_HEADS heads per block (the block shares their cache reads).
+        let group = heads.min(MLA_HEADS);
+        self.go(name, Dims::new((n as u32, heads.div_ceil(group) as u32, 1), (32 * group) as u32), &args)
     }
 }

@@ -250,13 +250,15 @@ fn pool_case<R: Runtime>(g: &Kernels<R>, t: &Tol, storage: KvStorage, heads: usi
     assert!(pool.attention(g, 1, heads, MAX_BLOCKS, &up(&q_lat[1..]), &up(&q_rope), &dt, &dl, scale, &mut ctx).is_err(), "{what}: short q_lat is an error");
 }
 
-/// The latent pool in every storage type, with a rotary slice, without one (NoPE), and at
-/// DeepSeek-V3's widths (lora 512, rope 64).
+/// The latent pool in every storage type, with a rotary slice, without one (NoPE), at
+/// DeepSeek-V3's widths (lora 512, rope 64), and with more heads than one block takes.
 pub fn latent_pool_writes_copies_and_attends_like_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     for storage in [KvStorage::F32, KvStorage::Bf16, KvStorage::Fp8] {
         pool_case(g, t, storage, 3, 100, 24);
         pool_case(g, t, storage, 2, 40, 0);
         pool_case(g, t, storage, 2, 512, 64);
+        // Two blocks of heads per token, the second partial (8 + 3).
+        pool_case(g, t, storage, 11, 512, 64);
     }
     // The kernel's shared-memory limits are checked before any launch.
     let (up, dl) = (|x: &[f32]| g.upload(x).unwrap(), g.upload(&[1i32]).unwrap());
