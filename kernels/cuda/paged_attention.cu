@@ -15,7 +15,8 @@
 // loop: each warp computes its score, keeps a running softmax (max, sum) and the weighted value row
 // in shared memory; the warps' partial softmaxes are merged at the end.
 // mla_attention_*: one block per (query row, group of up to MLA_HEADS heads), one warp per head
-// (see latent_heads below).
+// (see latent_heads below). paged_prefill_*: a prompt chunk's rows share their K/V reads (see
+// prefill_tile below).
 #define WARPS 4
 #define MAX_D 256
 #define MLA_MAX_LORA 1024
@@ -113,6 +114,107 @@ extern "C" __global__ void paged_attention_fp8(const float* q, const u8* k, cons
                                                int max_blocks, float softmax_scale) {
     paged_head(q, Fp8Rows{k, k_scales}, Fp8Rows{v, v_scales}, block_tables, seq_lens, out, heads, kv_heads, head_dim, block_size,
                max_blocks, softmax_scale);
+}
+
+// Prefill: runs of consecutive batch rows of one sequence at consecutive positions (a prompt
+// chunk) attend over the same cache rows, so they share the reads. A tile is (first row, rows) of
+// one run; the tile's query vectors are its (row, head) pairs for one kv head (GQA group
+// heads / kv_heads), PF_VECS per block (gridDim.z covers more): block (tile, kv head, z). The
+// block stages PF_KEYS cache positions' K and V for its kv head in shared memory at a time, and
+// each warp runs the online softmax of two query vectors over them, state in registers. Row i of
+// the tile attends positions 0..lens[i]; the tile's last row is the longest, so its block table
+// (tables[last row]) covers them all. K/V are read once per tile and kv head instead of once per
+// (row, head): PF_VECS times less. Rows outside the tiles are left untouched (decode rows take
+// paged_attention_*).
+#define PF_VECS 16
+#define PF_KEYS 16
+#define PF_DJ (MAX_D / WARP)
+template <typename S>
+__device__ void prefill_tile(const float* q, S k, S v, const int* block_tables, const int* lens, const int* tiles, float* out,
+                             int heads, int kv_heads, int head_dim, int block_size, int max_blocks, float softmax_scale) {
+    __shared__ float ks[PF_KEYS][MAX_D], vs[PF_KEYS][MAX_D];
+    int first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
+    int kvh = blockIdx.y, group = heads / kv_heads, lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
+    int v0 = blockIdx.z * PF_VECS;
+    if (v0 >= rows * group) return; // the whole block: no barrier is missed
+    int last = first + rows - 1, max_len = lens[last];
+    const int* table = block_tables + (long)last * max_blocks;
+    float qv[2][PF_DJ], acc[2][PF_DJ], m[2], l[2];
+    int len[2];
+    long qh[2];
+#pragma unroll
+    for (int s = 0; s < 2; s++) {
+        int vec = v0 + 2 * w + s;
+        bool act = vec < rows * group && vec < v0 + PF_VECS;
+        int row = first + (act ? vec / group : 0), h = kvh * group + (act ? vec % group : 0);
+        qh[s] = ((long)row * heads + h) * head_dim;
+        len[s] = act ? lens[row] : 0; // an inactive vector attends nothing and writes nothing
+        m[s] = __int_as_float(0xff800000);
+        l[s] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PF_DJ; j++) {
+            int i = lane + j * WARP;
+            qv[s][j] = len[s] > 0 && i < head_dim ? q[qh[s] + i] * softmax_scale : 0.0f;
+            acc[s][j] = 0.0f;
+        }
+    }
+    for (int p0 = 0; p0 < max_len; p0 += PF_KEYS) {
+        int count = min(PF_KEYS, max_len - p0);
+        for (int e = threadIdx.x; e < count * head_dim; e += blockDim.x) {
+            int r = e / head_dim, i = e % head_dim, pos = p0 + r;
+            long row = (long)table[pos / block_size] * block_size + pos % block_size;
+            long at = (row * kv_heads + kvh) * head_dim + i, sc = row * kv_heads + kvh;
+            ks[r][i] = k.at(at, sc);
+            vs[r][i] = v.at(at, sc);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            int n = min(count, len[s] - p0); // causal: this vector's positions in the tile (warp-uniform)
+            for (int r = 0; r < n; r++) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int j = 0; j < PF_DJ; j++)
+                    if (lane + j * WARP < head_dim) dot += qv[s][j] * ks[r][lane + j * WARP];
+                dot = warp_sum(dot);
+                float m2 = fmaxf(m[s], dot);
+                float corr = expf(m[s] - m2), p = expf(dot - m2);
+                l[s] = l[s] * corr + p;
+#pragma unroll
+                for (int j = 0; j < PF_DJ; j++)
+                    if (lane + j * WARP < head_dim) acc[s][j] = acc[s][j] * corr + p * vs[r][lane + j * WARP];
+                m[s] = m2;
+            }
+        }
+        __syncthreads(); // the staged rows are overwritten next
+    }
+#pragma unroll
+    for (int s = 0; s < 2; s++) {
+        if (len[s] <= 0) continue;
+#pragma unroll
+        for (int j = 0; j < PF_DJ; j++) {
+            int i = lane + j * WARP;
+            if (i < head_dim) out[qh[s] + i] = acc[s][j] / l[s];
+        }
+    }
+}
+
+extern "C" __global__ void paged_prefill_f32(const float* q, const float* k, const float* v, const int* block_tables,
+                                             const int* seq_lens, const int* tiles, float* out, int heads, int kv_heads,
+                                             int head_dim, int block_size, int max_blocks, float softmax_scale) {
+    prefill_tile(q, F32Rows{k}, F32Rows{v}, block_tables, seq_lens, tiles, out, heads, kv_heads, head_dim, block_size, max_blocks, softmax_scale);
+}
+extern "C" __global__ void paged_prefill_bf16(const float* q, const u16* k, const u16* v, const int* block_tables,
+                                              const int* seq_lens, const int* tiles, float* out, int heads, int kv_heads,
+                                              int head_dim, int block_size, int max_blocks, float softmax_scale) {
+    prefill_tile(q, Bf16Rows{k}, Bf16Rows{v}, block_tables, seq_lens, tiles, out, heads, kv_heads, head_dim, block_size, max_blocks, softmax_scale);
+}
+extern "C" __global__ void paged_prefill_fp8(const float* q, const u8* k, const u8* v, const float* k_scales,
+                                             const float* v_scales, const int* block_tables, const int* seq_lens,
+                                             const int* tiles, float* out, int heads, int kv_heads, int head_dim,
+                                             int block_size, int max_blocks, float softmax_scale) {
+    prefill_tile(q, Fp8Rows{k, k_scales}, Fp8Rows{v, v_scales}, block_tables, seq_lens, tiles, out, heads, kv_heads, head_dim,
+                 block_size, max_blocks, softmax_scale);
 }
 
 // MLA. The key of a position is its latent c ‖ rotary key kr and its value the latent, the same

@@ -12,7 +12,9 @@
 //!    experts with more than `GEMM_MIN_TOKENS` tokens to dequant + cuBLAS;
 //!  * MLA decode attention at DeepSeek-V3's shape (128 heads, latent 512 + rotary 64, bf16 latent
 //!    cache, 4096-token context) for 1 and 64 tokens: time per layer and the latent cache's
-//!    bytes per second against the peak (each token's rows are read once per group of 8 heads).
+//!    bytes per second against the peak (each token's rows are read once per group of 8 heads);
+//!  * prefill attention of a 2048-token prompt at SmolLM2's shape (9 heads over 3 KV heads of 64,
+//!    bf16 K/V): the decode kernel run per row vs the prefill kernel's tiles, side by side.
 //!
 //! Weights are random: these are kernel-throughput figures with the real model's shapes.
 
@@ -278,6 +280,28 @@ fn mla_report(g: &Gpu) {
     }
 }
 
+/// Prompt attention, one 2048-token chunk of one sequence: every row by the decode kernel (what
+/// the forward did before the prefill kernel) and by the prefill kernel's tiles.
+fn prefill_attention_report(g: &Gpu) {
+    use kernels::gpu::kv_pool::{DeviceKvPool, KvStorage};
+    use kernels::gpu::prefill::{prefill_tiles, rows_per_tile};
+    let (n, block) = (2048usize, BLOCK);
+    let max_blocks = n / block;
+    let pool = DeviceKvPool::new(g, 1, max_blocks, block, KV_HEADS, HEAD_DIM, KvStorage::Bf16).unwrap();
+    // Row r reads blocks 0..=r / block of the sequence's table (0, 1, 2, ...).
+    let tables: Vec<i32> = (0..n).flat_map(|_| 0..max_blocks as i32).collect();
+    let lens: Vec<i32> = (1..=n as i32).collect();
+    let (tables, lens) = (g.upload(&tables).unwrap(), g.upload(&lens).unwrap());
+    let q = g.upload(&rand_f32(n * HEADS * HEAD_DIM, 51, 0.5)).unwrap();
+    let mut out = g.zeros::<f32>(n * HEADS * HEAD_DIM).unwrap();
+    let tiles = prefill_tiles(&[(0, n)], rows_per_tile(HEADS / KV_HEADS));
+    let (num_tiles, tiles) = (tiles.len() / 2, g.upload(&tiles).unwrap());
+    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    let per_row = time_per_call(g, || pool.attention(g, 0, HEADS, max_blocks, &q, &tables, &lens, scale, &mut out).unwrap());
+    let tiled = time_per_call(g, || pool.prefill_attention(g, 0, HEADS, max_blocks, &q, &tables, &lens, &tiles, num_tiles, scale, &mut out).unwrap());
+    println!("prefill attention ({HEADS} heads / {KV_HEADS} KV heads of {HEAD_DIM}, bf16 K/V), one {n}-token chunk: decode kernel per row {:.0} us, prefill kernel {:.0} us per layer, ratio {:.2}x", per_row * 1e6, tiled * 1e6, per_row / tiled);
+}
+
 fn main() {
     let g = match Gpu::open(0, &PtxCache::new(PtxCache::default_dir())) {
         Ok(g) => g,
@@ -298,4 +322,5 @@ fn main() {
     prefill_report(&g);
     moe_prefill_report(&g);
     mla_report(&g);
+    prefill_attention_report(&g);
 }

@@ -97,6 +97,7 @@ on_every_runtime!(
     mxfp4_gemv_matches_cpu,
     norms_rope_and_swiglu_match_cpu,
     paged_attention_matches_cpu_for_f32_bf16_and_fp8,
+    paged_prefill_matches_cpu_for_every_storage_and_group,
     sampling_draws_the_same_tokens_as_cpu,
     moe_grouping_and_expert_gemv_match_cpu,
     cublas_bf16_gemm_matches_cpu,
@@ -299,26 +300,94 @@ fn paged_attention_matches_cpu_for_f32_bf16_and_fp8<R: Runtime>(g: &Kernels<R>, 
     g.paged_attention_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
     assert_close("paged attention f32", &g.download(&dout).unwrap(), &want, t.gemv);
 
-    let kb: Vec<u16> = k.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
-    let vb: Vec<u16> = v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+    let (kb, vb) = (bf16_rows(&k), bf16_rows(&v));
     cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &kb, v: &vb }, &tables, &lens, &geo, scale, &mut want);
     g.paged_attention_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
     assert_close("paged attention bf16", &g.download(&dout).unwrap(), &want, t.gemv);
 
     // FP8 with one scale per (row, kv head), as the pool stores it.
-    let quant = |x: &[f32]| {
-        let mut codes = vec![0u8; x.len()];
-        let mut scales = vec![0f32; pool_rows * geo.kv_heads];
-        for (i, chunk) in x.chunks(geo.head_dim).enumerate() {
-            scales[i] = cpu::fp8::quantize_e4m3(chunk, &mut codes[i * geo.head_dim..(i + 1) * geo.head_dim]);
-        }
-        (codes, scales)
-    };
-    let ((kc, ks), (vc, vs)) = (quant(&k), quant(&v));
+    let ((kc, ks), (vc, vs)) = (fp8_rows(&k, geo.head_dim), fp8_rows(&v, geo.head_dim));
     cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &tables, &lens, &geo, scale, &mut want);
     let (dkc, dvc, dks, dvs) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
     g.paged_attention_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, scale, &mut dout).unwrap();
     assert_close("paged attention fp8", &g.download(&dout).unwrap(), &want, t.gemv);
+}
+
+/// K/V rows as the pool stores them in FP8: E4M3 codes and one scale per `head_dim` chunk
+/// (per row and kv head).
+fn fp8_rows(x: &[f32], head_dim: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut codes = vec![0u8; x.len()];
+    let scales = x.chunks(head_dim).enumerate().map(|(i, ch)| cpu::fp8::quantize_e4m3(ch, &mut codes[i * head_dim..(i + 1) * head_dim])).collect();
+    (codes, scales)
+}
+
+fn bf16_rows(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|&f| half::bf16::from_f32(f).to_bits()).collect()
+}
+
+/// The prefill kernel over prompt chunks against the decode reference per row (len = pos + 1):
+/// sequence A prefilled from position 0 (37 rows: three tiles of staged keys), a decode row of C
+/// (not in a tile: untouched), B's chunk after a cached prefix (positions 20..=29), scattered
+/// blocks of 4. GQA groups of 3 (5 rows per tile, the last tile partial), 1 (16 rows), 8 (2
+/// rows) and 20 (1 row, two blocks of vectors), head widths 40, 64, 32, 16 and 256; every
+/// storage type.
+fn paged_prefill_matches_cpu_for_every_storage_and_group<R: Runtime>(g: &Kernels<R>, t: &Tol) {
+    use kernels::gpu::prefill::{prefill_tiles, rows_per_tile};
+    let (bs, num_blocks, max_blocks) = (4usize, 32usize, 10usize);
+    // Each sequence's blocks scattered over the pool (a stride coprime with 32).
+    let table = |s: usize, blocks: usize| -> Vec<i32> { (0..blocks).map(|b| ((s * 10 + b) * 13 % num_blocks) as i32).collect() };
+    let seq_tables = [table(0, 10), table(1, 8), table(2, 9)];
+    // (sequence, position) per batch row; runs (0, 37) and (38, 10); row 37 is a decode row.
+    let rows: Vec<(usize, usize)> = (0..37).map(|p| (0, p)).chain([(2, 33)]).chain((20..30).map(|p| (1, p))).collect();
+    let runs = [(0usize, 37usize), (38, 10)];
+    let n = rows.len();
+    let mut tables = vec![0i32; n * max_blocks];
+    for (i, &(s, p)) in rows.iter().enumerate() {
+        tables[i * max_blocks..i * max_blocks + p / bs + 1].copy_from_slice(&seq_tables[s][..p / bs + 1]);
+    }
+    let lens: Vec<i32> = rows.iter().map(|&(_, p)| p as i32 + 1).collect();
+    let (dt, dl) = (g.upload(&tables).unwrap(), g.upload(&lens).unwrap());
+    let in_tiles = |i: usize| runs.iter().any(|&(f, c)| (f..f + c).contains(&i));
+    for (gi, &(heads, kv_heads, head_dim)) in [(6usize, 2usize, 40usize), (4, 4, 64), (16, 2, 32), (40, 2, 16), (2, 1, 256)].iter().enumerate() {
+        let geo = PagedGeometry { heads, kv_heads, head_dim, block_size: bs, max_blocks };
+        let (pool_rows, width) = (num_blocks * bs, kv_heads * head_dim);
+        let q = uniform(n * heads * head_dim, 30 + gi as u64, -1.0, 1.0);
+        let k = uniform(pool_rows * width, 40 + gi as u64, -2.0, 2.0);
+        let v = uniform(pool_rows * width, 50 + gi as u64, -2.0, 2.0);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let tiles = prefill_tiles(&runs, rows_per_tile(heads / kv_heads));
+        let (dq, dtiles, num_tiles) = (g.upload(&q).unwrap(), g.upload(&tiles).unwrap(), tiles.len() / 2);
+        let per_row = heads * head_dim;
+        let check = |what: &str, got: Vec<f32>, want: &[f32]| {
+            for i in (0..n).filter(|&i| !in_tiles(i)) {
+                assert!(got[i * per_row..(i + 1) * per_row].iter().all(|&x| x == 7.0), "{what}: row {i} is in no tile but was written");
+            }
+            let pick = |x: &[f32]| -> Vec<f32> { (0..n).filter(|&i| in_tiles(i)).flat_map(|i| x[i * per_row..(i + 1) * per_row].to_vec()).collect() };
+            assert_close(what, &pick(&got), &pick(want), t.gemv);
+        };
+        let mut want = vec![0.0; n * per_row];
+        let fresh = || g.upload(&vec![7.0f32; n * per_row]).unwrap();
+        cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &k, v: &v }, &tables, &lens, &geo, scale, &mut want);
+        let mut out = fresh();
+        g.paged_prefill_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
+        check(&format!("prefill f32 {heads}/{kv_heads}x{head_dim}"), g.download(&out).unwrap(), &want);
+        if gi > 0 {
+            continue;
+        }
+        let (kb, vb) = (bf16_rows(&k), bf16_rows(&v));
+        cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &kb, v: &vb }, &tables, &lens, &geo, scale, &mut want);
+        let mut out = fresh();
+        g.paged_prefill_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
+        check("prefill bf16", g.download(&out).unwrap(), &want);
+        let ((kc, ks), (vc, vs)) = (fp8_rows(&k, head_dim), fp8_rows(&v, head_dim));
+        cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &tables, &lens, &geo, scale, &mut want);
+        let mut out = fresh();
+        let (dkc, dvc, dks, dvs) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
+        g.paged_prefill_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
+        check("prefill fp8", g.download(&out).unwrap(), &want);
+        // Fewer tile entries than tiles is an error before any launch.
+        assert!(g.paged_prefill_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, &dtiles, num_tiles + 1, scale, &mut out).is_err());
+    }
 }
 
 fn sampling_draws_the_same_tokens_as_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
@@ -383,17 +452,9 @@ fn device_kv_pool_writes_and_attends_like_the_cpu_reference<R: Runtime>(g: &Kern
         let mut want = vec![0.0; q.len()];
         match storage {
             KvStorage::F32 => cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &kf, v: &vf }, &tables, &lens, &geo, 0.2, &mut want),
-            KvStorage::Bf16 => {
-                let nb = |x: &[f32]| -> Vec<u16> { x.iter().map(|&f| half::bf16::from_f32(f).to_bits()).collect() };
-                cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &nb(&kf), v: &nb(&vf) }, &tables, &lens, &geo, 0.2, &mut want)
-            }
+            KvStorage::Bf16 => cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &bf16_rows(&kf), v: &bf16_rows(&vf) }, &tables, &lens, &geo, 0.2, &mut want),
             KvStorage::Fp8 => {
-                let quant = |x: &[f32]| {
-                    let mut c = vec![0u8; x.len()];
-                    let s: Vec<f32> = x.chunks(hd).enumerate().map(|(i, ch)| cpu::fp8::quantize_e4m3(ch, &mut c[i * hd..(i + 1) * hd])).collect();
-                    (c, s)
-                };
-                let ((kc, ks), (vc, vs)) = (quant(&kf), quant(&vf));
+                let ((kc, ks), (vc, vs)) = (fp8_rows(&kf, hd), fp8_rows(&vf, hd));
                 cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &tables, &lens, &geo, 0.2, &mut want)
             }
         }

@@ -342,7 +342,7 @@ impl<R: Runtime> Kernels<R> {
         self.go("silu_mul", Self::flat_dims(tokens * d), &[A::F32s(gate_up), A::F32s(out), A::I32(tokens as i32), A::I32(d as i32)])
     }
 
-    fn attn_check(g: &PagedGeometry, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, out: &R::Buf<f32>) -> Result<usize, CudaError> {
+    pub(crate) fn attn_check(g: &PagedGeometry, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, out: &R::Buf<f32>) -> Result<usize, CudaError> {
         let seqs = lens.len();
         check(g.head_dim <= 256 && g.kv_heads > 0 && g.heads.is_multiple_of(g.kv_heads), || format!("attention: {} heads over {} kv heads of {}", g.heads, g.kv_heads, g.head_dim))?;
         check(q.len() >= seqs * g.heads * g.head_dim && out.len() >= seqs * g.heads * g.head_dim && tables.len() >= seqs * g.max_blocks, || "attention: buffer sizes".into())?;

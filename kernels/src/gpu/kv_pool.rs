@@ -153,4 +153,16 @@ impl<R: Runtime> DeviceKvPool<R> {
             KvLayer::Fp8 { k, v, ks, vs } => gpu.paged_attention_fp8(&geo, q, k, v, ks, vs, tables, lens, scale, out),
         }
     }
+
+    /// Prefill attention over `layer` for the rows in `num_tiles` tiles (see
+    /// [`crate::gpu::prefill`]); other rows of `out` are left untouched.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill_attention(&self, gpu: &Kernels<R>, layer: usize, heads: usize, max_blocks: usize, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        let geo = PagedGeometry { heads, kv_heads: self.kv_heads, head_dim: self.head_dim, block_size: self.block_size, max_blocks };
+        match self.layers.get(layer).ok_or_else(|| bad(format!("kv prefill attention: no layer {layer}")))? {
+            KvLayer::F32 { k, v } => gpu.paged_prefill_f32(&geo, q, k, v, tables, lens, tiles, num_tiles, scale, out),
+            KvLayer::Bf16 { k, v } => gpu.paged_prefill_bf16(&geo, q, k, v, tables, lens, tiles, num_tiles, scale, out),
+            KvLayer::Fp8 { k, v, ks, vs } => gpu.paged_prefill_fp8(&geo, q, k, v, ks, vs, tables, lens, tiles, num_tiles, scale, out),
+        }
+    }
 }

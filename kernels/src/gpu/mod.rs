@@ -7,6 +7,7 @@ pub mod kv_store;
 pub mod latent_pool;
 pub mod mla;
 pub mod moe;
+pub mod prefill;
 pub mod recurrent_pool;
 pub mod runtime;
 

@@ -19,6 +19,21 @@ impl<T> DevBuf for RefBuf<T> {
 
 pub struct RefRuntime;
 
+/// The decode attention reference over the cache arguments of a paged attention or prefill
+/// launch (`k`, `v` at 1 and 2, FP8 scales at 3 and 4), storage from the kernel's suffix.
+#[allow(clippy::too_many_arguments)]
+fn decode_reference(kernel: &str, a: Args<'_, '_>, q: &[f32], tables: &[i32], lens: &[i32], g: &cpu::attention::PagedGeometry, scale: f32, out: &mut [f32]) {
+    use cpu::attention::{paged_attention_decode, KvBlocks};
+    if kernel.ends_with("_f32") {
+        paged_attention_decode(q, &KvBlocks::F32 { k: &f32s(a, 1).borrow(), v: &f32s(a, 2).borrow() }, tables, lens, g, scale, out)
+    } else if kernel.ends_with("_bf16") {
+        paged_attention_decode(q, &KvBlocks::Bf16 { k: &u16s(a, 1).borrow(), v: &u16s(a, 2).borrow() }, tables, lens, g, scale, out)
+    } else {
+        let kv = KvBlocks::Fp8 { k: &u8s(a, 1).borrow(), v: &u8s(a, 2).borrow(), k_scales: &f32s(a, 3).borrow(), v_scales: &f32s(a, 4).borrow() };
+        paged_attention_decode(q, &kv, tables, lens, g, scale, out)
+    }
+}
+
 type Args<'a, 'b> = &'a [KArg<'b, RefRuntime>];
 
 fn f32s<'a>(a: Args<'a, '_>, i: usize) -> &'a RefCell<Vec<f32>> {
@@ -143,12 +158,19 @@ impl Runtime for RefRuntime {
                 let mut out = f32s(a, 5 + o).borrow_mut();
                 let per = g.heads * g.head_dim;
                 let (q, out, tables, lens) = (&q[..seqs * per], &mut out[..seqs * per], &tables[..seqs * g.max_blocks], &lens[..seqs]);
-                match kernel {
-                    "paged_attention_f32" => cpu::attention::paged_attention_decode(q, &cpu::attention::KvBlocks::F32 { k: &f32s(a, 1).borrow(), v: &f32s(a, 2).borrow() }, tables, lens, &g, scale, out),
-                    "paged_attention_bf16" => cpu::attention::paged_attention_decode(q, &cpu::attention::KvBlocks::Bf16 { k: &u16s(a, 1).borrow(), v: &u16s(a, 2).borrow() }, tables, lens, &g, scale, out),
-                    _ => {
-                        let kv = cpu::attention::KvBlocks::Fp8 { k: &u8s(a, 1).borrow(), v: &u8s(a, 2).borrow(), k_scales: &f32s(a, 3).borrow(), v_scales: &f32s(a, 4).borrow() };
-                        cpu::attention::paged_attention_decode(q, &kv, tables, lens, &g, scale, out)
+                decode_reference(kernel, a, q, tables, lens, &g, scale, out);
+            }
+            "paged_prefill_f32" | "paged_prefill_bf16" | "paged_prefill_fp8" => {
+                // Each tile row by the decode reference with its own table and length.
+                let o = if kernel == "paged_prefill_fp8" { 2 } else { 0 };
+                let g = cpu::attention::PagedGeometry { heads: int(a, 7 + o), kv_heads: int(a, 8 + o), head_dim: int(a, 9 + o), block_size: int(a, 10 + o), max_blocks: int(a, 11 + o) };
+                let (q, tables, lens, tiles, scale) = (f32s(a, 0).borrow(), i32s(a, 3 + o).borrow(), i32s(a, 4 + o).borrow(), i32s(a, 5 + o).borrow(), flt(a, 12 + o));
+                let mut out = f32s(a, 6 + o).borrow_mut();
+                let (per, mb) = (g.heads * g.head_dim, g.max_blocks);
+                for tile in tiles[..2 * dims.grid.0 as usize].chunks(2) {
+                    for r in tile[0] as usize..(tile[0] + tile[1]) as usize {
+                        let (q, out, tables, lens) = (&q[r * per..(r + 1) * per], &mut out[r * per..(r + 1) * per], &tables[r * mb..(r + 1) * mb], &lens[r..r + 1]);
+                        decode_reference(kernel, a, q, tables, lens, &g, scale, out);
                     }
                 }
             }

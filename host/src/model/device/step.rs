@@ -68,11 +68,15 @@ pub struct StepInputs {
     pub ids: Vec<i32>,
     pub positions: Vec<i32>,
     pub slots: Vec<i32>,
-    /// `[tokens, max_blocks]`: each token's sequence table (prefill reuses the decode kernel
-    /// with one query row per token, len = pos + 1; a dedicated prefill kernel is future work).
+    /// `[tokens, max_blocks]`: each token's sequence table (its blocks up to its own position).
     pub tables: Vec<i32>,
+    /// Each token's attention length, pos + 1.
     pub lens: Vec<i32>,
     pub max_blocks: usize,
+    /// `(first row, rows)` of every run of at least two consecutive batch rows of one sequence
+    /// at consecutive positions (a prompt chunk), in batch order: the rows a prefill attention
+    /// kernel can take together because they read the same cache rows.
+    pub prompt_runs: Vec<(usize, usize)>,
     pub logit_rows: Vec<i32>,
     /// For models with recurrent layers: the rows grouped by sequence with their state slots,
     /// and the slot resets/forks to apply before the step (`None`/empty otherwise).
@@ -176,10 +180,27 @@ pub fn step_inputs(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], block_s
         tables: flat,
         lens: rows.iter().map(|r| r.pos as i32 + 1).collect(),
         max_blocks,
+        prompt_runs: prompt_runs(rows),
         logit_rows: logit_rows.iter().map(|&r| r as i32).collect(),
         recurrent: None,
         slot_ops: Vec::new(),
     })
+}
+
+/// The runs of [`StepInputs::prompt_runs`].
+fn prompt_runs(rows: &[BatchRow]) -> Vec<(usize, usize)> {
+    let mut runs = Vec::new();
+    let mut first = 0;
+    for i in 1..=rows.len() {
+        let continues = i < rows.len() && rows[i].seq == rows[i - 1].seq && rows[i].pos == rows[i - 1].pos + 1;
+        if !continues {
+            if i - first >= 2 {
+                runs.push((first, i - first));
+            }
+            first = i;
+        }
+    }
+    runs
 }
 
 #[cfg(test)]
@@ -206,6 +227,16 @@ mod tests {
         assert_eq!(s.tables, [4, 0, 0, 4, 0, 0, 4, 2, 0, 1, 3, 0]);
         assert_eq!(s.lens, [1, 2, 3, 6]);
         assert_eq!(s.logit_rows, [2, 3]);
+    }
+
+    #[test]
+    fn prompt_runs_are_consecutive_positions_of_one_sequence() {
+        let r = |seq, pos| BatchRow { seq, pos };
+        // A chunk of 0 (3 rows), a decode row of 1, a chunk of 2 broken by a gap, 0 again.
+        let rows = [r(0, 4), r(0, 5), r(0, 6), r(1, 9), r(2, 0), r(2, 1), r(2, 3), r(2, 4), r(0, 7)];
+        assert_eq!(prompt_runs(&rows), [(0, 3), (4, 2), (6, 2)]);
+        assert!(prompt_runs(&[r(0, 1), r(1, 2), r(0, 2)]).is_empty(), "decode rows form no run");
+        assert!(prompt_runs(&[]).is_empty());
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! Numerically it is the CPU model with dense weights in bf16 (see `weights`), so it is tested
 //! against it and against transformers.
 
+mod attention_split;
 #[cfg(test)]
 mod tests;
 
@@ -29,6 +30,7 @@ use super::device::weights::{DenseWeights, DevLinear};
 use super::kv::{BlockCopy, CacheLayout, LayerKvShape};
 use super::llama::LlamaModel;
 use super::{ForwardError, LoadedModel};
+use attention_split::AttentionSplit;
 use crate::mesh::device_collective::{DeviceCollective, DeviceGroup, SoleRank};
 
 struct DevLayer<R: Runtime> {
@@ -186,6 +188,7 @@ impl<R: Runtime> DeviceRank for LlamaRank<R> {
         let (qw, kw, inter) = (heads * hd, kv_heads * hd, shard.inter);
         let (ids, positions, slots) = (gpu.upload(&shard.embedding_rows(&inp.ids))?, gpu.upload(&inp.positions)?, gpu.upload(&inp.slots)?);
         let (tables, lens) = (gpu.upload(&inp.tables)?, gpu.upload(&inp.lens)?);
+        let split = AttentionSplit::new(gpu, inp, heads / kv_heads)?;
         // Activations for the whole pass, allocated once per step.
         let mut hidden = gpu.zeros::<f32>(n * d)?;
         let mut normed = gpu.zeros::<f32>(n * d)?;
@@ -211,7 +214,11 @@ impl<R: Runtime> DeviceRank for LlamaRank<R> {
             // Every row's K/V first, then attention: a prefill row reads the rows before it
             // in this same batch.
             pool.write_rows(gpu, li, &k, &v, &slots, n)?;
-            pool.attention(gpu, li, heads, inp.max_blocks, &q, &tables, &lens, scale, &mut attn)?;
+            // Decode rows by the decode kernel, prompt chunks by the prefill kernel.
+            if split.decode_rows {
+                pool.attention(gpu, li, heads, inp.max_blocks, &q, &tables, split.decode_lens.as_ref().unwrap_or(&lens), scale, &mut attn)?;
+            }
+            pool.prefill_attention(gpu, li, heads, inp.max_blocks, &q, &tables, &lens, &split.tiles, split.num_tiles, scale, &mut attn)?;
             l.o.forward(gpu, &attn, scratch, &mut delta, n)?;
             // Row-parallel projections: each rank's partial sum over its heads (its MLP slice
             // below), then the sum over ranks.

@@ -1,0 +1,39 @@
+//! How one step's attention rows are split between the two paged-attention kernels: prompt
+//! chunks (`StepInputs::prompt_runs`) go to the prefill kernel in tiles that share their K/V
+//! reads (`kernels::gpu::prefill`), the remaining rows (decode) to the decode kernel. Built once
+//! per step, used by every layer.
+
+use kernels::cuda::CudaError;
+use kernels::gpu::prefill::{prefill_tiles, rows_per_tile};
+use kernels::gpu::{Kernels, Runtime};
+
+use crate::model::device::step::StepInputs;
+
+pub(super) struct AttentionSplit<R: Runtime> {
+    /// The prefill kernel's `(first row, rows)` tiles and their number (0: no prompt chunk).
+    pub tiles: R::Buf<i32>,
+    pub num_tiles: usize,
+    /// Whether any row is left for the decode kernel.
+    pub decode_rows: bool,
+    /// The decode kernel's lengths when some rows are in tiles: theirs set to 0, so the decode
+    /// kernel passes over them (the prefill kernel writes them after it). `None`: use the
+    /// step's lengths.
+    pub decode_lens: Option<R::Buf<i32>>,
+}
+
+impl<R: Runtime> AttentionSplit<R> {
+    /// The split for `inp` with `group` query heads per kv head.
+    pub fn new(gpu: &Kernels<R>, inp: &StepInputs, group: usize) -> Result<Self, CudaError> {
+        let tiles = prefill_tiles(&inp.prompt_runs, rows_per_tile(group));
+        let num_tiles = tiles.len() / 2;
+        let mut lens = inp.lens.clone();
+        for &(first, rows) in &inp.prompt_runs {
+            lens[first..first + rows].fill(0);
+        }
+        let decode_rows = lens.iter().any(|&l| l > 0);
+        let decode_lens = if num_tiles > 0 && decode_rows { Some(gpu.upload(&lens)?) } else { None };
+        // At least one element: a zero-length device buffer is not allocatable everywhere.
+        let tiles = gpu.upload(if tiles.is_empty() { &[0, 0][..] } else { &tiles })?;
+        Ok(Self { tiles, num_tiles, decode_rows, decode_lens })
+    }
+}
