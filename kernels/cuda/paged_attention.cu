@@ -224,13 +224,17 @@ extern "C" __global__ void paged_prefill_fp8(const float* q, const u8* k, const 
 // context, both held in registers (lane l owns elements l, l + 32, ...). DeepSeek-V3 has 128
 // heads over one 576-wide row per position: 8 heads per block read the cache 8x less often than
 // one block per head would. ctx[t, h, 0..lora] over token t's lens[t] positions.
+// With few tokens that is few blocks, so the positions are also split (flash-decoding): gridDim.z
+// = splits > 1 blocks each take a contiguous share of a token's positions and write their
+// unnormalised context and (max, sum) to part[t, h, z, 0..lora + 2]; mla_combine merges them.
 #define MLA_HEADS 8
 #define MLA_TILE 8
 #define MLA_LJ (MLA_MAX_LORA / WARP)
 #define MLA_RJ (MLA_MAX_ROPE / WARP)
 template <typename S>
 __device__ void latent_heads(const float* q_lat, const float* q_rope, S c, S kr, const int* block_tables, const int* lens,
-                             float* ctx, int heads, int lora, int rope, int block_size, int max_blocks, float softmax_scale) {
+                             float* ctx, float* part, int heads, int lora, int rope, int block_size, int max_blocks,
+                             float softmax_scale) {
     __shared__ float rows[MLA_TILE][MLA_MAX_LORA + MLA_MAX_ROPE];
     int t = blockIdx.x, lane = threadIdx.x % WARP, group = blockDim.x / WARP;
     int h = blockIdx.y * group + threadIdx.x / WARP;
@@ -251,8 +255,10 @@ __device__ void latent_heads(const float* q_lat, const float* q_rope, S c, S kr,
         qr[j] = active && i < rope ? q_rope[th * rope + i] * softmax_scale : 0.0f;
     }
     float m = __int_as_float(0xff800000), l = 0.0f;
-    for (int p0 = 0; p0 < len; p0 += MLA_TILE) {
-        int count = min(MLA_TILE, len - p0);
+    int splits = gridDim.z, share = (len + splits - 1) / splits;
+    int begin = blockIdx.z * share, end = min(len, begin + share);
+    for (int p0 = begin; p0 < end; p0 += MLA_TILE) {
+        int count = min(MLA_TILE, end - p0);
         for (int r = 0; r < count; r++) {
             int pos = p0 + r;
             long row = (long)table[pos / block_size] * block_size + pos % block_size;
@@ -283,27 +289,63 @@ __device__ void latent_heads(const float* q_lat, const float* q_rope, S c, S kr,
         __syncthreads(); // the tile is overwritten next
     }
     if (!active) return;
+    if (splits == 1) {
+#pragma unroll
+        for (int j = 0; j < MLA_LJ; j++) {
+            int i = lane + j * WARP;
+            if (i < lora) ctx[th * lora + i] = len > 0 ? acc[j] / l : 0.0f;
+        }
+        return;
+    }
+    float* out = part + (th * splits + blockIdx.z) * (lora + 2);
 #pragma unroll
     for (int j = 0; j < MLA_LJ; j++) {
         int i = lane + j * WARP;
-        if (i < lora) ctx[th * lora + i] = len > 0 ? acc[j] / l : 0.0f;
+        if (i < lora) out[i] = acc[j];
+    }
+    if (lane == 0) { out[lora] = m; out[lora + 1] = l; } // an empty share: (-inf, 0)
+}
+
+// Merges the `splits` partial results of latent_heads per (token, head): with M the largest
+// partial max, ctx = sum_z acc_z * e^(m_z - M) / sum_z l_z * e^(m_z - M); zeros for an empty
+// token. One block per (token, head), threads over the latent.
+extern "C" __global__ void mla_combine(const float* __restrict__ part, float* __restrict__ ctx, int heads, int lora, int splits) {
+    long th = (long)blockIdx.x * heads + blockIdx.y;
+    const float* p = part + th * splits * (lora + 2);
+    float M = __int_as_float(0xff800000);
+    for (int z = 0; z < splits; z++)
+        if (p[z * (lora + 2) + lora + 1] > 0.0f) M = fmaxf(M, p[z * (lora + 2) + lora]);
+    float L = 0.0f;
+    for (int z = 0; z < splits; z++) {
+        const float* q = p + z * (lora + 2);
+        if (q[lora + 1] > 0.0f) L += q[lora + 1] * expf(q[lora] - M);
+    }
+    for (int i = threadIdx.x; i < lora; i += blockDim.x) {
+        float v = 0.0f;
+        for (int z = 0; z < splits; z++) {
+            const float* q = p + z * (lora + 2);
+            if (q[lora + 1] > 0.0f) v += q[i] * expf(q[lora] - M);
+        }
+        ctx[th * lora + i] = L > 0.0f ? v / L : 0.0f;
     }
 }
 
 extern "C" __global__ void mla_attention_f32(const float* q_lat, const float* q_rope, const float* c, const float* kr,
-                                             const int* block_tables, const int* lens, float* ctx, int heads, int lora,
-                                             int rope, int block_size, int max_blocks, float softmax_scale) {
-    latent_heads(q_lat, q_rope, F32Rows{c}, F32Rows{kr}, block_tables, lens, ctx, heads, lora, rope, block_size, max_blocks, softmax_scale);
+                                             const int* block_tables, const int* lens, float* ctx, float* part, int heads,
+                                             int lora, int rope, int block_size, int max_blocks, float softmax_scale) {
+    latent_heads(q_lat, q_rope, F32Rows{c}, F32Rows{kr}, block_tables, lens, ctx, part, heads, lora, rope, block_size, max_blocks,
+                 softmax_scale);
 }
 extern "C" __global__ void mla_attention_bf16(const float* q_lat, const float* q_rope, const u16* c, const u16* kr,
-                                              const int* block_tables, const int* lens, float* ctx, int heads, int lora,
-                                              int rope, int block_size, int max_blocks, float softmax_scale) {
-    latent_heads(q_lat, q_rope, Bf16Rows{c}, Bf16Rows{kr}, block_tables, lens, ctx, heads, lora, rope, block_size, max_blocks, softmax_scale);
+                                              const int* block_tables, const int* lens, float* ctx, float* part, int heads,
+                                              int lora, int rope, int block_size, int max_blocks, float softmax_scale) {
+    latent_heads(q_lat, q_rope, Bf16Rows{c}, Bf16Rows{kr}, block_tables, lens, ctx, part, heads, lora, rope, block_size, max_blocks,
+                 softmax_scale);
 }
 extern "C" __global__ void mla_attention_fp8(const float* q_lat, const float* q_rope, const u8* c, const u8* kr,
                                              const float* c_scales, const float* kr_scales, const int* block_tables,
-                                             const int* lens, float* ctx, int heads, int lora, int rope, int block_size,
-                                             int max_blocks, float softmax_scale) {
-    latent_heads(q_lat, q_rope, Fp8Rows{c, c_scales}, Fp8Rows{kr, kr_scales}, block_tables, lens, ctx, heads, lora, rope, block_size,
-                max_blocks, softmax_scale);
+                                             const int* lens, float* ctx, float* part, int heads, int lora, int rope,
+                                             int block_size, int max_blocks, float softmax_scale) {
+    latent_heads(q_lat, q_rope, Fp8Rows{c, c_scales}, Fp8Rows{kr, kr_scales}, block_tables, lens, ctx, part, heads, lora, rope,
+                 block_size, max_blocks, softmax_scale);
 }

@@ -115,6 +115,7 @@ on_every_runtime!(
     mla_pieces_match_cpu,
     kv_stores_match_cpu_bit_for_bit,
     latent_pool_writes_copies_and_attends_like_cpu,
+    latent_attention_splits_long_contexts,
     absorbed_mla_equals_expanded_attention,
     kda_conv_matches_cpu,
     kda_recurrent_matches_cpu_for_both_gates_and_head_dims,

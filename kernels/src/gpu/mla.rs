@@ -16,6 +16,20 @@ pub const MLA_MAX_LORA: usize = 1024;
 pub const MLA_MAX_ROPE: usize = 256;
 /// Heads per block of the MLA attention kernels (`MLA_HEADS` in paged_attention.cu).
 const MLA_HEADS: usize = 8;
+/// Blocks an MLA attention launch aims for before it splits positions (about two per SM of a
+/// large GPU: H100 has 132), the fewest positions worth a split of their own, and the most
+/// splits.
+const MLA_TARGET_BLOCKS: usize = 256;
+const MLA_MIN_SPLIT: usize = 64;
+const MLA_MAX_SPLITS: usize = 64;
+
+/// How many shares a token's positions are split into when `blocks` (token, head group) blocks
+/// attend over at most `max_len` positions each: enough to reach about [`MLA_TARGET_BLOCKS`],
+/// each share at least [`MLA_MIN_SPLIT`] positions long (the combine costs a pass over the
+/// partial contexts). 1 for a big batch or short contexts.
+pub fn mla_splits(blocks: usize, max_len: usize) -> usize {
+    MLA_TARGET_BLOCKS.div_ceil(blocks.max(1)).min(max_len / MLA_MIN_SPLIT).clamp(1, MLA_MAX_SPLITS)
+}
 /// Rotary pairs per row `rope_rows` handles (32 lanes × `ROPE_PAIRS` in mla.cu).
 pub const ROPE_ROWS_MAX_PAIRS: usize = 256;
 /// Warps per block and tokens per tile of `head_matvec_bf16` (`HM_WARPS`, `HM_TOK` in mla.cu).
@@ -126,11 +140,34 @@ impl<R: Runtime> Kernels<R> {
         if n == 0 {
             return Ok(());
         }
+        // One warp per head, up to MLA_HEADS heads per block (the block shares their cache reads);
+        // positions split over gridDim.z when that leaves the GPU short of blocks.
+        let group = heads.min(MLA_HEADS);
+        let groups = heads.div_ceil(group);
+        let splits = mla_splits(n * groups, g.max_blocks * g.block_size);
+        let part = if splits > 1 { Some(self.zeros::<f32>(n * heads * splits * (lora + 2))?) } else { None };
         let mut args: Vec<A<'_, R>> = vec![A::F32s(q_lat), A::F32s(q_rope)];
         args.extend(cache);
-        args.extend([A::I32s(tables), A::I32s(lens), A::F32s(ctx), A::I32(heads as i32), A::I32(lora as i32), A::I32(rope as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)]);
-        // One warp per head, up to MLA_HEADS heads per block (the block shares their cache reads).
-        let group = heads.min(MLA_HEADS);
-        self.go(name, Dims::new((n as u32, heads.div_ceil(group) as u32, 1), (32 * group) as u32), &args)
+        // Without splits the kernel never touches `part`: ctx stands in for it.
+        args.extend([A::I32s(tables), A::I32s(lens), A::F32s(ctx), A::F32s(part.as_ref().unwrap_or(ctx)), A::I32(heads as i32), A::I32(lora as i32), A::I32(rope as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)]);
+        self.go(name, Dims::new((n as u32, groups as u32, splits as u32), (32 * group) as u32), &args)?;
+        match &part {
+            Some(part) => self.go("mla_combine", Dims::new((n as u32, heads as u32, 1), 128), &[A::F32s(part), A::F32s(ctx), A::I32(heads as i32), A::I32(lora as i32), A::I32(splits as i32)]),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mla_splits;
+
+    #[test]
+    fn positions_are_split_only_when_blocks_are_few_and_contexts_long() {
+        assert_eq!(mla_splits(16, 4096), 16); // one DeepSeek-V3 token: 16 head groups
+        assert_eq!(mla_splits(16 * 64, 4096), 1); // a 64-token batch fills the GPU
+        assert_eq!(mla_splits(16, 100), 1); // too short to split
+        assert_eq!(mla_splits(1, 1 << 20), 64); // capped
+        assert_eq!(mla_splits(4, 300), 4);
     }
 }
