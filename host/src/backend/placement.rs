@@ -1,9 +1,9 @@
 //! Where the model's forward runs, from `--device`: the CPU model as loaded, or, for CUDA
-//! devices, a Llama or DeepSeek-V3 moved onto them (`model::device_llama`,
-//! `model::device_deepseek`), one device per rank with NCCL between them. Other architectures
-//! (Kimi-Linear) keep the CPU forward and the log says so; a device
-//! that cannot be opened is an error naming the cause for an explicit `cuda:N`, and a logged
-//! fallback for `auto`.
+//! devices, a Llama, DeepSeek-V3 or Kimi-Linear moved onto them (`model::device_llama`,
+//! `model::device_deepseek`), one device per rank with NCCL between them (Kimi-Linear: one
+//! device). Architectures without a device forward keep the CPU forward and the log says so; a
+//! device that cannot be opened is an error naming the cause for an explicit `cuda:N`, and a
+//! logged fallback for `auto`.
 
 use super::DeviceSpec;
 use crate::mesh::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
@@ -21,7 +21,7 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec, dense: DenseWeights) -> Re
     // Decided before a device is opened: a model without a device forward stays on the CPU.
     let Some(ranks) = device_ranks(&m) else {
         if *spec == DeviceSpec::Sim {
-            return Err("--device sim: the simulator runs the device forwards (Llama, DeepSeek-V3) only; this model has none".into());
+            return Err("--device sim: the simulator runs the device forwards (Llama, DeepSeek-V3, Kimi-Linear) only; this model has none".into());
         }
         tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
         return Ok(m);
