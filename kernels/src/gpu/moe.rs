@@ -233,17 +233,24 @@ impl<R: Runtime> Kernels<R> {
     /// scratch for `rows_per_expert × cols` weights and `slots × cols` activations.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_matmul(&self, w: ExpertWeight<'_, R>, rows_per_expert: usize, x: &R::Buf<f32>, x_div: usize, order: &R::Buf<i32>, plan: &MoePlan<R>, out: &mut R::Buf<f32>, assignments: usize, scratch: &mut GemmScratch<R>) -> Result<(), CudaError> {
-        // Checks every size the GEMM experts use too: their slots are assignments.
-        self.moe_gemv(w, rows_per_expert, x, x_div, order, &plan.tiles, out, assignments)?;
-        let Some(widest) = plan.gemm.iter().map(|s| s.slots).max() else { return Ok(()) };
+        // The GEMM experts' checks first, so a call that fails launches nothing; moe_gemv then
+        // checks the weight's format and the buffers the gather reads (their slots are
+        // assignments) before its own launch.
+        let widest = plan.gemm.iter().map(|s| s.slots).max();
         let cols = w.cols();
-        let ExpertWeight::Quant(q) = w else {
-            return Err(CudaError::BadArgs("moe_matmul: the GEMM path needs a packed expert weight".into()));
+        let quant = match (widest, w) {
+            (None, _) => None,
+            (Some(_), ExpertWeight::Quant(q)) => Some(q),
+            (Some(_), _) => return Err(CudaError::BadArgs("moe_matmul: the GEMM path needs a packed expert weight".into())),
         };
-        let experts = w.rows() / rows_per_expert;
-        check(plan.gemm.iter().all(|s| s.expert < experts && s.first + s.slots <= assignments), || format!("moe_matmul: a GEMM expert outside {experts} experts / {assignments} assignments"))?;
-        check(scratch.x.len() >= widest * cols && scratch.weight.len() >= rows_per_expert * cols, || format!("moe_matmul: scratch holds {} activations / {} weights, need {widest} x {cols} / {rows_per_expert} x {cols}", scratch.x.len(), scratch.weight.len()))?;
-        check(fits_i32(cols) && fits_i32(rows_per_expert) && fits_i32(x_div), || format!("moe_matmul: {rows_per_expert}x{cols} exceeds 32-bit sizes"))?;
+        if let Some(widest) = widest {
+            let experts = w.rows() / rows_per_expert.max(1);
+            check(plan.gemm.iter().all(|s| s.expert < experts && s.first + s.slots <= assignments), || format!("moe_matmul: a GEMM expert outside {experts} experts / {assignments} assignments"))?;
+            check(scratch.x.len() >= widest * cols && scratch.weight.len() >= rows_per_expert * cols, || format!("moe_matmul: scratch holds {} activations / {} weights, need {widest} x {cols} / {rows_per_expert} x {cols}", scratch.x.len(), scratch.weight.len()))?;
+            check(fits_i32(cols) && fits_i32(rows_per_expert) && fits_i32(x_div), || format!("moe_matmul: {rows_per_expert}x{cols} exceeds 32-bit sizes"))?;
+        }
+        self.moe_gemv(w, rows_per_expert, x, x_div, order, &plan.tiles, out, assignments)?;
+        let (Some(widest), Some(q)) = (widest, quant) else { return Ok(()) };
         let mut y = self.zeros::<f32>(widest * rows_per_expert)?;
         for s in &plan.gemm {
             let (first, slots) = (s.first as i32, s.slots as i32);
