@@ -422,8 +422,16 @@ fn cublas_bf16_gemm_matches_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let (xf, wf) = (f(&x), f(&w));
     let want: Vec<f32> = (0..n * m).map(|i| (0..kk).map(|j| xf[i / m * kk + j] * wf[i % m * kk + j]).sum()).collect();
     let mut dout = g.zeros::<f32>(n * m).unwrap();
-    g.gemm_bf16(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, kk, m).unwrap();
+    let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+    g.gemm_bf16(&dx, &dw, &mut dout, n, kk, m).unwrap();
     assert_close("bf16 gemm", &g.download(&dout).unwrap(), &want, t.gemv);
+    // Rows 40..90 of the weight in place (one expert of a stacked weight).
+    let rows = 40..90;
+    let want: Vec<f32> = (0..n).flat_map(|i| want[i * m..(i + 1) * m][rows.clone()].to_vec()).collect();
+    let mut dout = g.zeros::<f32>(n * rows.len()).unwrap();
+    g.gemm_bf16_rows(&dx, &dw, rows.clone(), &mut dout, n, kk).unwrap();
+    assert_close("bf16 gemm, rows 40..90", &g.download(&dout).unwrap(), &want, t.gemv);
+    assert!(g.gemm_bf16_rows(&dx, &dw, 100..131, &mut dout, n, kk).is_err(), "rows past the weight are an error");
 }
 
 fn device_kv_pool_writes_and_attends_like_the_cpu_reference<R: Runtime>(g: &Kernels<R>, t: &Tol) {

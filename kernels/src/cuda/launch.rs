@@ -161,16 +161,17 @@ impl Runtime for CudaRuntime {
 
     /// cuBLAS `cublasGemmEx`. Row-major W[m, k] is column-major Wᵀ, so cuBLAS computes
     /// outᵀ = W · xᵀ with op(A) = Aᵀ on the stored W.
-    fn gemm_bf16(&self, x: &CudaSlice<u16>, w: &CudaSlice<u16>, out: &mut CudaSlice<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+    fn gemm_bf16(&self, x: &CudaSlice<u16>, w: &CudaSlice<u16>, w_row0: usize, out: &mut CudaSlice<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // A raw cuBLAS call does not make the context current, and tensor-parallel ranks drive
         // their devices from fresh threads.
         drv("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (wp, _gw) = w.device_ptr(&self.stream);
+        let wp = wp + (w_row0 * k * std::mem::size_of::<u16>()) as u64; // W's first row
         let (op, _go) = out.device_ptr_mut(&self.stream);
-        // SAFETY: pointers are live device buffers of the sizes `Kernels::gemm_bf16` checked, on
-        // this stream.
+        // SAFETY: pointers are live device buffers of the sizes `Kernels::gemm_bf16` checked (rows
+        // w_row0..w_row0 + m of w included), on this stream.
         let r = unsafe {
             blas_result::gemm_ex(
                 *self.blas.handle(),

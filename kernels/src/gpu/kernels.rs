@@ -456,7 +456,15 @@ impl<R: Runtime> Kernels<R> {
     /// Dense bf16 GEMM: `out[n, m] (f32) = x[n, k] (bf16) · W[m, k]ᵀ (bf16)`, f32 accumulation.
     pub fn gemm_bf16(&self, x: &R::Buf<u16>, w: &R::Buf<u16>, out: &mut R::Buf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
         check(x.len() >= n * k && w.len() >= m * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
-        self.rt.gemm_bf16(x, w, out, n, k, m)
+        self.rt.gemm_bf16(x, w, 0, out, n, k, m)
+    }
+
+    /// As [`Self::gemm_bf16`] with W the rows `rows` of `w` (`[.., k]`): one expert of an
+    /// expert-stacked bf16 weight, multiplied in place.
+    pub fn gemm_bf16_rows(&self, x: &R::Buf<u16>, w: &R::Buf<u16>, rows: Range<usize>, out: &mut R::Buf<f32>, n: usize, k: usize) -> Result<(), CudaError> {
+        let m = rows.len();
+        check(rows.start <= rows.end && x.len() >= n * k && w.len() >= rows.end * k && out.len() >= n * m, || format!("gemm_bf16: rows {rows:?} of {} weights, x {} / out {} for n={n}, k={k}", w.len(), x.len(), out.len()))?;
+        self.rt.gemm_bf16(x, w, rows.start, out, n, k, m)
     }
 }
 
@@ -508,7 +516,7 @@ mod tests {
             self.grids.borrow_mut().push(dims.grid);
             Ok(())
         }
-        fn gemm_bf16(&self, _x: &Host<u16>, _w: &Host<u16>, _out: &mut Host<f32>, _n: usize, _k: usize, _m: usize) -> Result<(), CudaError> {
+        fn gemm_bf16(&self, _x: &Host<u16>, _w: &Host<u16>, _w_row0: usize, _out: &mut Host<f32>, _n: usize, _k: usize, _m: usize) -> Result<(), CudaError> {
             self.launched.borrow_mut().push("gemm_bf16");
             Ok(())
         }

@@ -210,7 +210,8 @@ impl<R: Runtime> Kernels<R> {
     /// slots than that, and at `tokens <= GEMM_MIN_TOKENS` (decode) the plan is all tiles, built
     /// on the device with no host round trip. Above it the offsets are read back (one
     /// synchronisation per layer, small next to a prefill's GEMMs) to size the GEMMs. `gemm`
-    /// false (dense experts, whose GEMV keeps f32 activations) always plans tiles only.
+    /// false (f32 experts, the exact checks whose GEMV keeps f32 activations) always plans tiles
+    /// only.
     pub fn moe_plan(&self, offsets: &R::Buf<i32>, held: usize, assignments: usize, tokens: usize, gemm: bool) -> Result<MoePlan<R>, CudaError> {
         if !gemm || tokens <= GEMM_MIN_TOKENS {
             return Ok(MoePlan { tiles: self.moe_tiles(offsets, held, assignments)?, gemm: Vec::new() });
@@ -226,11 +227,13 @@ impl<R: Runtime> Kernels<R> {
     }
 
     /// [`Self::moe_gemv`] over the plan's tiles, then for each of its GEMM experts `e`: gather
-    /// the expert's activation rows as bf16 into `scratch.x`, dequantise its rows of `w` into
-    /// `scratch.weight`, run the bf16 GEMM (f32 accumulation) and scatter the rows to their
-    /// assignments. Same result as [`Self::moe_gemv`] over every expert's tiles, up to the bf16
-    /// rounding of the GEMM experts' activations. A plan with GEMM experts needs a packed `w` and
-    /// scratch for `rows_per_expert × cols` weights and `slots × cols` activations.
+    /// the expert's activation rows as bf16 into `scratch.x`, run the bf16 GEMM (f32
+    /// accumulation) on its rows of `w` (packed weights dequantised into `scratch.weight` first,
+    /// bf16 ones in place) and scatter the rows to their assignments. Same result as
+    /// [`Self::moe_gemv`] over every expert's tiles, up to the bf16 rounding of the GEMM experts'
+    /// activations. A plan with GEMM experts needs a packed or bf16 `w` (f32 experts are exact
+    /// checks: [`Self::moe_plan`] gives them none) and scratch for `slots × cols` activations
+    /// (and, packed, `rows_per_expert × cols` weights).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_matmul(&self, w: ExpertWeight<'_, R>, rows_per_expert: usize, x: &R::Buf<f32>, x_div: usize, order: &R::Buf<i32>, plan: &MoePlan<R>, out: &mut R::Buf<f32>, assignments: usize, scratch: &mut GemmScratch<R>) -> Result<(), CudaError> {
         // The GEMM experts' checks first, so a call that fails launches nothing; moe_gemv then
@@ -238,26 +241,33 @@ impl<R: Runtime> Kernels<R> {
         // assignments) before its own launch.
         let widest = plan.gemm.iter().map(|s| s.slots).max();
         let cols = w.cols();
-        let quant = match (widest, w) {
-            (None, _) => None,
-            (Some(_), ExpertWeight::Quant(q)) => Some(q),
-            (Some(_), _) => return Err(CudaError::BadArgs("moe_matmul: the GEMM path needs a packed expert weight".into())),
-        };
         if let Some(widest) = widest {
+            let weights = match w {
+                ExpertWeight::Quant(_) => rows_per_expert * cols,
+                ExpertWeight::Bf16 { .. } => 0,
+                ExpertWeight::F32 { .. } => return Err(CudaError::BadArgs("moe_matmul: the GEMM path takes packed or bf16 expert weights, not f32".into())),
+            };
             let experts = w.rows() / rows_per_expert.max(1);
             check(plan.gemm.iter().all(|s| s.expert < experts && s.first + s.slots <= assignments), || format!("moe_matmul: a GEMM expert outside {experts} experts / {assignments} assignments"))?;
-            check(scratch.x.len() >= widest * cols && scratch.weight.len() >= rows_per_expert * cols, || format!("moe_matmul: scratch holds {} activations / {} weights, need {widest} x {cols} / {rows_per_expert} x {cols}", scratch.x.len(), scratch.weight.len()))?;
+            check(scratch.x.len() >= widest * cols && scratch.weight.len() >= weights, || format!("moe_matmul: scratch holds {} activations / {} weights, need {widest} x {cols} / {weights}", scratch.x.len(), scratch.weight.len()))?;
             check(fits_i32(cols) && fits_i32(rows_per_expert) && fits_i32(x_div), || format!("moe_matmul: {rows_per_expert}x{cols} exceeds 32-bit sizes"))?;
         }
         self.moe_gemv(w, rows_per_expert, x, x_div, order, &plan.tiles, out, assignments)?;
-        let (Some(widest), Some(q)) = (widest, quant) else { return Ok(()) };
+        let Some(widest) = widest else { return Ok(()) };
         let mut y = self.zeros::<f32>(widest * rows_per_expert)?;
         for s in &plan.gemm {
             let (first, slots) = (s.first as i32, s.slots as i32);
             let gather = [A::F32s(x), A::I32(x_div as i32), A::I32s(order), A::I32(first), A::I32(slots), A::I32(cols as i32), A::U16s(&scratch.x)];
             self.go("moe_gather_bf16", Self::row_dims(s.slots), &gather)?;
-            self.dequant_rows_bf16(q, s.expert * rows_per_expert..(s.expert + 1) * rows_per_expert, &mut scratch.weight)?;
-            self.gemm_bf16(&scratch.x, &scratch.weight, &mut y, s.slots, cols, rows_per_expert)?;
+            let rows = s.expert * rows_per_expert..(s.expert + 1) * rows_per_expert;
+            match w {
+                ExpertWeight::Quant(q) => {
+                    self.dequant_rows_bf16(q, rows, &mut scratch.weight)?;
+                    self.gemm_bf16(&scratch.x, &scratch.weight, &mut y, s.slots, cols, rows_per_expert)?;
+                }
+                ExpertWeight::Bf16 { w, .. } => self.gemm_bf16_rows(&scratch.x, w, rows, &mut y, s.slots, cols)?,
+                ExpertWeight::F32 { .. } => unreachable!("refused above"),
+            }
             let scatter = [A::F32s(&y), A::I32s(order), A::I32(first), A::I32(slots), A::I32(rows_per_expert as i32), A::F32s(out)];
             self.go("moe_scatter_rows", Self::row_dims(s.slots), &scatter)?;
         }

@@ -76,7 +76,8 @@ pub trait Runtime {
     /// large enough for what the kernel reads and writes at these dimensions (the wrappers in
     /// [`super::kernels`] check sizes before calling this).
     unsafe fn launch(&self, kernel: &'static str, dims: Dims, args: &[KArg<'_, Self>]) -> Result<(), CudaError>;
-    /// `out[n, m] (f32) = x[n, k] (bf16) · W[m, k]ᵀ (bf16)`, f32 accumulation (cuBLAS on CUDA).
+    /// `out[n, m] (f32) = x[n, k] (bf16) · W[m, k]ᵀ (bf16)`, f32 accumulation (cuBLAS on CUDA),
+    /// where W is rows `w_row0..w_row0 + m` of `w` (one expert of an expert-stacked weight).
     #[allow(clippy::too_many_arguments)]
-    fn gemm_bf16(&self, x: &Self::Buf<u16>, w: &Self::Buf<u16>, out: &mut Self::Buf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError>;
+    fn gemm_bf16(&self, x: &Self::Buf<u16>, w: &Self::Buf<u16>, w_row0: usize, out: &mut Self::Buf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError>;
 }

@@ -191,10 +191,10 @@ impl Runtime for SimRuntime {
     }
 
     /// Not cuBLAS: `out[i, j] = Σ_k x[i, k]·w[j, k]` over the bf16 values in f32, in k order.
-    fn gemm_bf16(&self, x: &SimBuf<u16>, w: &SimBuf<u16>, out: &mut SimBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
-        gpu::kernels::check(x.len() >= n * k && w.len() >= m * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
+    fn gemm_bf16(&self, x: &SimBuf<u16>, w: &SimBuf<u16>, w_row0: usize, out: &mut SimBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+        gpu::kernels::check(x.len() >= n * k && w.len() >= (w_row0 + m) * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
         let widen = |b: u16| f32::from_bits((b as u32) << 16);
-        let (xs, ws) = (&x.as_slice()[..n * k], &w.as_slice()[..m * k]);
+        let (xs, ws) = (&x.as_slice()[..n * k], &w.as_slice()[w_row0 * k..(w_row0 + m) * k]);
         let mut res = vec![0.0f32; n * m];
         // One output element per task, each summed in k order: deterministic however rayon splits.
         res.par_iter_mut().enumerate().for_each(|(idx, o)| {

@@ -294,7 +294,8 @@ pub fn moe_grouping_and_expert_gemv_match_cpu<R: Runtime>(g: &Kernels<R>, t: &To
 }
 
 /// The prefill path: experts with more than `GEMM_MIN_TOKENS` slots are multiplied by gather →
-/// dequantise their rows → bf16 GEMM → scatter, the rest by GEMV tiles. Against the f32 CPU
+/// (dequantise their rows) → bf16 GEMM → scatter, the rest by GEMV tiles; packed formats and bf16
+/// experts (multiplied in place). Against the f32 CPU
 /// reference over every expert's tiles: GEMV experts within the GEMV tolerance, GEMM experts
 /// within the bf16 bound of the dense prefill GEMM, rows routed elsewhere untouched; the plan's
 /// experts and tiles against the offsets.
@@ -326,11 +327,11 @@ pub fn moe_matmul_multiplies_crowded_experts_with_the_gemm<R: Runtime>(g: &Kerne
     }
     let tiled: Vec<cpu::moe::Tile> = all_tiles.iter().copied().filter(|t| !gemm_experts.contains(&t.expert)).collect();
     assert_eq!(download_tiles(g, &plan.tiles), tiled, "the plan's tiles leave the GEMM experts out");
-    assert!(g.moe_plan(&doff, held, a, n, false).unwrap().gemm.is_empty(), "dense experts are never planned for the GEMM");
+    assert!(g.moe_plan(&doff, held, a, n, false).unwrap().gemm.is_empty(), "f32 experts are never planned for the GEMM");
 
     const UNTOUCHED: f32 = 1e-3;
     let mut scratch = g.gemm_scratch(rpe * 256, 45 * 256).unwrap();
-    for (fi, f) in [Fmt::Int(4, 32), Fmt::Int(3, 40), Fmt::Cubic(3, 32), Fmt::Mxfp4].into_iter().enumerate() {
+    for (fi, f) in [Fmt::Int(4, 32), Fmt::Int(3, 40), Fmt::Cubic(3, 32), Fmt::Mxfp4, Fmt::Bf16].into_iter().enumerate() {
         for (x_div, cols) in [(k, 256), (1, 96)] {
             let (dw, cw) = weight(g, f, held * rpe, cols, 60 + fi as u64, 0..held * rpe);
             let x = uniform(a.div_ceil(x_div) * cols, 3 + x_div as u64, -1.0, 1.0);
@@ -363,8 +364,8 @@ pub fn moe_matmul_multiplies_crowded_experts_with_the_gemm<R: Runtime>(g: &Kerne
             assert!(worst_gemv <= t.gemv, "{what}: GEMV experts' relative error {worst_gemv}");
         }
     }
-    // A GEMM plan over a dense weight, or scratch too small for the widest expert, is an error.
-    let (dw, _) = weight(g, Fmt::Bf16, held * rpe, 96, 1, 0..held * rpe);
+    // A GEMM plan over f32 experts, or scratch too small for the widest expert, is an error.
+    let (dw, _) = weight(g, Fmt::F32, held * rpe, 96, 1, 0..held * rpe);
     let (x, mut out) = (g.upload(&vec![0.0f32; a * 96]).unwrap(), g.zeros::<f32>(a * rpe).unwrap());
     assert!(g.moe_matmul(dw.view(), rpe, &x, 1, &dorder, &plan, &mut out, a, &mut scratch).is_err());
     let (qw, _) = weight(g, Fmt::Int(4, 32), held * rpe, 96, 1, 0..held * rpe);

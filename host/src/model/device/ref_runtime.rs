@@ -229,8 +229,8 @@ impl Runtime for RefRuntime {
         Ok(())
     }
 
-    fn gemm_bf16(&self, x: &RefBuf<u16>, w: &RefBuf<u16>, out: &mut RefBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
-        let (x, w) = (widen(&x.0.borrow()[..n * k]), widen(&w.0.borrow()[..m * k]));
+    fn gemm_bf16(&self, x: &RefBuf<u16>, w: &RefBuf<u16>, w_row0: usize, out: &mut RefBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+        let (x, w) = (widen(&x.0.borrow()[..n * k]), widen(&w.0.borrow()[w_row0 * k..(w_row0 + m) * k]));
         cpu::matmul::matmul_t(&x, &w, &mut out.0.borrow_mut()[..n * m], n, k, m);
         Ok(())
     }
@@ -289,7 +289,7 @@ impl Runtime for Flaky {
         // SAFETY: the caller's guarantee for `a`, which `args` is element for element.
         unsafe { RefRuntime.launch(kernel, dims, &args) }
     }
-    fn gemm_bf16(&self, x: &RefBuf<u16>, w: &RefBuf<u16>, out: &mut RefBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
-        RefRuntime.gemm_bf16(x, w, out, n, k, m)
+    fn gemm_bf16(&self, x: &RefBuf<u16>, w: &RefBuf<u16>, w_row0: usize, out: &mut RefBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+        RefRuntime.gemm_bf16(x, w, w_row0, out, n, k, m)
     }
 }

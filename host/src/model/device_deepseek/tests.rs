@@ -291,11 +291,11 @@ fn sim_quantized_experts_match_the_cpu_model_whole_and_expert_parallel() {
 
 /// A 120-token prefill (240 assignments over 8 experts, so some expert gets more than
 /// `GEMM_MIN_TOKENS` of them): crowded INT4 experts are multiplied by dequantise + bf16 GEMM,
-/// whole and over two expert-parallel devices. `--dtype float32`, so the only bf16 rounding is
-/// the GEMM experts' activations.
+/// whole and over two expert-parallel devices (`--dtype float32`, so the only bf16 rounding is
+/// the GEMM experts' activations), and bf16 experts by the GEMM in place.
 #[test]
-fn sim_a_long_prefill_sends_crowded_quantized_experts_to_the_gemm() {
-    let Some(_) = sim("sim_a_long_prefill_sends_crowded_quantized_experts_to_the_gemm") else { return };
+fn sim_a_long_prefill_sends_crowded_experts_to_the_gemm() {
+    let Some(_) = sim("sim_a_long_prefill_sends_crowded_experts_to_the_gemm") else { return };
     let (out, policy) = quantized_experts("int", 4, 16, "long");
     for ranks in [1, 2] {
         let (m, dev) = on_sim(&out, ranks, false, DenseWeights::F32);
@@ -315,6 +315,17 @@ fn sim_a_long_prefill_sends_crowded_quantized_experts_to_the_gemm() {
     }
     let _ = std::fs::remove_dir_all(&out);
     let _ = std::fs::remove_file(&policy);
+    // bf16 experts (`--dtype bfloat16`, the fixture's dense experts): the GEMM multiplies them in
+    // place. The whole forward is then bf16-rounded, so the bound is the serving-precision one.
+    let (m, dev) = on_sim(&fixture(), 1, false, DenseWeights::Bf16);
+    let before = kernels::gpu::moe::gemm_experts_planned();
+    let mut e = long_prefill_errors(m.model.as_ref(), &dev, 120);
+    let planned = kernels::gpu::moe::gemm_experts_planned() - before;
+    e.sort_by(f32::total_cmp);
+    let (median, p90) = (e[e.len() / 2], e[e.len() * 9 / 10]);
+    eprintln!("sim, 120-token prefill, bf16 experts and weights: {planned} experts on the GEMM path; relative logit error vs the CPU model (f32) median {median:.1e}, p90 {p90:.1e}, worst {:.1e}", worst(&e));
+    assert!(planned > 0, "bf16: no expert took the GEMM path");
+    assert!(median < 3e-2 && p90 < 0.1, "bf16: median {median}, p90 {p90}");
 }
 
 #[test]

@@ -169,18 +169,18 @@ impl<R: Runtime> ExpertStack<R> {
         }
     }
 
-    /// Whether the experts are packed (so crowded experts of a prefill can take the dequantise +
-    /// GEMM path, `Kernels::moe_plan`).
-    pub fn is_packed(&self) -> bool {
-        self.0.quant().is_some()
+    /// Whether crowded experts of a prefill can take the bf16 GEMM (`Kernels::moe_plan`): packed
+    /// (dequantised first) and bf16 experts; f32 ones (`--dtype float32`, exact checks) keep the
+    /// GEMV and its f32 activations.
+    fn takes_gemm(&self) -> bool {
+        !matches!(self.0, DevLinear::F32 { .. })
     }
 }
 
 impl<R: Runtime> DevMoe<R> {
-    /// Whether crowded experts take the dequantise + GEMM path: both projections packed (dense
-    /// experts keep the GEMV, whose activations stay f32).
+    /// Whether crowded experts take the GEMM path: both projections able to.
     pub fn gemm_path(&self) -> bool {
-        self.gate_up.is_packed() && self.down.is_packed()
+        self.gate_up.takes_gemm() && self.down.takes_gemm()
     }
 
     /// `(dequantised elements, widest input)` of one expert on the GEMM path (0 when none), for
@@ -189,7 +189,9 @@ impl<R: Runtime> DevMoe<R> {
         if !self.gemm_path() {
             return (0, 0);
         }
-        (2 * self.inter * self.hidden, self.inter.max(self.hidden))
+        // gate_up (2·inter × hidden) is the larger expert; bf16 experts multiply in place.
+        let packed = self.gate_up.0.quant().is_some() || self.down.0.quant().is_some();
+        (if packed { 2 * self.inter * self.hidden } else { 0 }, self.inter.max(self.hidden))
     }
 }
 
