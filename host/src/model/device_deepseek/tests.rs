@@ -289,6 +289,16 @@ fn sim_quantized_experts_match_the_cpu_model_whole_and_expert_parallel() {
     }
 }
 
+/// [`long_prefill_errors`] over 120 tokens: how many experts the MoE layers planned for the GEMM
+/// path meanwhile, and the rows' errors sorted.
+fn gemm_prefill_errors<R: Runtime>(cpu: &dyn LanguageModel, dev: &DeviceDeepseek<R>) -> (u64, Vec<f32>) {
+    let before = kernels::gpu::moe::gemm_experts_planned();
+    let mut e = long_prefill_errors(cpu, dev, 120);
+    let planned = kernels::gpu::moe::gemm_experts_planned() - before;
+    e.sort_by(f32::total_cmp);
+    (planned, e)
+}
+
 /// A 120-token prefill (240 assignments over 8 experts, so some expert gets more than
 /// `GEMM_MIN_TOKENS` of them): crowded INT4 experts are multiplied by dequantise + bf16 GEMM,
 /// whole and over two expert-parallel devices (`--dtype float32`, so the only bf16 rounding is
@@ -300,10 +310,7 @@ fn sim_a_long_prefill_sends_crowded_experts_to_the_gemm() {
     for ranks in [1, 2] {
         let (m, dev) = on_sim(&out, ranks, false, DenseWeights::F32);
         let cpu = crate::model::load(&out).unwrap();
-        let before = kernels::gpu::moe::gemm_experts_planned();
-        let mut e = long_prefill_errors(cpu.model.as_ref(), &dev, 120);
-        let planned = kernels::gpu::moe::gemm_experts_planned() - before;
-        e.sort_by(f32::total_cmp);
+        let (planned, e) = gemm_prefill_errors(cpu.model.as_ref(), &dev);
         let (median, p90) = (e[e.len() / 2], e[e.len() * 9 / 10]);
         eprintln!("sim, 120-token prefill, int4 experts on {ranks} device(s): {planned} experts on the GEMM path; relative logit error vs the CPU model median {median:.1e}, p90 {p90:.1e}, worst {:.1e}", worst(&e));
         assert!(planned > 0, "ranks={ranks}: no expert took the GEMM path");
@@ -318,10 +325,7 @@ fn sim_a_long_prefill_sends_crowded_experts_to_the_gemm() {
     // bf16 experts (`--dtype bfloat16`, the fixture's dense experts): the GEMM multiplies them in
     // place. The whole forward is then bf16-rounded, so the bound is the serving-precision one.
     let (m, dev) = on_sim(&fixture(), 1, false, DenseWeights::Bf16);
-    let before = kernels::gpu::moe::gemm_experts_planned();
-    let mut e = long_prefill_errors(m.model.as_ref(), &dev, 120);
-    let planned = kernels::gpu::moe::gemm_experts_planned() - before;
-    e.sort_by(f32::total_cmp);
+    let (planned, e) = gemm_prefill_errors(m.model.as_ref(), &dev);
     let (median, p90) = (e[e.len() / 2], e[e.len() * 9 / 10]);
     eprintln!("sim, 120-token prefill, bf16 experts and weights: {planned} experts on the GEMM path; relative logit error vs the CPU model (f32) median {median:.1e}, p90 {p90:.1e}, worst {:.1e}", worst(&e));
     assert!(planned > 0, "bf16: no expert took the GEMM path");
