@@ -16,9 +16,9 @@
 #      decode tok/s at 1 and 64 streams (bf16 cuBLAS and INT4), from kernels/examples/gpu_bench.rs.
 #   5. the device Llama forward (DeviceLlama on CUDA) against transformers' SmolLM2 logits and
 #      greedy continuations through the engine (tests/device_smollm2.rs);
-#   6. the device DeepSeek-V3 forward (MLA + MoE, one rank and two ranks sharing the GPU) and the
-#      Kimi-Linear one (KDA + MLA + MoE) against transformers and the CPU model on the tiny
-#      checkpoints, and their engine decode.
+#   6. the device DeepSeek-V3 forward (MLA + MoE) and the Kimi-Linear one (KDA + MLA + MoE), each
+#      as one rank and as two expert-parallel ranks sharing the GPU, against transformers and the
+#      CPU model on the tiny checkpoints, and their engine decode.
 # Step 3 now serves through the device forward (a single-device Llama with --device cuda:0 runs
 # DeviceLlama, K/V in device memory); step 4's decode figures are a GPU forward of the real
 # model's shapes with random weights.

@@ -4,6 +4,9 @@
 //! must equal both the one-device block (EP=1) and the independent reference (transformers
 //! `DeepseekV3MoE` / `DeepseekV2Moe` / `KimiLinearMoE`, and the K3 latent-MoE torch code).
 //!
+//! Then whole models: the tiny DeepSeek-V3 and Kimi-Linear checkpoints split over 2 and 4 ranks
+//! against one device and transformers' logits, directly and through the paged engine.
+//!
 //! Tolerances: ranks' partial sums are added in rank order, one device adds experts in expert
 //! order, so results agree to rounding (~1e-7 relative), not bit for bit; the bar is 1e-5.
 
@@ -168,20 +171,22 @@ fn bad_layouts_are_clear_errors() {
 // only difference is the order partial expert sums are added in) and transformers'
 // (reference.json, 1e-4 absolute as in tests/reference_deepseek_v3.rs).
 
-mod deepseek {
+/// The tiny whole-model fixtures (DeepSeek-V3, Kimi-Linear) and their transformers references.
+mod reference_model {
     use super::common;
     use std::path::PathBuf;
-    use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
+    use wasmserve::model::kv::BatchRow;
     use wasmserve::model::LoadedModel;
 
-    pub fn dir() -> PathBuf {
-        common::repo_root().join("tests/reference/deepseek_v3/model")
+    /// tests/reference/<name>/model.
+    pub fn dir(name: &str) -> PathBuf {
+        common::repo_root().join("tests/reference").join(name).join("model")
     }
 
     pub use common::ReferenceCase as Case;
 
-    pub fn cases() -> Vec<Case> {
-        common::reference_cases(&dir().join("reference.json"))
+    pub fn cases(name: &str) -> Vec<Case> {
+        common::reference_cases(&dir(name).join("reference.json"))
     }
 
     /// Prefill logits of every prompt position, then the logits of each decode step fed the
@@ -189,7 +194,8 @@ mod deepseek {
     pub fn run(m: &LoadedModel, case: &Case) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
         let vocab = m.config().vocab_size;
         let n = case.ids.len();
-        let mut kv = ContiguousKvCache::for_layout(&m.model.cache_layout(), 1);
+        // With the model's recurrent states (Kimi-Linear's KDA layers), when it has them.
+        let mut kv = m.model.contiguous_cache(1);
         let rows: Vec<BatchRow> = (0..n).map(|pos| BatchRow { seq: 0, pos }).collect();
         let logits = m.model.forward(&case.ids, &rows, &mut kv, &(0..n).collect::<Vec<_>>());
         let prefill: Vec<Vec<f32>> = logits.chunks(vocab).map(<[f32]>::to_vec).collect();
@@ -217,76 +223,108 @@ mod deepseek {
 
 #[test]
 fn deepseek_v3_ep_2_and_4_match_one_device_and_transformers() {
-    check_deepseek_sharded("ep", &|ep| wasmserve::model::load_ep(&deepseek::dir(), ep).unwrap());
+    check_sharded("deepseek_v3", "ep", 1e-4, &|ep| wasmserve::model::load_ep(&reference_model::dir("deepseek_v3"), ep).unwrap());
 }
 
 /// TP: the MLA heads split over the ranks (`o_proj` partial sums all-reduced) and the routed
 /// experts over the same ranks.
 #[test]
 fn deepseek_v3_tp_2_and_4_match_one_device_and_transformers() {
-    check_deepseek_sharded("tp", &|tp| wasmserve::model::load_tp(&deepseek::dir(), tp).unwrap());
-    let err = wasmserve::model::load_tp(&deepseek::dir(), 3).err().expect("3 ranks for 4 heads").to_string();
+    let dir = reference_model::dir("deepseek_v3");
+    check_sharded("deepseek_v3", "tp", 1e-4, &|tp| wasmserve::model::load_tp(&dir, tp).unwrap());
+    let err = wasmserve::model::load_tp(&dir, 3).err().expect("3 ranks for 4 heads").to_string();
     assert!(err.contains("the size must divide the heads"), "{err}");
 }
 
-fn check_deepseek_sharded(what: &str, load: &dyn Fn(usize) -> wasmserve::model::LoadedModel) {
-    let cases = deepseek::cases();
-    let single = wasmserve::model::load(&deepseek::dir()).unwrap();
-    let want: Vec<_> = cases.iter().map(|c| deepseek::run(&single, c)).collect();
+/// Kimi-Linear (4 experts, top-2, a shared expert, 3 MoE layers after a dense one): the KDA and
+/// latent layers replicated, every rank advancing its own copy of the KDA states. The bar vs
+/// transformers is the single-device model's (tests/reference_kimi_linear.rs: its chunked KDA
+/// prefill sums in another order).
+#[test]
+fn kimi_linear_ep_2_and_4_match_one_device_and_transformers() {
+    let dir = reference_model::dir("kimi_linear");
+    check_sharded("kimi_linear", "ep", 2e-4, &|ep| wasmserve::model::load_ep(&dir, ep).unwrap());
+    let one = wasmserve::model::load(&dir).unwrap().model.cache_layout();
+    let two = wasmserve::model::load_ep(&dir, 2).unwrap().model.cache_layout();
+    assert_eq!(two.recurrent_bytes_per_seq, 2 * one.recurrent_bytes_per_seq, "each rank keeps its own KDA states");
+}
+
+/// `name`'s fixture loaded by `load(ranks)` at 2 and 4 ranks against one device (relative 1e-5)
+/// and transformers (absolute `vs_reference`), at every prefill position and decode step, with
+/// transformers' greedy tokens.
+fn check_sharded(name: &str, what: &str, vs_reference: f32, load: &dyn Fn(usize) -> wasmserve::model::LoadedModel) {
+    let cases = reference_model::cases(name);
+    let single = wasmserve::model::load(&reference_model::dir(name)).unwrap();
+    let want: Vec<_> = cases.iter().map(|c| reference_model::run(&single, c)).collect();
     for ep in [2, 4] {
         let m = load(ep);
-        // Attention is replicated, so each rank keeps its own copy of every layer's latent cache.
+        // The mixers are replicated, so each rank keeps its own copy of every layer's cache.
         assert_eq!(m.model.cache_layout().num_layers(), ep * single.model.cache_layout().num_layers());
         let (mut vs_one, mut vs_ref) = (0f32, 0f32);
         for (c, (p1, s1)) in cases.iter().zip(&want) {
-            let (prefill, steps) = deepseek::run(&m, c);
+            let (prefill, steps) = reference_model::run(&m, c);
             for (p, ((got, one), reference)) in prefill.iter().zip(p1).zip(&c.prefill).enumerate() {
-                let (e1, er) = (deepseek::rel(got, one), deepseek::abs(got, reference));
-                assert!(e1 <= 1e-5 && er <= 1e-4, "{what}={ep} prefill position {p}: vs one device {e1}, vs transformers {er}");
+                let (e1, er) = (reference_model::rel(got, one), reference_model::abs(got, reference));
+                assert!(e1 <= 1e-5 && er <= vs_reference, "{name} {what}={ep} prefill position {p}: vs one device {e1}, vs transformers {er}");
                 (vs_one, vs_ref) = (vs_one.max(e1), vs_ref.max(er));
             }
             assert_eq!(steps.len(), 32);
             for (k, ((got, one), reference)) in steps.iter().zip(s1).zip(&c.steps).enumerate() {
-                let (e1, er) = (deepseek::rel(got, one), deepseek::abs(got, reference));
-                assert!(e1 <= 1e-5 && er <= 1e-4, "{what}={ep} decode step {k}: vs one device {e1}, vs transformers {er}");
-                assert_eq!(deepseek::argmax(got), c.greedy[k], "{what}={ep} greedy token at step {k}");
+                let (e1, er) = (reference_model::rel(got, one), reference_model::abs(got, reference));
+                assert!(e1 <= 1e-5 && er <= vs_reference, "{name} {what}={ep} decode step {k}: vs one device {e1}, vs transformers {er}");
+                assert_eq!(reference_model::argmax(got), c.greedy[k], "{name} {what}={ep} greedy token at step {k}");
                 (vs_one, vs_ref) = (vs_one.max(e1), vs_ref.max(er));
             }
         }
-        eprintln!("deepseek_v3 {what}={ep}: worst relative logit diff vs one device {vs_one:.2e}, worst abs diff vs transformers {vs_ref:.2e}");
+        eprintln!("{name} {what}={ep}: worst relative logit diff vs one device {vs_one:.2e}, worst abs diff vs transformers {vs_ref:.2e}");
     }
 }
 
-/// Greedy tokens per prompt from the paged engine serving the tiny DeepSeek-V3 over `ep` ranks.
-fn deepseek_engine_tokens(ep: usize, prompts: &[&[u32]]) -> Vec<Vec<u32>> {
-    deepseek_engine_tokens_of(wasmserve::model::load_ep(&deepseek::dir(), ep).unwrap(), prompts)
-}
-
-fn deepseek_engine_tokens_of(model: wasmserve::model::LoadedModel, prompts: &[&[u32]]) -> Vec<Vec<u32>> {
+/// Greedy tokens per prompt from the paged engine serving `model`.
+fn engine_tokens(model: wasmserve::model::LoadedModel, prompts: &[&[u32]]) -> Vec<Vec<u32>> {
     // A small token budget: chunked prefill, prefill and decode rows of both requests mixed.
     let config = wasmserve::engine::EngineConfig { max_num_batched_tokens: 7, enable_prefix_caching: false, ..Default::default() };
     common::engine_greedy_tokens(std::sync::Arc::new(model), config, prompts, 32)
 }
 
-#[test]
-fn engine_on_deepseek_v3_ep_2_and_4_gives_transformers_greedy_tokens() {
-    let cases = deepseek::cases();
+/// The engine on `name`'s fixture loaded with `ep` expert-parallel ranks gives transformers'
+/// greedy tokens for every prompt.
+fn check_engine_ep(name: &str, eps: &[usize]) {
+    let cases = reference_model::cases(name);
     let prompts: Vec<&[u32]> = cases.iter().map(|c| c.ids.as_slice()).collect();
     let want: Vec<Vec<u32>> = cases.iter().map(|c| c.greedy.clone()).collect();
-    for ep in [1, 2, 4] {
-        assert_eq!(deepseek_engine_tokens(ep, &prompts), want, "engine ep={ep} vs transformers' greedy tokens");
+    for &ep in eps {
+        let model = wasmserve::model::load_ep(&reference_model::dir(name), ep).unwrap();
+        assert_eq!(engine_tokens(model, &prompts), want, "{name}: engine ep={ep} vs transformers' greedy tokens");
     }
-    let tp2 = wasmserve::model::load_tp(&deepseek::dir(), 2).unwrap();
-    assert_eq!(deepseek_engine_tokens_of(tp2, &prompts), want, "engine tp=2 vs transformers' greedy tokens");
+}
+
+#[test]
+fn engine_on_deepseek_v3_ep_2_and_4_gives_transformers_greedy_tokens() {
+    check_engine_ep("deepseek_v3", &[1, 2, 4]);
+    let cases = reference_model::cases("deepseek_v3");
+    let prompts: Vec<&[u32]> = cases.iter().map(|c| c.ids.as_slice()).collect();
+    let want: Vec<Vec<u32>> = cases.iter().map(|c| c.greedy.clone()).collect();
+    let tp2 = wasmserve::model::load_tp(&reference_model::dir("deepseek_v3"), 2).unwrap();
+    assert_eq!(engine_tokens(tp2, &prompts), want, "engine tp=2 vs transformers' greedy tokens");
+}
+
+/// Chunked prefill carries each rank's KDA states across chunks; both requests' rows mixed.
+#[test]
+fn engine_on_kimi_linear_ep_2_gives_transformers_greedy_tokens() {
+    check_engine_ep("kimi_linear", &[2]);
 }
 
 #[test]
 fn deepseek_v3_bad_expert_parallel_sizes_are_clear_errors() {
-    let err = wasmserve::model::load_ep(&deepseek::dir(), 9).err().expect("9 ranks for 8 experts").to_string();
+    let dir = reference_model::dir("deepseek_v3");
+    let err = wasmserve::model::load_ep(&dir, 9).err().expect("9 ranks for 8 experts").to_string();
     assert!(err.contains("expert parallel size 9 exceeds the 8 routed experts"), "{err}");
-    let err = wasmserve::model::load_ep(&deepseek::dir(), 0).err().expect("ep=0").to_string();
+    let err = wasmserve::model::load_ep(&reference_model::dir("kimi_linear"), 5).err().expect("5 ranks for 4 experts").to_string();
+    assert!(err.contains("expert parallel size 5 exceeds the 4 routed experts"), "{err}");
+    let err = wasmserve::model::load_ep(&dir, 0).err().expect("ep=0").to_string();
     assert!(err.contains("expert parallel size must be at least 1"), "{err}");
     let llama = common::repo_root().join("tests/reference/tiny_llama");
     let err = wasmserve::model::load_ep(&llama, 2).err().expect("Llama has no experts").to_string();
-    assert!(err.contains("DeepSeek-V3-architecture models only, not Llama"), "{err}");
+    assert!(err.contains("DeepSeek-V3 and Kimi-Linear models only, not Llama"), "{err}");
 }

@@ -83,7 +83,8 @@ struct ModelArgs {
     /// (a Llama, NCCL between them), else simulated devices (threads).
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
-    /// Expert-parallel ranks (simulated devices) to split the routed experts over (DeepSeek-V3).
+    /// Expert-parallel ranks to split the routed experts over (DeepSeek-V3, Kimi-Linear): one GPU
+    /// each with `--device cuda:0,1,..`, else simulated devices (threads).
     #[arg(long, default_value_t = 1)]
     expert_parallel_size: usize,
 }

@@ -1,7 +1,7 @@
 //! Where the model's forward runs, from `--device`: the CPU model as loaded, or, for CUDA
 //! devices, a Llama, DeepSeek-V3 or Kimi-Linear moved onto them (`model::device_llama`,
-//! `model::device_deepseek`), one device per rank with NCCL between them (Kimi-Linear: one
-//! device). Architectures without a device forward keep the CPU forward and the log says so; a
+//! `model::device_deepseek`), one device per rank with NCCL between them (Llama and DeepSeek-V3
+//! tensor- or expert-parallel, Kimi-Linear expert-parallel). Architectures without a device forward keep the CPU forward and the log says so; a
 //! device that cannot be opened is an error naming the cause for an explicit `cuda:N`, and a
 //! logged fallback for `auto`.
 
@@ -34,7 +34,7 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec, dense: DenseWeights) -> Re
     };
     if ordinals.len() != ranks {
         return Err(format!(
-            "--device {spec} names {} device(s) but the model is loaded as {ranks} tensor-parallel rank(s): give one device per rank (e.g. --device cuda:0,1 --tensor-parallel-size 2)",
+            "--device {spec} names {} device(s) but the model is loaded as {ranks} rank(s): give one device per tensor- or expert-parallel rank (e.g. --device cuda:0,1 --tensor-parallel-size 2)",
             ordinals.len()
         ));
     }
@@ -113,7 +113,7 @@ mod tests {
     #[test]
     fn device_count_must_match_the_tensor_parallel_size() {
         let e = place_model(tiny_tp(2), &DeviceSpec::Cuda(vec![0]), DenseWeights::Bf16).err().unwrap();
-        assert!(e.contains("names 1 device(s) but the model is loaded as 2 tensor-parallel rank(s)") && e.contains("--device cuda:0,1 --tensor-parallel-size 2"), "{e}");
+        assert!(e.contains("names 1 device(s) but the model is loaded as 2 rank(s)") && e.contains("--device cuda:0,1 --tensor-parallel-size 2"), "{e}");
         let e = place_model(tiny_tp(1), &DeviceSpec::Cuda(vec![0, 1]), DenseWeights::Bf16).err().unwrap();
         assert!(e.contains("names 2 device(s) but the model is loaded as 1"), "{e}");
     }

@@ -1,5 +1,6 @@
-//! `ExpertParallelDeepseek`: a DeepSeek-V3 model with its routed experts split over N simulated
-//! devices. Each rank is its own `DeepseekV3Model` holding every non-expert weight (attention,
+//! `ExpertParallelDeepseek` (and `ExpertParallelKimiLinear`, the same for Kimi-Linear, whose KDA
+//! and latent layers are replicated as the MLA layers are here): a DeepSeek-V3 model with its
+//! routed experts split over N simulated devices. Each rank is its own `DeepseekV3Model` holding every non-expert weight (attention,
 //! dense layers, norms, embeddings, routers, shared experts) and one contiguous range of each MoE
 //! layer's routed experts; ranks meet only inside the MoE layers (`ExpertParallelMoe`).
 //!
@@ -16,12 +17,31 @@ use std::sync::RwLock;
 use crate::model::config::ModelConfig;
 use crate::model::deepseek::{DeepseekV3Model, EpRank};
 use crate::model::error::LoadError;
+use crate::model::kda::state::SequenceState;
+use crate::model::kimi_linear::KimiLinearModel;
 use crate::model::kv::{BatchRow, CacheLayout, KvCache};
 use crate::model::llama::SharedKv;
 use crate::model::source::WeightSource;
 use crate::model::LanguageModel;
 
 use super::group::run_on_ranks;
+
+/// Loads ranks 0..ep of `ep`, each on its own thread (`load(config, rank)`, reading only its
+/// experts from the source). Refuses `ep == 0`.
+fn load_on_threads<M: Send>(cfg: &ModelConfig, src: &dyn WeightSource, ep: usize, load: impl Fn(ModelConfig, EpRank) -> Result<M, LoadError> + Sync) -> Result<Vec<M>, LoadError> {
+    if ep == 0 {
+        return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallel size must be at least 1".into() });
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ep)
+            .map(|rank| {
+                let (cfg, load) = (cfg.clone(), &load);
+                s.spawn(move || load(cfg, EpRank { rank, size: ep }))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    })
+}
 
 pub struct ExpertParallelDeepseek {
     ranks: Vec<DeepseekV3Model>,
@@ -41,20 +61,8 @@ impl ExpertParallelDeepseek {
     }
 
     fn load_ranks(cfg: ModelConfig, src: &dyn WeightSource, ep: usize, split_heads: bool) -> Result<Self, LoadError> {
-        if ep == 0 {
-            return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallel size must be at least 1".into() });
-        }
-        let ranks = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..ep)
-                .map(|rank| {
-                    let cfg = cfg.clone();
-                    s.spawn(move || {
-                        let r = EpRank { rank, size: ep };
-                        if split_heads { DeepseekV3Model::load_tp_rank(cfg, src, r) } else { DeepseekV3Model::load_ep_rank(cfg, src, r) }
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect::<Result<Vec<_>, _>>()
+        let ranks = load_on_threads(&cfg, src, ep, |cfg, r| {
+            if split_heads { DeepseekV3Model::load_tp_rank(cfg, src, r) } else { DeepseekV3Model::load_ep_rank(cfg, src, r) }
         })?;
         tracing::info!(ranks = ep, split_heads, "expert-parallel DeepSeek ranks loaded");
         Ok(Self { ranks })
@@ -84,6 +92,48 @@ impl LanguageModel for ExpertParallelDeepseek {
 
     /// The single-device forward contract with the experts split over the ranks; `kv` must have
     /// [`Self::cache_layout`].
+    fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
+        let shared: SharedKv<'_> = RwLock::new(kv);
+        run_on_ranks(&self.ranks, "ep", |model, comm| model.forward_rank(tokens, rows, &shared, logit_rows, comm))
+    }
+}
+
+/// A Kimi-Linear model with its routed experts split over N simulated devices; the KDA and latent
+/// layers run replicated on every rank over the rank's own copy of their state.
+pub struct ExpertParallelKimiLinear {
+    ranks: Vec<KimiLinearModel>,
+}
+
+impl ExpertParallelKimiLinear {
+    /// Loads `ep` ranks, each on its own thread reading only its experts from `src`. Refuses
+    /// `ep == 0`, more ranks than a layer has routed experts and a model without MoE layers.
+    pub fn load(cfg: ModelConfig, src: &dyn WeightSource, ep: usize) -> Result<Self, LoadError> {
+        let ranks = load_on_threads(&cfg, src, ep, |cfg, r| KimiLinearModel::load_ep_rank(cfg, src, r))?;
+        tracing::info!(ranks = ep, "expert-parallel Kimi-Linear ranks loaded");
+        Ok(Self { ranks })
+    }
+}
+
+impl LanguageModel for ExpertParallelKimiLinear {
+    fn config(&self) -> &ModelConfig {
+        self.ranks[0].config()
+    }
+
+    /// Each rank's own copy of the latent rows and KDA states (`KimiLinearModel::ep_cache_layout`).
+    fn cache_layout(&self) -> CacheLayout {
+        self.ranks[0].ep_cache_layout()
+    }
+
+    fn kimi_linear_ranks(&self) -> Option<&[KimiLinearModel]> {
+        Some(&self.ranks)
+    }
+
+    fn new_recurrent_state(&self) -> Option<SequenceState> {
+        self.ranks[0].ep_recurrent_state()
+    }
+
+    /// The single-device forward contract with the experts split over the ranks; `kv` must have
+    /// [`Self::cache_layout`] and [`Self::new_recurrent_state`]'s states.
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         let shared: SharedKv<'_> = RwLock::new(kv);
         run_on_ranks(&self.ranks, "ep", |model, comm| model.forward_rank(tokens, rows, &shared, logit_rows, comm))

@@ -15,7 +15,7 @@ pub mod split;
 pub mod tp;
 
 pub use ep::{DispatchStats, ExpertParallelMoe};
-pub use ep_model::ExpertParallelDeepseek;
+pub use ep_model::{ExpertParallelDeepseek, ExpertParallelKimiLinear};
 pub use collective::{Collective, CollectiveError, Element, ReduceElement};
 pub use layout::{DeviceMesh, MeshCoord, MeshError};
 pub use local::LocalCollective;

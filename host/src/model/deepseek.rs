@@ -7,28 +7,20 @@
 //! routed experts, and its MoE layers exchange token rows with the other ranks.
 
 use kernels::cpu::matmul::matmul_t;
-use kernels::cpu::norm::rms_norm;
 
-use super::decoder::{add_residual, embed_tokens, final_norm_rows};
+use super::decoder::final_norm_rows;
 use super::config::{AttentionKind, FfnKind, LayerSpec, ModelConfig};
 use super::error::LoadError;
 use super::kv::{BatchRow, CacheLayout, KvCache};
 use super::linear::Linear;
 use super::mla::{MlaConfig, MlaLayer};
-use super::moe::mlp::{Activation, GatedMlp};
-use super::moe::{MoeConfig, MoeLayer};
+use super::moe::MoeConfig;
 use super::source::WeightSource;
 use super::tensor::Tensor;
 use super::LanguageModel;
+use super::moe::ffn::{decoder_layers, Ffn, PreNormLayer};
 use super::llama::SharedKv;
 use crate::mesh::{Collective, CollectiveError, ExpertParallelMoe};
-
-pub(crate) enum Ffn {
-    Dense(GatedMlp),
-    Moe(MoeLayer),
-    /// This rank's share of the routed experts (router and shared experts whole).
-    ExpertParallel(ExpertParallelMoe),
-}
 
 /// Which expert-parallel part of the model an instance holds (`size == 1`: all of it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +34,12 @@ pub(crate) struct Layer {
     pub(crate) attn: MlaLayer,
     pub(crate) ffn_norm: Tensor,
     pub(crate) ffn: Ffn,
+}
+
+impl PreNormLayer for Layer {
+    fn pre_norm(&self) -> (&Tensor, &Tensor, &Ffn) {
+        (&self.attn_norm, &self.ffn_norm, &self.ffn)
+    }
 }
 
 // Crate-visible fields: the device forward (model/device_deepseek) uploads them.
@@ -95,12 +93,8 @@ impl DeepseekV3Model {
         let mut specs = Vec::with_capacity(cfg.num_layers());
         for i in 0..cfg.num_layers() {
             let p = format!("model.layers.{i}");
-            let ffn = match &moe {
-                Some(m) if m.is_moe_layer(i) && ep.size == 1 => Ffn::Moe(MoeLayer::load(m, src, &m.prefix(i))?),
-                Some(m) if m.is_moe_layer(i) => Ffn::ExpertParallel(ExpertParallelMoe::load(m, src, &m.prefix(i), ep.rank, ep.size)?),
-                _ => Ffn::Dense(GatedMlp::load(src, &format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"], d, cfg.intermediate_size, Activation::Silu)?),
-            };
-            specs.push(LayerSpec { attention: AttentionKind::Mla, ffn: if matches!(ffn, Ffn::Moe(_) | Ffn::ExpertParallel(_)) { FfnKind::Moe } else { FfnKind::DenseSwiGlu } });
+            let ffn = Ffn::load(moe.as_ref(), src, i, d, cfg.intermediate_size, ep)?;
+            specs.push(LayerSpec { attention: AttentionKind::Mla, ffn: if ffn.is_moe() { FfnKind::Moe } else { FfnKind::DenseSwiGlu } });
             layers.push(Layer {
                 attn_norm: src.load(&format!("{p}.input_layernorm.weight"), &[d])?,
                 attn: if split_heads {
@@ -116,7 +110,7 @@ impl DeepseekV3Model {
         cfg.layers = specs;
         let norm = src.load("model.norm.weight", &[d])?;
         let lm_head = if cfg.tie_word_embeddings && !src.contains("lm_head.weight") { None } else { Some(src.linear("lm_head", cfg.vocab_size, d)?) };
-        if ep.size > 1 && !split_heads && !layers.iter().any(|l| matches!(l.ffn, Ffn::ExpertParallel(_))) {
+        if ep.size > 1 && !split_heads && !layers.iter().any(|l| l.ffn.is_expert_parallel()) {
             return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallelism needs a model with MoE layers".into() });
         }
         Ok(Self { cfg, embed, layers, norm, lm_head, ep, split_heads })
@@ -173,31 +167,11 @@ impl DeepseekV3Model {
 
     /// The decoder with the two parts that differ between one device and an EP rank supplied by
     /// the caller: `attend(layer, attention, normed)` and `expert_parallel(moe, normed, n)`.
-    fn run<E>(
-        &self,
-        tokens: &[u32],
-        rows: &[BatchRow],
-        logit_rows: &[usize],
-        mut attend: impl FnMut(usize, &MlaLayer, &[f32]) -> Result<Vec<f32>, E>,
-        mut expert_parallel: impl FnMut(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>,
-    ) -> Result<Vec<f32>, E> {
-        let cfg = &self.cfg;
-        let (n, d) = (tokens.len(), cfg.hidden_size);
-        assert_eq!(n, rows.len(), "forward: one BatchRow per token");
+    fn run<E>(&self, tokens: &[u32], rows: &[BatchRow], logit_rows: &[usize], mut attend: impl FnMut(usize, &MlaLayer, &[f32]) -> Result<Vec<f32>, E>, expert_parallel: impl FnMut(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>) -> Result<Vec<f32>, E> {
+        let (cfg, d) = (&self.cfg, self.cfg.hidden_size);
+        assert_eq!(tokens.len(), rows.len(), "forward: one BatchRow per token");
         let embed = self.embed.as_slice();
-        let mut hidden = embed_tokens(embed, d, tokens);
-        let mut normed = vec![0.0f32; n * d];
-        for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&hidden, layer.attn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
-            add_residual(&mut hidden, &attend(li, &layer.attn, &normed)?);
-            rms_norm(&hidden, layer.ffn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
-            let f = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&normed, n),
-                Ffn::Moe(m) => m.forward(&normed, n),
-                Ffn::ExpertParallel(m) => expert_parallel(m, &normed, n)?,
-            };
-            add_residual(&mut hidden, &f);
-        }
+        let hidden = decoder_layers(embed, d, tokens, &self.layers, cfg.rms_norm_eps, |li, l, x| attend(li, &l.attn, x), expert_parallel)?;
         let final_normed = final_norm_rows(&hidden, d, logit_rows, self.norm.as_slice(), cfg.rms_norm_eps);
         match &self.lm_head {
             Some(head) => Ok(head.forward(&final_normed, logit_rows.len())),

@@ -5,11 +5,15 @@
 //!
 //! The layer plan comes from `linear_attn_config` (`kda/plan.rs`); KDA layers cache nothing per
 //! token and read their state from `KvCache::recurrent`, latent layers cache one latent row.
+//!
+//! One `KimiLinearModel` can also be one expert-parallel rank (`load_ep_rank`, driven by
+//! `mesh::ExpertParallelKimiLinear`), as `DeepseekV3Model` can: every non-expert weight and its
+//! range of each MoE layer's routed experts; the token mixers run replicated, each rank over its
+//! own copy of the latent rows and of the KDA states.
 
-use kernels::cpu::norm::rms_norm;
 
 use super::config::ModelConfig;
-use super::decoder::{add_residual, embed_tokens, final_norm_rows};
+use super::decoder::final_norm_rows;
 use super::error::LoadError;
 use super::kda::plan::{layer_plan, MixerKind};
 use super::kda::state::SequenceState;
@@ -17,11 +21,14 @@ use super::kda::{KdaConfig, KdaLayer};
 use super::kv::{BatchRow, CacheLayout, KvCache};
 use super::linear::Linear;
 use super::mla::{MlaConfig, MlaLayer};
-use super::moe::mlp::{Activation, GatedMlp};
-use super::moe::{MoeConfig, MoeLayer};
+use super::moe::MoeConfig;
 use super::source::WeightSource;
 use super::tensor::Tensor;
+use super::deepseek::EpRank;
+use super::llama::SharedKv;
 use super::LanguageModel;
+use super::moe::ffn::{decoder_layers, Ffn, PreNormLayer};
+use crate::mesh::{Collective, CollectiveError, ExpertParallelMoe};
 
 // Crate-visible: the device forward (model/device_deepseek) uploads them.
 pub(crate) enum Mixer {
@@ -30,16 +37,17 @@ pub(crate) enum Mixer {
     Latent(MlaLayer),
 }
 
-pub(crate) enum Ffn {
-    Dense(GatedMlp),
-    Moe(MoeLayer),
-}
-
 pub(crate) struct Layer {
     pub(crate) attn_norm: Tensor,
     pub(crate) mixer: Mixer,
     pub(crate) ffn_norm: Tensor,
     pub(crate) ffn: Ffn,
+}
+
+impl PreNormLayer for Layer {
+    fn pre_norm(&self) -> (&Tensor, &Tensor, &Ffn) {
+        (&self.attn_norm, &self.ffn_norm, &self.ffn)
+    }
 }
 
 pub struct KimiLinearModel {
@@ -50,13 +58,22 @@ pub struct KimiLinearModel {
     pub(crate) lm_head: Linear,
     /// Config of each KDA layer, in layer order (the shape of a sequence's recurrent state).
     pub(crate) kda: Vec<KdaConfig>,
+    /// One rank's cache: latent rows of the MLA layers, the KDA states' bytes.
     pub(crate) cache: CacheLayout,
+    pub(crate) ep: EpRank,
 }
 
 impl KimiLinearModel {
     /// Loads the model; `cfg.hf_config` must hold its `config.json`, whose Kimi-specific parts
     /// (`linear_attn_config`, MLA and MoE fields) the rest of `ModelConfig` does not carry.
     pub fn load(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Self, LoadError> {
+        Self::load_ep_rank(cfg, src, EpRank { rank: 0, size: 1 })
+    }
+
+    /// Loads expert-parallel rank `ep.rank` of `ep.size`: the token mixers, dense layers, norms,
+    /// embeddings, routers and shared experts whole, of each MoE layer's routed experts only the
+    /// rank's contiguous range (`mesh::ep::experts_of`). `size == 1` is the plain model.
+    pub fn load_ep_rank(cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank) -> Result<Self, LoadError> {
         let d = cfg.hidden_size;
         let file = src.file_of("config.json").with_file_name("config.json");
         let raw = cfg.hf_config.clone().ok_or_else(|| LoadError::Config { file: file.clone(), detail: "Kimi-Linear is loaded from a Hugging Face config.json".into() })?;
@@ -87,10 +104,7 @@ impl KimiLinearModel {
                 }
                 (MixerKind::FullAttention, None) => unreachable!("latent config is read when the plan has full attention"),
             };
-            let ffn = match &moe {
-                Some(m) if m.is_moe_layer(i) => Ffn::Moe(MoeLayer::load(m, src, &m.prefix(i))?),
-                _ => Ffn::Dense(GatedMlp::load(src, &format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"], d, cfg.intermediate_size, Activation::Silu)?),
-            };
+            let ffn = Ffn::load(moe.as_ref(), src, i, d, cfg.intermediate_size, ep)?;
             layers.push(Layer {
                 attn_norm: src.load(&format!("{p}.input_layernorm.weight"), &[d])?,
                 mixer,
@@ -105,8 +119,74 @@ impl KimiLinearModel {
         } else {
             src.linear("model.embed_tokens", cfg.vocab_size, d)?
         };
+        if ep.size > 1 && !layers.iter().any(|l| l.ffn.is_expert_parallel()) {
+            return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallelism needs a model with MoE layers".into() });
+        }
         let cache = CacheLayout { layers: cache_layers, recurrent_bytes_per_seq: SequenceState::bytes(&kda) };
-        Ok(Self { norm: src.load("model.norm.weight", &[d])?, cfg, embed, layers, lm_head, kda, cache })
+        Ok(Self { norm: src.load("model.norm.weight", &[d])?, cfg, embed, layers, lm_head, kda, cache, ep })
+    }
+
+    pub fn ep_rank(&self) -> EpRank {
+        self.ep
+    }
+
+    /// The cache of an expert-parallel group: the mixers are replicated, so every rank keeps its
+    /// own copy of each latent layer's rows (cache layer `layer * size + rank`) and of each KDA
+    /// layer's state (state ordinal `ordinal * size + rank`), as a real device would in its own
+    /// memory.
+    pub fn ep_cache_layout(&self) -> CacheLayout {
+        let size = self.ep.size;
+        let layers = self.cache.layers.iter().flat_map(|l| std::iter::repeat_n(*l, size)).collect();
+        CacheLayout { layers, recurrent_bytes_per_seq: self.cache.recurrent_bytes_per_seq * size }
+    }
+
+    /// A fresh recurrent state for one sequence of the expert-parallel group: every rank's copy of
+    /// every KDA layer, in the order of [`Self::ep_cache_layout`].
+    pub fn ep_recurrent_state(&self) -> Option<SequenceState> {
+        let size = self.ep.size;
+        let all: Vec<KdaConfig> = self.kda.iter().flat_map(|c| std::iter::repeat_n(c.clone(), size)).collect();
+        (!all.is_empty()).then(|| SequenceState::new(&all))
+    }
+
+    /// This rank's part of an expert-parallel forward pass: every rank of the group calls it with
+    /// the same batch and its own handle on the group's communicator. The mixers, dense layers
+    /// and the head run replicated (over this rank's copies of the cache); each MoE layer runs
+    /// `ExpertParallelMoe::forward_replicated`. All ranks return the same logits.
+    pub fn forward_rank<C: Collective>(&self, tokens: &[u32], rows: &[BatchRow], kv: &SharedKv<'_>, logit_rows: &[usize], comm: &C) -> Result<Vec<f32>, CollectiveError> {
+        let EpRank { rank, size } = self.ep;
+        self.run(
+            tokens,
+            rows,
+            logit_rows,
+            |li, mixer, normed| {
+                let mut cache = kv.write().unwrap_or_else(|e| e.into_inner());
+                Ok(mix(mixer, normed, rows, &mut **cache, li * size + rank, |ordinal| ordinal * size + rank))
+            },
+            |moe, normed, n| moe.forward_replicated(normed, n, comm),
+        )
+    }
+
+    /// The decoder with the two parts that differ between one device and an EP rank supplied by
+    /// the caller: `mixer(layer, mixer, normed)` and `expert_parallel(moe, normed, n)`.
+    fn run<E>(&self, tokens: &[u32], rows: &[BatchRow], logit_rows: &[usize], mut mixer: impl FnMut(usize, &Mixer, &[f32]) -> Result<Vec<f32>, E>, expert_parallel: impl FnMut(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>) -> Result<Vec<f32>, E> {
+        let (cfg, d) = (&self.cfg, self.cfg.hidden_size);
+        assert_eq!(tokens.len(), rows.len(), "forward: one BatchRow per token");
+        let hidden = decoder_layers(self.embed.as_slice(), d, tokens, &self.layers, cfg.rms_norm_eps, |li, l, x| mixer(li, &l.mixer, x), expert_parallel)?;
+        let final_normed = final_norm_rows(&hidden, d, logit_rows, self.norm.as_slice(), cfg.rms_norm_eps);
+        Ok(self.lm_head.forward(&final_normed, logit_rows.len()))
+    }
+}
+
+/// One layer's token mixer over `kv`: a KDA layer advances the batch's states of state ordinal
+/// `state(ordinal)`, a latent layer reads and writes cache layer `cache_layer`.
+fn mix(mixer: &Mixer, normed: &[f32], rows: &[BatchRow], kv: &mut dyn KvCache, cache_layer: usize, state: impl Fn(usize) -> usize) -> Vec<f32> {
+    match mixer {
+        Mixer::Kda { layer: kda, ordinal } => {
+            let states = kv.recurrent().expect("Kimi-Linear needs a cache with recurrent state (LanguageModel::new_recurrent_state)");
+            let mut view = states.layer(state(*ordinal));
+            kda.forward(normed, rows, &mut view)
+        }
+        Mixer::Latent(attn) => attn.forward(normed, rows, kv, cache_layer),
     }
 }
 
@@ -119,39 +199,29 @@ impl LanguageModel for KimiLinearModel {
         self.cache.clone()
     }
 
-    fn kimi_linear(&self) -> Option<&KimiLinearModel> {
-        Some(self)
+    /// A whole model only: a lone rank of a sharded one cannot run by itself.
+    fn kimi_linear_ranks(&self) -> Option<&[KimiLinearModel]> {
+        (self.ep.size == 1).then_some(std::slice::from_ref(self))
     }
 
     fn new_recurrent_state(&self) -> Option<SequenceState> {
         (!self.kda.is_empty()).then(|| SequenceState::new(&self.kda))
     }
 
+    /// One device. An expert-parallel rank cannot run alone: its MoE layers need the other ranks,
+    /// so it is only driven through `forward_rank`.
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
-        let cfg = &self.cfg;
-        let (n, d) = (tokens.len(), cfg.hidden_size);
-        assert_eq!(n, rows.len(), "forward: one BatchRow per token");
-        let mut hidden = embed_tokens(self.embed.as_slice(), d, tokens);
-        let mut normed = vec![0.0f32; n * d];
-        for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&hidden, layer.attn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
-            let mixed = match &layer.mixer {
-                Mixer::Kda { layer: kda, ordinal } => {
-                    let states = kv.recurrent().expect("Kimi-Linear needs a cache with recurrent state (LanguageModel::new_recurrent_state)");
-                    let mut view = states.layer(*ordinal);
-                    kda.forward(&normed, rows, &mut view)
-                }
-                Mixer::Latent(attn) => attn.forward(&normed, rows, kv, li),
-            };
-            add_residual(&mut hidden, &mixed);
-            rms_norm(&hidden, layer.ffn_norm.as_slice(), cfg.rms_norm_eps, &mut normed);
-            let out = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&normed, n),
-                Ffn::Moe(moe) => moe.forward(&normed, n),
-            };
-            add_residual(&mut hidden, &out);
+        assert_eq!(self.ep.size, 1, "an expert-parallel Kimi-Linear rank runs through forward_rank with its group, not alone");
+        let out: Result<Vec<f32>, std::convert::Infallible> = self.run(
+            tokens,
+            rows,
+            logit_rows,
+            |li, mixer, normed| Ok(mix(mixer, normed, rows, &mut *kv, li, |ordinal| ordinal)),
+            |_, _, _| panic!("an expert-parallel Kimi-Linear rank runs through forward_rank with its group, not alone"),
+        );
+        match out {
+            Ok(v) => v,
+            Err(never) => match never {},
         }
-        let final_normed = final_norm_rows(&hidden, d, logit_rows, self.norm.as_slice(), cfg.rms_norm_eps);
-        self.lm_head.forward(&final_normed, logit_rows.len())
     }
 }

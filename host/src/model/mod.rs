@@ -72,8 +72,9 @@ pub trait LanguageModel: Send + Sync {
         None
     }
 
-    /// The Kimi-Linear model behind this one, if it is one (to move it onto a device).
-    fn kimi_linear(&self) -> Option<&kimi_linear::KimiLinearModel> {
+    /// The Kimi-Linear ranks behind this model, if it is one (to move it onto devices): one for a
+    /// whole model, one per expert-parallel rank otherwise, in rank order.
+    fn kimi_linear_ranks(&self) -> Option<&[kimi_linear::KimiLinearModel]> {
         None
     }
 
@@ -134,24 +135,26 @@ pub fn build_tp(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<B
         Architecture::DeepseekV3 => Ok(Box::new(crate::mesh::ExpertParallelDeepseek::load_tensor_parallel(cfg, src, tp)?)),
         other => Err(LoadError::Config {
             file: src.file_of("model.embed_tokens.weight"),
-            detail: format!("tensor parallelism is implemented for Llama and DeepSeek-V3 models only, not {other:?}"),
+            detail: format!("tensor parallelism is implemented for Llama and DeepSeek-V3 models only, not {other:?} (a Kimi-Linear model splits its experts with --expert-parallel-size)"),
         }),
     }
 }
 
 /// As [`build`], with the routed experts split over `ep` simulated expert-parallel devices when
-/// `ep != 1` (`mesh::ExpertParallelDeepseek`; DeepSeek-V3/V2 only, clear errors otherwise).
+/// `ep != 1` (`mesh::ExpertParallelDeepseek`, `mesh::ExpertParallelKimiLinear`; clear errors for
+/// architectures without experts).
 pub fn build_ep(cfg: ModelConfig, src: &dyn WeightSource, ep: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
     if ep == 1 {
         return build(cfg, src);
     }
-    if !matches!(cfg.architecture, Architecture::DeepseekV3) {
-        return Err(LoadError::Config {
+    match cfg.architecture {
+        Architecture::DeepseekV3 => Ok(Box::new(crate::mesh::ExpertParallelDeepseek::load(cfg, src, ep)?)),
+        Architecture::KimiLinear => Ok(Box::new(crate::mesh::ExpertParallelKimiLinear::load(cfg, src, ep)?)),
+        other => Err(LoadError::Config {
             file: src.file_of("model.embed_tokens.weight"),
-            detail: format!("expert parallelism is implemented for DeepSeek-V3-architecture models only, not {:?}", cfg.architecture),
-        });
+            detail: format!("expert parallelism is implemented for DeepSeek-V3 and Kimi-Linear models only, not {other:?}"),
+        }),
     }
-    Ok(Box::new(crate::mesh::ExpertParallelDeepseek::load(cfg, src, ep)?))
 }
 
 /// A model ready to run: weights, tokenizer and chat template.

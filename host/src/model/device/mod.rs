@@ -25,7 +25,7 @@ use weights::DenseWeights;
 /// was loaded as), `None` for models without a device forward, which keep the CPU forward.
 /// Placement asks before opening any device.
 pub fn device_ranks(m: &LoadedModel) -> Option<usize> {
-    m.model.llama_ranks().map(<[_]>::len).or_else(|| m.model.deepseek_ranks().map(<[_]>::len)).or_else(|| m.model.kimi_linear().map(|_| 1))
+    m.model.llama_ranks().map(<[_]>::len).or_else(|| m.model.deepseek_ranks().map(<[_]>::len)).or_else(|| m.model.kimi_linear_ranks().map(<[_]>::len))
 }
 
 /// Moves `m` onto `gpus`, one rank per device (the model must have been loaded with as many
@@ -39,17 +39,14 @@ pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<
     };
     if ranks != gpus.len() {
         return Err(ForwardError::Invalid(format!(
-            "the model is loaded as {ranks} tensor-parallel rank(s) but {} device(s) were given: one device per rank (--tensor-parallel-size must equal the number of devices)",
+            "the model is loaded as {ranks} rank(s) but {} device(s) were given: one device per rank (--tensor-parallel-size or --expert-parallel-size must equal the number of devices)",
             gpus.len()
         )));
     }
-    let model: Box<dyn super::LanguageModel> = match (m.model.llama_ranks(), m.model.deepseek_ranks(), m.model.kimi_linear()) {
+    let model: Box<dyn super::LanguageModel> = match (m.model.llama_ranks(), m.model.deepseek_ranks(), m.model.kimi_linear_ranks()) {
         (Some(l), _, _) => Box::new(DeviceLlama::from_ranks_with(l, gpus, group, dense)?),
         (None, Some(d), _) => Box::new(DeviceDeepseek::from_ranks_with(d, gpus, group, dense)?),
-        (None, None, Some(k)) => {
-            let gpu = gpus.into_iter().next().ok_or_else(|| ForwardError::Invalid("no device given".into()))?;
-            Box::new(DeviceKimiLinear::from_kimi_linear(k, gpu, dense)?)
-        }
+        (None, None, Some(k)) => Box::new(DeviceKimiLinear::from_kimi_ranks(k, gpus, group, dense)?),
         (None, None, None) => unreachable!("device_ranks found ranks"),
     };
     Ok(LoadedModel { model, ..m })

@@ -354,7 +354,7 @@ fn a_contiguous_cache_a_missing_pool_or_mismatched_ranks_are_errors() {
     let e = DeviceDeepseek::from_ranks(deepseek(&ep), vec![SimGpu::sim().unwrap()], Box::new(SoleRank)).err().unwrap();
     assert!(e.to_string().contains("one device per rank"), "{e}");
     let e = crate::model::device::place_on_devices(ep, vec![Kernels::new(kernels::sim::SimRuntime::new().unwrap())], Box::new(SoleRank), DenseWeights::Bf16).err().unwrap();
-    assert!(e.to_string().contains("2 tensor-parallel rank(s) but 1 device(s)"), "{e}");
+    assert!(e.to_string().contains("2 rank(s) but 1 device(s)"), "{e}");
 }
 
 /// The same checks on CUDA device 0 (skipped, saying why, without one; `WASMSERVE_REQUIRE_GPU=1`
@@ -405,11 +405,13 @@ mod cuda {
         if gpu("cuda::kimi_linear_matches_transformers").is_none() {
             return;
         }
-        let m = crate::model::load(&super::kimi::kimi_fixture()).unwrap();
-        let dev = super::super::DeviceKimiLinear::from_kimi_linear(m.model.kimi_linear().unwrap(), open(), DenseWeights::F32).unwrap();
-        let e = super::kimi::prefill_error_vs_transformers(&dev);
-        eprintln!("CUDA Kimi-Linear: max |logit difference| vs transformers {e:.2e}");
-        assert!(e < 1e-3, "{e}");
+        // Two expert-parallel ranks share the one GPU (their all-reduces staged through the host).
+        for ranks in [1, 2] {
+            let (_, dev) = super::kimi::placed_kimi(ranks, DenseWeights::F32, open);
+            let e = super::kimi::prefill_error_vs_transformers(&dev);
+            eprintln!("CUDA Kimi-Linear, {ranks} rank(s): max |logit difference| vs transformers {e:.2e}");
+            assert!(e < 1e-3, "ranks={ranks}: {e}");
+        }
     }
 
     #[test]
@@ -439,20 +441,42 @@ mod kimi {
         serde_json::from_str(&std::fs::read_to_string(kimi_fixture().join("reference.json")).unwrap()).unwrap()
     }
 
-    fn on_sim(dense: DenseWeights) -> (LoadedModel, super::super::DeviceKimiLinear<kernels::sim::SimRuntime>) {
+    /// The CPU model (one device) and the device model on `ranks` simulated devices: the whole
+    /// model, or its expert-parallel ranks (`ExpertParallelKimiLinear`: KDA and latent layers
+    /// replicated, every device with its own state slots and latent pool), their MoE all-reduces
+    /// staged through the host.
+    fn on_sim(dense: DenseWeights, ranks: usize) -> (LoadedModel, super::super::DeviceKimiLinear<kernels::sim::SimRuntime>) {
+        placed_kimi(ranks, dense, || SimGpu::sim().unwrap())
+    }
+
+    /// As [`on_sim`] on devices from `gpu`.
+    pub(super) fn placed_kimi<R: Runtime>(ranks: usize, dense: DenseWeights, gpu: impl Fn() -> Kernels<R>) -> (LoadedModel, super::super::DeviceKimiLinear<R>) {
         let m = crate::model::load(&kimi_fixture()).unwrap();
-        let dev = super::super::DeviceKimiLinear::from_kimi_linear(m.model.kimi_linear().unwrap(), SimGpu::sim().unwrap(), dense).unwrap();
+        let dev = if ranks == 1 {
+            super::super::DeviceKimiLinear::from_kimi_linear(&m.model.kimi_linear_ranks().unwrap()[0], gpu(), dense).unwrap()
+        } else {
+            let ep = crate::model::load_ep(&kimi_fixture(), ranks).unwrap();
+            let gpus = (0..ranks).map(|_| gpu()).collect();
+            super::super::DeviceKimiLinear::from_kimi_ranks(ep.model.kimi_linear_ranks().unwrap(), gpus, Box::new(LocalDeviceGroup { world: ranks }), dense).unwrap()
+        };
         (m, dev)
     }
 
     /// Mixed prefill and decode batches of three sequences (rows of different sequences
     /// interleaved), sequence 2 forking sequence 0's state and blocks after its prompt: the
     /// device (states in its slot pool, resets and forks as slot operations) against the CPU
-    /// model (host states in the engine's slots, its latent rows in the host block pool).
+    /// model (host states in the engine's slots, its latent rows in the host block pool); on one
+    /// device and on two expert-parallel ones (each applying the slot operations to its own pool).
     #[test]
     fn sim_matches_the_cpu_model_on_interleaved_batches_with_a_fork() {
         let Some(_) = sim("kimi::sim_matches_the_cpu_model_on_interleaved_batches_with_a_fork") else { return };
-        let (m, dev) = on_sim(DenseWeights::F32);
+        for ranks in [1, 2] {
+            interleaved_batches_with_a_fork(ranks);
+        }
+    }
+
+    fn interleaved_batches_with_a_fork(ranks: usize) {
+        let (m, dev) = on_sim(DenseWeights::F32, ranks);
         let cpu = m.model.as_ref();
         let vocab = cpu.config().vocab_size;
         const SLOTS: usize = 4;
@@ -514,8 +538,8 @@ mod kimi {
             let got = dev.try_forward(&tokens, &rows, &mut view, &logit_rows).unwrap();
             errors.extend(row_errors(&got, &want, vocab));
         }
-        eprintln!("sim Kimi-Linear, f32 weights: worst relative logit error vs the CPU model {:.2e} over {} rows", worst(&errors), errors.len());
-        assert!(worst(&errors) < 1e-4, "{}", worst(&errors));
+        eprintln!("sim Kimi-Linear on {ranks} device(s), f32 weights: worst relative logit error vs the CPU model {:.2e} over {} rows", worst(&errors), errors.len());
+        assert!(worst(&errors) < 1e-4, "{ranks} device(s): {}", worst(&errors));
     }
 
     /// Batch row order taking one row of each sequence in turn.
@@ -540,14 +564,17 @@ mod kimi {
         out
     }
 
-    /// Every prompt position against transformers, to the CPU model's tolerance (2e-4).
+    /// Every prompt position against transformers, to the CPU model's tolerance (2e-4), on one
+    /// device and on two expert-parallel ones.
     #[test]
     fn sim_matches_transformers() {
         let Some(_) = sim("kimi::sim_matches_transformers") else { return };
-        let (_, dev) = on_sim(DenseWeights::F32);
-        let worst = prefill_error_vs_transformers(&dev);
-        eprintln!("sim Kimi-Linear: max |logit difference| vs transformers {worst:.2e}");
-        assert!(worst < 2e-4, "{worst}");
+        for ranks in [1, 2] {
+            let (_, dev) = on_sim(DenseWeights::F32, ranks);
+            let worst = prefill_error_vs_transformers(&dev);
+            eprintln!("sim Kimi-Linear on {ranks} device(s): max |logit difference| vs transformers {worst:.2e}");
+            assert!(worst < 2e-4, "{ranks} device(s): {worst}");
+        }
     }
 
     pub(super) fn prefill_error_vs_transformers<R: Runtime>(dev: &super::super::DeviceKimiLinear<R>) -> f32 {
@@ -555,12 +582,15 @@ mod kimi {
     }
 
     /// The engine serving it, states lent as device slots (an n = 2 request forks one, chunked
-    /// prefill carries them across steps): greedy tokens equal transformers'.
+    /// prefill carries them across steps): greedy tokens equal transformers', on one device and
+    /// on two expert-parallel ones.
     #[test]
     fn sim_engine_greedy_matches_transformers() {
         let Some(_) = sim("kimi::sim_engine_greedy_matches_transformers") else { return };
-        let (m, dev) = on_sim(DenseWeights::F32);
-        let m = LoadedModel { model: Box::new(dev), ..m };
-        test_util::engine_greedy_matches_transformers(m, &kimi_reference(), BS, "tiny Kimi-Linear on the simulator");
+        for ranks in [1, 2] {
+            let (m, dev) = on_sim(DenseWeights::F32, ranks);
+            let m = LoadedModel { model: Box::new(dev), ..m };
+            test_util::engine_greedy_matches_transformers(m, &kimi_reference(), BS, &format!("tiny Kimi-Linear on {ranks} simulated device(s)"));
+        }
     }
 }

@@ -15,8 +15,9 @@ use kernels::gpu::{Kernels, Runtime};
 
 use super::kda::DevKda;
 use super::{invalid, DecoderRank};
-use crate::model::deepseek::{DeepseekV3Model, Ffn};
-use crate::model::kimi_linear::{Ffn as KimiFfn, KimiLinearModel, Mixer};
+use crate::model::deepseek::DeepseekV3Model;
+use crate::model::kimi_linear::{KimiLinearModel, Mixer};
+use crate::model::moe::ffn::Ffn;
 use crate::model::linear::Linear;
 use crate::model::tensor::Tensor;
 use crate::model::device::weights::{DenseWeights, DevLinear};
@@ -318,8 +319,8 @@ struct Uploaded<R: Runtime> {
     kda: Option<(usize, usize, usize, usize)>,
 }
 
-fn ffn<R: Runtime>(gpu: &Kernels<R>, name: &str, dense_mlp: Option<&GatedMlp>, moe: Option<&MoeLayer>, dense: DenseWeights) -> Result<DevFfn<R>, ForwardError> {
-    match (dense_mlp, moe) {
+fn ffn<R: Runtime>(gpu: &Kernels<R>, name: &str, block: &Ffn, dense: DenseWeights) -> Result<DevFfn<R>, ForwardError> {
+    match block.parts() {
         (_, Some(m)) => Ok(DevFfn::Moe(DevMoe::upload(gpu, name, m, dense)?)),
         (Some(mlp), None) => Ok(DevFfn::Dense(DevMlp::upload(gpu, name, mlp, dense)?)),
         (None, None) => Err(invalid(format!("{name}: no feed-forward block"))),
@@ -333,16 +334,11 @@ impl<R: Runtime> DecoderRank<R> {
         let mut layers = Vec::with_capacity(m.layers.len());
         for (i, l) in m.layers.iter().enumerate() {
             let name = format!("model.layers.{i}");
-            let (mlp, moe) = match &l.ffn {
-                Ffn::Dense(mlp) => (Some(mlp), None),
-                Ffn::Moe(moe) => (None, Some(moe)),
-                Ffn::ExpertParallel(ep) => (None, Some(ep.layer())),
-            };
             layers.push(DevLayer {
                 attn_norm: gpu.upload(l.attn_norm.as_slice())?,
                 mixer: DevMixer::Mla { attn: DevMla::upload(&gpu, &format!("{name}.self_attn"), &l.attn, dense)?, latent: i },
                 ffn_norm: gpu.upload(l.ffn_norm.as_slice())?,
-                ffn: ffn(&gpu, &format!("{name}.mlp"), mlp, moe, dense)?,
+                ffn: ffn(&gpu, &format!("{name}.mlp"), &l.ffn, dense)?,
             });
             tracing::debug!(layer = i, of = m.layers.len(), "DeepSeek layer uploaded to the device");
         }
@@ -353,7 +349,7 @@ impl<R: Runtime> DecoderRank<R> {
         Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, m.split_heads), latent, kda: None })
     }
 
-    /// Uploads a whole Kimi-Linear model: KDA layers with their recurrent kernels, NoPE MLA
+    /// Uploads a Kimi-Linear model (or one expert-parallel rank of it): KDA layers with their recurrent kernels, NoPE MLA
     /// layers over the latent pool (their own latent layer numbering), dense and MoE FFNs.
     pub(super) fn upload_kimi(m: &KimiLinearModel, gpu: Kernels<R>, dense: DenseWeights) -> Result<Self, ForwardError> {
         let mut layers = Vec::with_capacity(m.layers.len());
@@ -374,21 +370,17 @@ impl<R: Runtime> DecoderRank<R> {
                     DevMixer::Mla { attn: DevMla::upload(&gpu, &format!("{name}.self_attn"), attn, dense)?, latent: latent_layers - 1 }
                 }
             };
-            let (mlp, moe) = match &l.ffn {
-                KimiFfn::Dense(mlp) => (Some(mlp), None),
-                KimiFfn::Moe(moe) => (None, Some(moe)),
-            };
-            let module = if moe.is_some() { "block_sparse_moe" } else { "mlp" };
-            layers.push(DevLayer { attn_norm: gpu.upload(l.attn_norm.as_slice())?, mixer, ffn_norm: gpu.upload(l.ffn_norm.as_slice())?, ffn: ffn(&gpu, &format!("{name}.{module}"), mlp, moe, dense)? });
+            let module = if l.ffn.is_moe() { "block_sparse_moe" } else { "mlp" };
+            layers.push(DevLayer { attn_norm: gpu.upload(l.attn_norm.as_slice())?, mixer, ffn_norm: gpu.upload(l.ffn_norm.as_slice())?, ffn: ffn(&gpu, &format!("{name}.{module}"), &l.ffn, dense)? });
         }
         let kda = m.kda.first().map(|c| (m.kda.len(), c.num_heads, c.head_dim, c.conv_kernel));
         if m.kda.iter().any(|c| Some((m.kda.len(), c.num_heads, c.head_dim, c.conv_kernel)) != kda) {
             return Err(invalid("KDA layers of different shapes: the device state pool holds one shape".into()));
         }
         let (embed, lm_head) = output_weights(&gpu, &m.embed, Some(&m.lm_head), dense)?;
-        tracing::info!(device = %gpu.describe(), layers = layers.len(), kda_layers = m.kda.len(), latent_layers, "Kimi-Linear weights uploaded to the device");
+        tracing::info!(device = %gpu.describe(), ep_rank = m.ep.rank, ep_size = m.ep.size, layers = layers.len(), kda_layers = m.kda.len(), latent_layers, "Kimi-Linear weights uploaded to the device");
         let norm = gpu.upload(m.norm.as_slice())?;
-        Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (0, false), latent, kda })
+        Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, false), latent, kda })
     }
 
     /// The scratch sized for every dense projection a step may run and every routed expert on the

@@ -448,7 +448,7 @@ fn ranks_and_devices_must_match() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
     let m = crate::model::load_tp(&dir, 2).unwrap();
     let e = super::place_on_devices(m, vec![Kernels::new(RefRuntime)], Box::new(crate::mesh::device_collective::SoleRank)).err().unwrap();
-    assert!(e.to_string().contains("2 tensor-parallel rank(s) but 1 device(s)"), "{e}");
+    assert!(e.to_string().contains("2 rank(s) but 1 device(s)"), "{e}");
     let mut swapped = [tiny_llama(true, Weights::Dense, 1), tiny_llama(true, Weights::Dense, 1)];
     swapped[0].tp = TpRank { rank: 1, size: 2 };
     swapped[1].tp = TpRank { rank: 0, size: 2 };

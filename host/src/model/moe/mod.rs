@@ -7,9 +7,12 @@
 //! - [`latent::Latent`]: down/up projections and norm of latent MoE.
 //! - [`mlp::GatedMlp`]: one gated MLP (an expert, the shared experts, or a dense layer's MLP).
 //! - [`layer::MoeLayer`]: the whole block.
+//! - [`ffn::Ffn`]: a decoder layer's feed-forward half (dense, MoE, or an expert-parallel rank's
+//!   share) and the pre-norm layer body of the MoE decoders.
 
 pub mod config;
 pub mod experts;
+pub(crate) mod ffn;
 pub mod latent;
 pub mod layer;
 pub mod mlp;
