@@ -2,13 +2,15 @@
 //! device is refused with a message naming the cause and a way out, exit code 1 rather than a
 //! panic's 101; `auto` falls back to the CPU. On a GPU machine the same commands succeed.
 
+mod common;
+
 use std::process::Command;
 
 fn wasmserve(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_wasmserve")).args(args).env("RUST_LOG", "info").env_remove("WASMSERVE_DEVICE").output().expect("run wasmserve")
 }
 
-/// `generate` of a tiny checkpoint under `tests/reference/` on `device` (greedy, 12 tokens, with
+/// `generate` of a tiny checkpoint under `tests/reference/` (or at an absolute path) on `device` (greedy, 12 tokens, with
 /// the extra global/`generate` options `args`); asserts it succeeded without falling back to the
 /// CPU forward and, on the simulator, that the log says `uploaded` when given. Returns the text.
 fn generate_text(checkpoint: &str, device: &str, args: &[&str], uploaded: Option<&str>) -> String {
@@ -182,16 +184,28 @@ fn deepseek_runs_on_the_simulator_like_the_cpu() {
 }
 
 /// Kimi-Linear (KDA state in a device slot, a NoPE MLA layer, MoE) through `generate` on the
-/// simulator with f32 weights: the CPU's greedy text.
+/// simulator with f32 weights: the CPU's greedy text on one device and on two expert-parallel
+/// ones (`--expert-parallel-size 2`: each device its own KDA states and latent rows); and, on a
+/// copy with 3 MLA heads, on three tensor-parallel devices (`--tensor-parallel-size 3`: one KDA
+/// and one MLA head per device).
 #[test]
 fn kimi_linear_generates_on_the_simulator_like_the_cpu() {
     if !simulator_built("kimi_linear_generates_on_the_simulator_like_the_cpu") {
         return;
     }
-    let run = |device: &str| generate_text("kimi_linear/model", device, &["--dtype", "float32"], Some("Kimi-Linear weights uploaded to the device"));
-    let cpu = run("cpu");
+    let uploaded = Some("Kimi-Linear weights uploaded to the device");
+    let run = |device: &str, ep: &str| generate_text("kimi_linear/model", device, &["--dtype", "float32", "--expert-parallel-size", ep], uploaded);
+    let cpu = run("cpu", "1");
     assert!(!cpu.trim().is_empty());
-    assert_eq!(run("sim"), cpu);
+    assert_eq!(run("sim", "1"), cpu);
+    assert_eq!(run("sim", "2"), cpu);
+
+    let three = common::kimi_linear_three_mla_heads("device");
+    let run = |device: &str, tp: &str| generate_text(three.to_str().unwrap(), device, &["--dtype", "float32", "--tensor-parallel-size", tp], uploaded);
+    let cpu = run("cpu", "1");
+    assert_eq!(run("cpu", "3"), cpu);
+    assert_eq!(run("sim", "3"), cpu);
+    std::fs::remove_dir_all(&three).ok();
 }
 
 #[test]

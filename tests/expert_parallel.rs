@@ -328,3 +328,35 @@ fn deepseek_v3_bad_expert_parallel_sizes_are_clear_errors() {
     let err = wasmserve::model::load_ep(&llama, 2).err().expect("Llama has no experts").to_string();
     assert!(err.contains("DeepSeek-V3 and Kimi-Linear models only, not Llama"), "{err}");
 }
+
+/// TP=3 on Kimi-Linear: each rank one KDA head (its q/k/v rows, conv channels, gates, state) and
+/// one MLA head, `o_proj` partial sums all-reduced, the 4 experts over the same ranks (2, 1, 1);
+/// against one device at every prefill position and 32 decode steps, directly and through the
+/// engine (chunked prefill carries each rank's part of the KDA state).
+#[test]
+fn kimi_linear_tp_3_matches_one_device() {
+    let dir = common::kimi_linear_three_mla_heads("expert-parallel");
+    let single = wasmserve::model::load(&dir).unwrap();
+    let tp = wasmserve::model::load_tp(&dir, 3).unwrap();
+    let (one, three) = (single.model.cache_layout(), tp.model.cache_layout());
+    // The latent rows are copied per rank; the KDA state is split, so its total stays the same.
+    assert_eq!(three.num_layers(), 3 * one.num_layers());
+    assert_eq!(three.recurrent_bytes_per_seq, one.recurrent_bytes_per_seq, "each rank holds a third of every KDA state");
+    let cases = reference_model::cases("kimi_linear");
+    let mut worst = 0f32;
+    for c in &cases {
+        let ((p1, s1), (p3, s3)) = (reference_model::run(&single, c), reference_model::run(&tp, c));
+        for (k, (got, want)) in p3.iter().chain(&s3).zip(p1.iter().chain(&s1)).enumerate() {
+            let e = reference_model::rel(got, want);
+            assert!(e <= 1e-5, "tp=3 row {k}: relative difference vs one device {e}");
+            worst = worst.max(e);
+        }
+    }
+    eprintln!("kimi_linear (3 MLA heads) tp=3: worst relative logit difference vs one device {worst:.2e}");
+    let prompts: Vec<&[u32]> = cases.iter().map(|c| c.ids.as_slice()).collect();
+    let want = engine_tokens(wasmserve::model::load(&dir).unwrap(), &prompts);
+    assert_eq!(engine_tokens(tp, &prompts), want, "engine tp=3 vs one device's greedy tokens");
+    let err = wasmserve::model::load_tp(&dir, 2).err().expect("2 ranks for 3 heads").to_string();
+    assert!(err.contains("over 3 KDA heads (the size must divide the heads)"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -79,8 +79,8 @@ struct ModelArgs {
     /// A .gguf file or a Hugging Face model directory.
     #[arg(long, env = "WASMSERVE_MODEL", default_value = wasmserve::DEFAULT_MODEL_PATH)]
     model: PathBuf,
-    /// Tensor-parallel ranks to split the model over: one GPU each with `--device cuda:0,1,..`
-    /// (a Llama, NCCL between them), else simulated devices (threads).
+    /// Tensor-parallel ranks to split the model over (Llama, DeepSeek-V3, Kimi-Linear): one GPU
+    /// each with `--device cuda:0,1,..` (NCCL between them), else simulated devices (threads).
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
     /// Expert-parallel ranks to split the routed experts over (DeepSeek-V3, Kimi-Linear): one GPU

@@ -85,3 +85,49 @@ pub fn engine_greedy_tokens(model: Arc<LoadedModel>, config: wasmserve::engine::
         })
         .collect()
 }
+
+/// A copy of the tiny Kimi-Linear checkpoint whose MLA layer keeps only its first 3 of 4 heads
+/// (rows of `q_proj` and `kv_b_proj`, columns of `o_proj`), so that its 3 KDA heads and its MLA
+/// heads both divide over 3 tensor-parallel ranks. Still a valid Kimi-Linear; its reference is
+/// the one-device model (proven against transformers on the 4-head original). The caller removes
+/// the directory (`tag` keeps concurrent test binaries apart).
+pub fn kimi_linear_three_mla_heads(tag: &str) -> PathBuf {
+    use safetensors::tensor::{Dtype, TensorView};
+    let src = repo_root().join("tests/reference/kimi_linear/model");
+    let dst = std::env::temp_dir().join(format!("wasmserve-kimi-tp-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"] {
+        std::fs::copy(src.join(f), dst.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let heads = cfg["num_attention_heads"].as_u64().unwrap() as usize;
+    assert_eq!(heads, 4, "the fixture's MLA heads");
+    cfg["num_attention_heads"] = 3.into();
+    cfg["num_key_value_heads"] = 3.into();
+    std::fs::write(dst.join("config.json"), serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, t) in st.tensors() {
+        assert_eq!(t.dtype(), Dtype::F32, "{name}");
+        let (shape, data) = (t.shape().to_vec(), t.data());
+        let row_bytes = |s: &[usize]| s[1..].iter().product::<usize>() * 4;
+        // Layer 2 is the MLA layer (layers 0, 1 and 3 are KDA).
+        let (shape, data) = if name == "model.layers.2.self_attn.q_proj.weight" || name == "model.layers.2.self_attn.kv_b_proj.weight" {
+            // Per-head rows: keep the first 3 heads' rows.
+            let keep = shape[0] / heads * 3;
+            (vec![keep, shape[1]], data[..keep * row_bytes(&shape)].to_vec())
+        } else if name == "model.layers.2.self_attn.o_proj.weight" {
+            // Per-head columns.
+            let keep = shape[1] / heads * 3;
+            let rows: Vec<u8> = data.chunks(row_bytes(&shape)).flat_map(|r| r[..keep * 4].to_vec()).collect();
+            (vec![shape[0], keep], rows)
+        } else {
+            (shape, data.to_vec())
+        };
+        out.push((name, shape, data));
+    }
+    let views: Vec<(String, TensorView<'_>)> = out.iter().map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), d).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
+    dst
+}

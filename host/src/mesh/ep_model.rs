@@ -99,7 +99,8 @@ impl LanguageModel for ExpertParallelDeepseek {
 }
 
 /// A Kimi-Linear model with its routed experts split over N simulated devices; the KDA and latent
-/// layers run replicated on every rank over the rank's own copy of their state.
+/// layers run replicated on every rank over the rank's own copy of their state, or with their
+/// heads split over the same ranks (`load_tensor_parallel`).
 pub struct ExpertParallelKimiLinear {
     ranks: Vec<KimiLinearModel>,
 }
@@ -108,8 +109,20 @@ impl ExpertParallelKimiLinear {
     /// Loads `ep` ranks, each on its own thread reading only its experts from `src`. Refuses
     /// `ep == 0`, more ranks than a layer has routed experts and a model without MoE layers.
     pub fn load(cfg: ModelConfig, src: &dyn WeightSource, ep: usize) -> Result<Self, LoadError> {
-        let ranks = load_on_threads(&cfg, src, ep, |cfg, r| KimiLinearModel::load_ep_rank(cfg, src, r))?;
-        tracing::info!(ranks = ep, "expert-parallel Kimi-Linear ranks loaded");
+        Self::load_ranks(cfg, src, ep, false)
+    }
+
+    /// `tp` ranks with the KDA and MLA heads split over them as well (TP mixers, EP MoE on the
+    /// same group; `KimiLinearModel::load_tp_rank`). Refuses sizes that do not divide the heads.
+    pub fn load_tensor_parallel(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Self, LoadError> {
+        Self::load_ranks(cfg, src, tp, true)
+    }
+
+    fn load_ranks(cfg: ModelConfig, src: &dyn WeightSource, ranks: usize, split_heads: bool) -> Result<Self, LoadError> {
+        let ranks = load_on_threads(&cfg, src, ranks, |cfg, r| {
+            if split_heads { KimiLinearModel::load_tp_rank(cfg, src, r) } else { KimiLinearModel::load_ep_rank(cfg, src, r) }
+        })?;
+        tracing::info!(ranks = ranks.len(), split_heads, "sharded Kimi-Linear ranks loaded");
         Ok(Self { ranks })
     }
 }

@@ -61,6 +61,9 @@ pub struct KimiLinearModel {
     /// One rank's cache: latent rows of the MLA layers, the KDA states' bytes.
     pub(crate) cache: CacheLayout,
     pub(crate) ep: EpRank,
+    /// The KDA and MLA heads are split over the ranks (`load_tp_rank`): mixer outputs are partial
+    /// sums, and the KDA states hold this rank's heads.
+    pub(crate) split_heads: bool,
 }
 
 impl KimiLinearModel {
@@ -74,7 +77,20 @@ impl KimiLinearModel {
     /// embeddings, routers and shared experts whole, of each MoE layer's routed experts only the
     /// rank's contiguous range (`mesh::ep::experts_of`). `size == 1` is the plain model.
     pub fn load_ep_rank(cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank) -> Result<Self, LoadError> {
+        Self::load_ranked(cfg, src, ep, false)
+    }
+
+    /// As [`Self::load_ep_rank`] with the heads of every token mixer split over the same ranks
+    /// (`KdaLayer::load_heads`, `MlaLayer::load_heads`: q/k/v and gates column-parallel,
+    /// `o_proj` row-parallel, summed by an all-reduce): tensor-parallel KDA and MLA layers in front
+    /// of expert-parallel MoE layers. Dense MLPs stay replicated.
+    pub fn load_tp_rank(cfg: ModelConfig, src: &dyn WeightSource, ranks: EpRank) -> Result<Self, LoadError> {
+        Self::load_ranked(cfg, src, ranks, true)
+    }
+
+    fn load_ranked(cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank, split_heads: bool) -> Result<Self, LoadError> {
         let d = cfg.hidden_size;
+        let (rank, size) = if split_heads { (ep.rank, ep.size) } else { (0, 1) };
         let file = src.file_of("config.json").with_file_name("config.json");
         let raw = cfg.hf_config.clone().ok_or_else(|| LoadError::Config { file: file.clone(), detail: "Kimi-Linear is loaded from a Hugging Face config.json".into() })?;
         let (file, raw) = (file.as_path(), raw.as_ref());
@@ -94,11 +110,14 @@ impl KimiLinearModel {
             let mixer = match (kind, &latent_cfg) {
                 (MixerKind::Kda, _) => {
                     cache_layers.push(None);
-                    kda.push(kda_cfg.clone());
-                    Mixer::Kda { layer: KdaLayer::load(kda_cfg.clone(), src, &format!("{p}.self_attn"))?, ordinal: kda.len() - 1 }
+                    let layer = KdaLayer::load_heads(kda_cfg.clone(), src, &format!("{p}.self_attn"), rank, size)?;
+                    // The state holds this rank's heads.
+                    kda.push(layer.config().clone());
+                    Mixer::Kda { layer, ordinal: kda.len() - 1 }
                 }
                 (MixerKind::FullAttention, Some(lc)) => {
-                    let mla = MlaLayer::load(lc, src, &format!("{p}.self_attn"))?;
+                    // Every head reads the whole latent row: the cache shape does not shrink.
+                    let mla = MlaLayer::load_heads(lc, src, &format!("{p}.self_attn"), rank, size)?;
                     cache_layers.push(Some(mla.cache_shape()));
                     Mixer::Latent(mla)
                 }
@@ -119,29 +138,29 @@ impl KimiLinearModel {
         } else {
             src.linear("model.embed_tokens", cfg.vocab_size, d)?
         };
-        if ep.size > 1 && !layers.iter().any(|l| l.ffn.is_expert_parallel()) {
+        if ep.size > 1 && !split_heads && !layers.iter().any(|l| l.ffn.is_expert_parallel()) {
             return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallelism needs a model with MoE layers".into() });
         }
         let cache = CacheLayout { layers: cache_layers, recurrent_bytes_per_seq: SequenceState::bytes(&kda) };
-        Ok(Self { norm: src.load("model.norm.weight", &[d])?, cfg, embed, layers, lm_head, kda, cache, ep })
+        Ok(Self { norm: src.load("model.norm.weight", &[d])?, cfg, embed, layers, lm_head, kda, cache, ep, split_heads })
     }
 
     pub fn ep_rank(&self) -> EpRank {
         self.ep
     }
 
-    /// The cache of an expert-parallel group: the mixers are replicated, so every rank keeps its
-    /// own copy of each latent layer's rows (cache layer `layer * size + rank`) and of each KDA
-    /// layer's state (state ordinal `ordinal * size + rank`), as a real device would in its own
-    /// memory.
+    /// The cache of an expert- or tensor-parallel group: every rank keeps its own copy of each
+    /// latent layer's rows (cache layer `layer * size + rank`; all heads read the whole latent)
+    /// and its own state of each KDA layer (state ordinal `ordinal * size + rank`: a copy, or its
+    /// heads' part when they are split), as a real device would in its own memory.
     pub fn ep_cache_layout(&self) -> CacheLayout {
         let size = self.ep.size;
         let layers = self.cache.layers.iter().flat_map(|l| std::iter::repeat_n(*l, size)).collect();
         CacheLayout { layers, recurrent_bytes_per_seq: self.cache.recurrent_bytes_per_seq * size }
     }
 
-    /// A fresh recurrent state for one sequence of the expert-parallel group: every rank's copy of
-    /// every KDA layer, in the order of [`Self::ep_cache_layout`].
+    /// A fresh recurrent state for one sequence of the group: every rank's state of every KDA
+    /// layer, in the order of [`Self::ep_cache_layout`].
     pub fn ep_recurrent_state(&self) -> Option<SequenceState> {
         let size = self.ep.size;
         let all: Vec<KdaConfig> = self.kda.iter().flat_map(|c| std::iter::repeat_n(c.clone(), size)).collect();
@@ -159,8 +178,14 @@ impl KimiLinearModel {
             rows,
             logit_rows,
             |li, mixer, normed| {
-                let mut cache = kv.write().unwrap_or_else(|e| e.into_inner());
-                Ok(mix(mixer, normed, rows, &mut **cache, li * size + rank, |ordinal| ordinal * size + rank))
+                let mut out = {
+                    let mut cache = kv.write().unwrap_or_else(|e| e.into_inner());
+                    mix(mixer, normed, rows, &mut **cache, li * size + rank, |ordinal| ordinal * size + rank)
+                };
+                if self.split_heads {
+                    comm.all_reduce_sum(&mut out)?;
+                }
+                Ok(out)
             },
             |moe, normed, n| moe.forward_replicated(normed, n, comm),
         )

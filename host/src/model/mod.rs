@@ -133,10 +133,8 @@ pub fn build_tp(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<B
         Architecture::Llama => Ok(Box::new(crate::mesh::TensorParallel::load(cfg, src, tp)?)),
         // MLA heads split over the ranks, the routed experts over the same ranks.
         Architecture::DeepseekV3 => Ok(Box::new(crate::mesh::ExpertParallelDeepseek::load_tensor_parallel(cfg, src, tp)?)),
-        other => Err(LoadError::Config {
-            file: src.file_of("model.embed_tokens.weight"),
-            detail: format!("tensor parallelism is implemented for Llama and DeepSeek-V3 models only, not {other:?} (a Kimi-Linear model splits its experts with --expert-parallel-size)"),
-        }),
+        // KDA and MLA heads split over the ranks, the routed experts over the same ranks.
+        Architecture::KimiLinear => Ok(Box::new(crate::mesh::ExpertParallelKimiLinear::load_tensor_parallel(cfg, src, tp)?)),
     }
 }
 

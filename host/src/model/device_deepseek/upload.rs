@@ -378,9 +378,9 @@ impl<R: Runtime> DecoderRank<R> {
             return Err(invalid("KDA layers of different shapes: the device state pool holds one shape".into()));
         }
         let (embed, lm_head) = output_weights(&gpu, &m.embed, Some(&m.lm_head), dense)?;
-        tracing::info!(device = %gpu.describe(), ep_rank = m.ep.rank, ep_size = m.ep.size, layers = layers.len(), kda_layers = m.kda.len(), latent_layers, "Kimi-Linear weights uploaded to the device");
+        tracing::info!(device = %gpu.describe(), ep_rank = m.ep.rank, ep_size = m.ep.size, split_heads = m.split_heads, layers = layers.len(), kda_layers = m.kda.len(), latent_layers, "Kimi-Linear weights uploaded to the device");
         let norm = gpu.upload(m.norm.as_slice())?;
-        Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, false), latent, kda })
+        Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, m.split_heads), latent, kda })
     }
 
     /// The scratch sized for every dense projection a step may run and every routed expert on the

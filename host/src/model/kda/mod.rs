@@ -23,6 +23,7 @@ use super::kv::BatchRow;
 use super::linear::Linear;
 use super::source::WeightSource;
 use super::tensor::Tensor;
+use crate::mesh::Split;
 use state::KdaState;
 
 /// Shape and variant of a model's KDA layers (`linear_attn_config` of a Kimi-Linear config).
@@ -123,8 +124,29 @@ impl KdaLayer {
     /// checkpoint names and the ones transformers uses in memory (`forget_gate.*`, one stacked
     /// `conv1d`), since both appear in saved checkpoints.
     pub fn load(cfg: KdaConfig, src: &dyn WeightSource, prefix: &str) -> Result<Self, LoadError> {
-        let (d, p, hd, h, kk) = (cfg.hidden_size, cfg.proj_dim(), cfg.head_dim, cfg.num_heads, cfg.conv_kernel);
-        let lin = |name: &str, rows, cols| src.linear(&format!("{prefix}.{name}"), rows, cols);
+        Self::load_heads(cfg, src, prefix, 0, 1)
+    }
+
+    /// Tensor-parallel rank `rank` of `size`: its contiguous `num_heads / size` heads, i.e. their
+    /// rows of the q/k/v, forget-gate (`f_b`), beta and output-gate (`g_b` / `g_proj`)
+    /// projections, their convolution channels, `dt_bias` and `A_log`, and their columns of
+    /// `o_proj` (row-parallel: the ranks' outputs are partial sums). The low-rank `f_a` / `g_a`
+    /// inputs and the per-head-dim `o_norm` are whole on every rank. `size == 1` is the layer.
+    pub fn load_heads(full: KdaConfig, src: &dyn WeightSource, prefix: &str, rank: usize, size: usize) -> Result<Self, LoadError> {
+        if size == 0 || rank >= size || !full.num_heads.is_multiple_of(size) {
+            return Err(LoadError::Config {
+                file: src.file_of(&format!("{prefix}.q_proj.weight")),
+                detail: format!("tensor-parallel rank {rank} of {size} over {} KDA heads (the size must divide the heads)", full.num_heads),
+            });
+        }
+        let cfg = KdaConfig { num_heads: full.num_heads / size, ..full.clone() };
+        let (d, hd, h, kk) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.conv_kernel);
+        let fp = full.proj_dim();
+        let heads = rank * h..(rank + 1) * h;
+        // This rank's features of a per-head tensor with `per_head` features per head.
+        let part = |per_head: usize| heads.start * per_head..heads.end * per_head;
+        let rows = |per_head: usize| if size == 1 { Split::Full } else { Split::Rows(part(per_head)) };
+        let lin = |name: &str, rows_split: &Split, full_rows, cols| src.linear_split(&format!("{prefix}.{name}"), full_rows, cols, rows_split);
         // Forget-gate tensors: at the attention module (checkpoints) or under `forget_gate.`.
         let fg = |name: &str| {
             let direct = format!("{prefix}.{name}");
@@ -135,35 +157,39 @@ impl KdaLayer {
                 direct
             }
         };
-        let conv = if src.contains(&format!("{prefix}.q_conv1d.weight")) || !src.contains(&format!("{prefix}.conv1d.weight")) {
-            let mut taps = Vec::with_capacity(3 * p * kk);
+        // Convolution taps `[channels][kernel]`: this rank's channels of q, then k, then v.
+        let channels = part(hd);
+        let mut conv = Vec::with_capacity(3 * cfg.proj_dim() * kk);
+        if src.contains(&format!("{prefix}.q_conv1d.weight")) || !src.contains(&format!("{prefix}.conv1d.weight")) {
             for which in ["q", "k", "v"] {
-                taps.extend_from_slice(src.load(&format!("{prefix}.{which}_conv1d.weight"), &[p, 1, kk])?.as_slice());
+                let taps = src.load(&format!("{prefix}.{which}_conv1d.weight"), &[fp, 1, kk])?;
+                conv.extend_from_slice(&taps.as_slice()[channels.start * kk..channels.end * kk]);
             }
-            taps
         } else {
-            src.load(&format!("{prefix}.conv1d.weight"), &[3 * p, 1, kk])?.as_slice().to_vec()
-        };
-        let a_name = fg("A_log");
-        let a_log = load_a_log(src, &a_name, h)?;
+            let taps = src.load(&format!("{prefix}.conv1d.weight"), &[3 * fp, 1, kk])?;
+            for which in 0..3 {
+                conv.extend_from_slice(&taps.as_slice()[(which * fp + channels.start) * kk..(which * fp + channels.end) * kk]);
+            }
+        }
+        let a_log = load_a_log(src, &fg("A_log"), full.num_heads)?;
         let out_gate = if cfg.full_rank_gate {
-            OutputGate::FullRank(lin("g_proj", p, d)?)
+            OutputGate::FullRank(lin("g_proj", &rows(hd), fp, d)?)
         } else {
-            OutputGate::LowRank { a: lin("g_a_proj", hd, d)?, b: lin("g_b_proj", p, hd)? }
+            OutputGate::LowRank { a: src.linear(&format!("{prefix}.g_a_proj"), hd, d)?, b: lin("g_b_proj", &rows(hd), fp, hd)? }
         };
         Ok(Self {
-            q: lin("q_proj", p, d)?,
-            k: lin("k_proj", p, d)?,
-            v: lin("v_proj", p, d)?,
+            q: lin("q_proj", &rows(hd), fp, d)?,
+            k: lin("k_proj", &rows(hd), fp, d)?,
+            v: lin("v_proj", &rows(hd), fp, d)?,
             conv,
             f_a: src.linear(&fg("f_a_proj"), hd, d)?,
-            f_b: src.linear(&fg("f_b_proj"), p, hd)?,
-            dt_bias: src.load(&fg("dt_bias"), &[p])?,
-            decay_rate: a_log.iter().map(|a| a.exp()).collect(),
-            b: lin("b_proj", h, d)?,
+            f_b: src.linear_split(&fg("f_b_proj"), fp, hd, &rows(hd))?,
+            dt_bias: src.load_split(&fg("dt_bias"), &[fp], &rows(hd))?,
+            decay_rate: a_log[part(1)].iter().map(|a| a.exp()).collect(),
+            b: lin("b_proj", &rows(1), full.num_heads, d)?,
             out_gate,
             o_norm: src.load(&format!("{prefix}.o_norm.weight"), &[hd])?,
-            o: lin("o_proj", d, p)?,
+            o: src.linear_split(&format!("{prefix}.o_proj"), d, fp, &if size == 1 { Split::Full } else { Split::Cols(part(hd)) })?,
             cfg,
         })
     }
