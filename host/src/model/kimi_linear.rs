@@ -6,11 +6,11 @@
 //! The layer plan comes from `linear_attn_config` (`kda/plan.rs`); KDA layers cache nothing per
 //! token and read their state from `KvCache::recurrent`, latent layers cache one latent row.
 //!
-//! One `KimiLinearModel` can also be one expert-parallel rank (`load_ep_rank`, driven by
-//! `mesh::ExpertParallelKimiLinear`), as `DeepseekV3Model` can: every non-expert weight and its
-//! range of each MoE layer's routed experts; the token mixers run replicated, each rank over its
-//! own copy of the latent rows and of the KDA states.
-
+//! One `KimiLinearModel` can also be one rank of a sharded model (driven by
+//! `mesh::ExpertParallelKimiLinear`), as `DeepseekV3Model` can: an expert-parallel rank
+//! (`load_ep_rank`) holds every non-expert weight and its range of each MoE layer's routed
+//! experts, its token mixers replicated over its own copy of the latent rows and KDA states; a
+//! tensor-parallel rank (`load_tp_rank`) also holds only its share of the KDA and MLA heads.
 
 use super::config::ModelConfig;
 use super::decoder::final_norm_rows;

@@ -9,8 +9,8 @@
 //! Every rank holds the non-expert weights and its contiguous range of each MoE layer's routed
 //! experts; it runs the whole batch, adds the weighted outputs of only the experts it holds (the
 //! shared experts on rank 0), and an all-reduce ([`DeviceCollective`], NCCL on CUDA) sums the
-//! ranks' partial MoE outputs (Kimi-Linear the same: `mesh::ExpertParallelKimiLinear`, its KDA
-//! layers replicated, each device advancing its own state slots). Ranks loaded with the MLA heads split too
+//! ranks' partial MoE outputs (Kimi-Linear the same: `mesh::ExpertParallelKimiLinear`, each
+//! device advancing its own KDA state slots). Ranks loaded with the attention heads split too
 //! (`--tensor-parallel-size`) also all-reduce their partial `o_proj` outputs. Only rank 0 computes
 //! logits (the others would compute the same).
 //!
@@ -102,7 +102,7 @@ impl<R: Runtime> DeviceModel<DecoderRank<R>> {
 }
 
 /// A Kimi-Linear on one device (KDA states in the device slot pool, the engine lending slot ids),
-/// or its expert-parallel ranks on one device each.
+/// or its expert- or tensor-parallel ranks on one device each.
 pub type DeviceKimiLinear<R> = DeviceModel<DecoderRank<R>>;
 
 impl<R: Runtime> DeviceModel<DecoderRank<R>> {
@@ -112,10 +112,11 @@ impl<R: Runtime> DeviceModel<DecoderRank<R>> {
         Self::from_kimi_ranks(std::slice::from_ref(m), vec![gpu], Box::new(SoleRank), dense)
     }
 
-    /// Uploads expert-parallel rank `r` (`ranks[r]`, from `ExpertParallelKimiLinear`) to
-    /// `gpus[r]`: each device holds the mixers whole, its own latent pool and KDA state slots, and
-    /// its experts; the ranks sum their partial MoE outputs through `group`. The engine sizes its
-    /// budgets from the CPU group's layout (every rank's copy counted, as for DeepSeek).
+    /// Uploads rank `r` (`ranks[r]`, from `ExpertParallelKimiLinear`) to `gpus[r]`: each device
+    /// holds the mixers (whole, or its share of the heads when they are split), its own latent
+    /// pool and KDA state slots (of its heads), and its experts; the ranks sum their partial MoE
+    /// (and split mixer) outputs through `group`. The engine sizes its budgets from the CPU
+    /// group's layout (every rank's part counted, as for DeepSeek).
     pub fn from_kimi_ranks(ranks: &[KimiLinearModel], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Self, ForwardError> {
         let positions: Vec<(usize, usize)> = ranks.iter().map(|m| (m.ep.rank, m.ep.size)).collect();
         check_ranks("expert-parallel", &positions, gpus.len())?;
