@@ -287,32 +287,33 @@ fn engine_tokens(model: wasmserve::model::LoadedModel, prompts: &[&[u32]]) -> Ve
     common::engine_greedy_tokens(std::sync::Arc::new(model), config, prompts, 32)
 }
 
-/// The engine on `name`'s fixture loaded with `ep` expert-parallel ranks gives transformers'
+/// The engine serving each of `models` (what, model) on `name`'s prompts gives transformers'
 /// greedy tokens for every prompt.
-fn check_engine_ep(name: &str, eps: &[usize]) {
+fn check_engine(name: &str, models: Vec<(String, wasmserve::model::LoadedModel)>) {
     let cases = reference_model::cases(name);
     let prompts: Vec<&[u32]> = cases.iter().map(|c| c.ids.as_slice()).collect();
     let want: Vec<Vec<u32>> = cases.iter().map(|c| c.greedy.clone()).collect();
-    for &ep in eps {
-        let model = wasmserve::model::load_ep(&reference_model::dir(name), ep).unwrap();
-        assert_eq!(engine_tokens(model, &prompts), want, "{name}: engine ep={ep} vs transformers' greedy tokens");
+    for (what, model) in models {
+        assert_eq!(engine_tokens(model, &prompts), want, "{name}: engine {what} vs transformers' greedy tokens");
     }
+}
+
+/// `name`'s fixture loaded with each of `eps` expert-parallel ranks.
+fn ep_models(name: &str, eps: &[usize]) -> Vec<(String, wasmserve::model::LoadedModel)> {
+    eps.iter().map(|&ep| (format!("ep={ep}"), wasmserve::model::load_ep(&reference_model::dir(name), ep).unwrap())).collect()
 }
 
 #[test]
 fn engine_on_deepseek_v3_ep_2_and_4_gives_transformers_greedy_tokens() {
-    check_engine_ep("deepseek_v3", &[1, 2, 4]);
-    let cases = reference_model::cases("deepseek_v3");
-    let prompts: Vec<&[u32]> = cases.iter().map(|c| c.ids.as_slice()).collect();
-    let want: Vec<Vec<u32>> = cases.iter().map(|c| c.greedy.clone()).collect();
-    let tp2 = wasmserve::model::load_tp(&reference_model::dir("deepseek_v3"), 2).unwrap();
-    assert_eq!(engine_tokens(tp2, &prompts), want, "engine tp=2 vs transformers' greedy tokens");
+    let mut models = ep_models("deepseek_v3", &[1, 2, 4]);
+    models.push(("tp=2".into(), wasmserve::model::load_tp(&reference_model::dir("deepseek_v3"), 2).unwrap()));
+    check_engine("deepseek_v3", models);
 }
 
 /// Chunked prefill carries each rank's KDA states across chunks; both requests' rows mixed.
 #[test]
 fn engine_on_kimi_linear_ep_2_gives_transformers_greedy_tokens() {
-    check_engine_ep("kimi_linear", &[2]);
+    check_engine("kimi_linear", ep_models("kimi_linear", &[2]));
 }
 
 #[test]

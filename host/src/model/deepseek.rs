@@ -129,9 +129,7 @@ impl DeepseekV3Model {
     /// own copy of each layer's latent rows, in cache layer `layer * size + rank` (as a real
     /// device would in its own memory).
     pub fn ep_cache_layout(&self) -> CacheLayout {
-        let one = self.rank_cache_layout();
-        let layers = one.layers.iter().flat_map(|l| std::iter::repeat_n(*l, self.ep.size)).collect();
-        CacheLayout { layers, recurrent_bytes_per_seq: 0 }
+        self.rank_cache_layout().per_rank(self.ep.size)
     }
 
     /// This rank's part of an expert-parallel forward pass: every rank of the EP group calls it

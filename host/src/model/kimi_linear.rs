@@ -145,18 +145,12 @@ impl KimiLinearModel {
         Ok(Self { norm: src.load("model.norm.weight", &[d])?, cfg, embed, layers, lm_head, kda, cache, ep, split_heads })
     }
 
-    pub fn ep_rank(&self) -> EpRank {
-        self.ep
-    }
-
     /// The cache of an expert- or tensor-parallel group: every rank keeps its own copy of each
     /// latent layer's rows (cache layer `layer * size + rank`; all heads read the whole latent)
     /// and its own state of each KDA layer (state ordinal `ordinal * size + rank`: a copy, or its
     /// heads' part when they are split), as a real device would in its own memory.
     pub fn ep_cache_layout(&self) -> CacheLayout {
-        let size = self.ep.size;
-        let layers = self.cache.layers.iter().flat_map(|l| std::iter::repeat_n(*l, size)).collect();
-        CacheLayout { layers, recurrent_bytes_per_seq: self.cache.recurrent_bytes_per_seq * size }
+        self.cache.per_rank(self.ep.size)
     }
 
     /// A fresh recurrent state for one sequence of the group: every rank's state of every KDA

@@ -54,6 +54,14 @@ impl CacheLayout {
         self.layers.len()
     }
 
+    /// The cache of `ranks` devices that each keep their own part of every layer (replicated or
+    /// head-split attention): layer `l` of rank `r` is cache layer `l * ranks + r`, and each
+    /// rank's recurrent state is counted once per rank.
+    pub fn per_rank(&self, ranks: usize) -> Self {
+        let layers = self.layers.iter().flat_map(|l| std::iter::repeat_n(*l, ranks)).collect();
+        Self { layers, recurrent_bytes_per_seq: self.recurrent_bytes_per_seq * ranks }
+    }
+
     /// Cache floats (keys + values) one token takes over all layers.
     pub fn floats_per_token(&self) -> usize {
         self.layers.iter().flatten().map(|s| s.key_width + s.value_width).sum()

@@ -1,7 +1,7 @@
 //! The feed-forward half of a layer in the MoE decoders (DeepSeek-V3, Kimi-Linear): a dense
 //! SwiGLU MLP (the first `first_k_dense_replace` layers), the whole MoE block, or one
-//! expert-parallel rank's share of it; and the pre-norm layer body both decoders run around their
-//! own token mixers.
+//! expert-parallel rank's share of it; and the pre-norm layer stack both decoders run around
+//! their own token mixers.
 
 use kernels::cpu::norm::rms_norm;
 
@@ -60,33 +60,6 @@ impl Ffn {
     }
 }
 
-/// The norms and feed-forward block of one pre-norm layer, whatever its token mixer.
-pub(crate) struct PreNorm<'a> {
-    pub attn_norm: &'a Tensor,
-    pub ffn_norm: &'a Tensor,
-    pub ffn: &'a Ffn,
-    pub eps: f32,
-}
-
-impl PreNorm<'_> {
-    /// `hidden += mix(norm(hidden))`, then `hidden += ffn(norm(hidden))` for `n` rows;
-    /// `normed` is scratch of `hidden`'s size.
-    pub fn run<E>(
-        &self,
-        hidden: &mut [f32],
-        normed: &mut [f32],
-        n: usize,
-        mix: impl FnOnce(&[f32]) -> Result<Vec<f32>, E>,
-        expert_parallel: impl FnOnce(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>,
-    ) -> Result<(), E> {
-        rms_norm(hidden, self.attn_norm.as_slice(), self.eps, normed);
-        add_residual(hidden, &mix(normed)?);
-        rms_norm(hidden, self.ffn_norm.as_slice(), self.eps, normed);
-        add_residual(hidden, &self.ffn.forward(normed, n, expert_parallel)?);
-        Ok(())
-    }
-}
-
 /// A decoder layer with a pre-norm body: (the mixer's norm, the FFN's norm, the FFN).
 pub(crate) trait PreNormLayer {
     fn pre_norm(&self) -> (&Tensor, &Tensor, &Ffn);
@@ -111,7 +84,10 @@ pub(crate) fn decoder_layers<L: PreNormLayer, E>(
     let mut normed = vec![0.0f32; n * d];
     for (li, layer) in layers.iter().enumerate() {
         let (attn_norm, ffn_norm, ffn) = layer.pre_norm();
-        PreNorm { attn_norm, ffn_norm, ffn, eps }.run(&mut hidden, &mut normed, n, |x| mix(li, layer, x), &mut expert_parallel)?;
+        rms_norm(&hidden, attn_norm.as_slice(), eps, &mut normed);
+        add_residual(&mut hidden, &mix(li, layer, &normed)?);
+        rms_norm(&hidden, ffn_norm.as_slice(), eps, &mut normed);
+        add_residual(&mut hidden, &ffn.forward(&normed, n, &mut expert_parallel)?);
     }
     Ok(hidden)
 }
