@@ -217,6 +217,179 @@ extern "C" __global__ void paged_prefill_fp8(const float* q, const u8* k, const 
                  block_size, max_blocks, softmax_scale);
 }
 
+// Prefill on tensor cores (flash attention): the tiles and the result are paged_prefill_*'s, but
+// each warp holds 16 query vectors as the rows of MMA tiles. Per stage of FL_KEYS positions staged
+// in shared memory as bf16: S = Q·Kᵀ (m16n8k16 over head_dim), causal mask by each vector's
+// length, online softmax on the score fragments (a row's four lanes share it through two xor
+// shuffles), then O += P·V with P taken straight from the score fragments (their C layout is the A
+// layout of the next product). Q, K, V and P are rounded to bf16 for the products, accumulation is
+// f32; head_dim a multiple of 16 up to FL_MAX_D (the host falls back to paged_prefill_* otherwise,
+// and for f32 caches, whose precision this would not keep). A block of FL_WARPS warps shares each
+// staged K/V row among FL_VECS query vectors: 4x paged_prefill_*'s sharing, and the dot products
+// run on the tensor cores instead of the CUDA cores.
+// Shared layouts: kp[r][i] packs dims 2i, 2i+1 of staged key r (the B operand of Q·Kᵀ reads one
+// word per register), vp[j][d] packs dim d of staged values 2j, 2j+1 (the B operand of P·V, whose
+// k runs over positions). Rows past the staged count are zeros: a masked score's P is 0, and 0
+// times a stale (or, in the simulator, poisoned NaN) value would not be.
+#define FL_WARPS 4
+#define FL_VECS (16 * FL_WARPS)
+#define FL_KEYS 32
+#define FL_MAX_D 128
+#define FL_KC (FL_MAX_D / 16) // 16-wide chunks of head_dim (Q·Kᵀ's k steps)
+#define FL_DN (FL_MAX_D / 8)  // 8-wide chunks of head_dim (P·V's n tiles)
+#define FL_SN (FL_KEYS / 8)   // 8-wide chunks of a stage (Q·Kᵀ's n tiles)
+template <typename S>
+__device__ void flash_prefill_tile(const float* q, S k, S v, const int* block_tables, const int* lens, const int* tiles, float* out,
+                                   int heads, int kv_heads, int head_dim, int block_size, int max_blocks, float softmax_scale) {
+    __shared__ u32 kp[FL_KEYS][FL_MAX_D / 2 + 4];     // +4 words: lanes of a fragment load hit distinct banks
+    __shared__ u32 vp[FL_KEYS / 2][FL_MAX_D + 8];
+    int first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
+    int kvh = blockIdx.y, group = heads / kv_heads, lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
+    int gid = lane / 4, tig = lane % 4; // the fragment's row group and thread in group
+    int v0 = blockIdx.z * FL_VECS;
+    if (v0 >= rows * group) return; // the whole block: no barrier is missed
+    int last = first + rows - 1, max_len = lens[last];
+    const int* table = block_tables + (long)last * max_blocks;
+    // This lane's two MMA rows (vectors gid and gid + 8 of the warp): their query offsets and
+    // lengths; an inactive vector (past the tile) has length 0: it scores nothing, writes nothing.
+    long qh[2];
+    int len[2];
+    for (int s = 0; s < 2; s++) {
+        int vec = v0 + w * 16 + gid + 8 * s;
+        bool act = vec < rows * group;
+        int row = first + (act ? vec / group : 0), h = kvh * group + (act ? vec % group : 0);
+        qh[s] = ((long)row * heads + h) * head_dim;
+        len[s] = act ? lens[row] : 0;
+    }
+    int warp_len = (int)warp_max((float)max(len[0], len[1])); // lengths < 2^24: exact as floats
+    u32 qa[FL_KC][4];
+#pragma unroll
+    for (int kc = 0; kc < FL_KC; kc++) {
+        for (int r = 0; r < 4; r++) {
+            int s = r & 1, c = kc * 16 + tig * 2 + (r >> 1) * 8;
+            bool in = kc * 16 < head_dim && len[s] > 0;
+            qa[kc][r] = in ? pack_bf16(q[qh[s] + c] * softmax_scale, q[qh[s] + c + 1] * softmax_scale) : 0u;
+        }
+    }
+    float o[FL_DN][4], m[2], l[2];
+#pragma unroll
+    for (int n = 0; n < FL_DN; n++)
+        for (int e = 0; e < 4; e++) o[n][e] = 0.0f;
+    for (int s = 0; s < 2; s++) {
+        m[s] = __int_as_float(0xff800000);
+        l[s] = 0.0f;
+    }
+    int half = head_dim / 2;
+    for (int p0 = 0; p0 < max_len; p0 += FL_KEYS) {
+        int count = min(FL_KEYS, max_len - p0);
+        for (int e = threadIdx.x; e < FL_KEYS * half; e += blockDim.x) {
+            int r = e / half, i = e % half;
+            u32 word = 0u;
+            if (r < count) {
+                int pos = p0 + r;
+                long row = (long)table[pos / block_size] * block_size + pos % block_size;
+                long at = (row * kv_heads + kvh) * head_dim + 2 * i, sc = row * kv_heads + kvh;
+                word = pack_bf16(k.at(at, sc), k.at(at + 1, sc));
+            }
+            kp[r][i] = word;
+        }
+        for (int e = threadIdx.x; e < FL_KEYS / 2 * head_dim; e += blockDim.x) {
+            int j = e / head_dim, d = e % head_dim;
+            float lo = 0.0f, hi = 0.0f;
+            for (int b = 0; b < 2; b++) {
+                int r = 2 * j + b;
+                if (r >= count) continue;
+                int pos = p0 + r;
+                long row = (long)table[pos / block_size] * block_size + pos % block_size;
+                float x = v.at((row * kv_heads + kvh) * head_dim + d, row * kv_heads + kvh);
+                if (b == 0) lo = x; else hi = x;
+            }
+            vp[j][d] = pack_bf16(lo, hi);
+        }
+        __syncthreads();
+        if (p0 < warp_len) { // warp-uniform: the mma needs every lane
+            float sc[FL_SN][4];
+#pragma unroll
+            for (int n = 0; n < FL_SN; n++) {
+                for (int e = 0; e < 4; e++) sc[n][e] = 0.0f;
+#pragma unroll
+                for (int kc = 0; kc < FL_KC; kc++) {
+                    if (kc * 16 >= head_dim) break;
+                    u32 b[2] = {kp[n * 8 + gid][kc * 8 + tig], kp[n * 8 + gid][kc * 8 + 4 + tig]};
+                    mma_bf16_16816(sc[n], qa[kc], b);
+                }
+            }
+            // Mask (causal and past the stage), then the online softmax of rows gid and gid + 8.
+            float mx[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)};
+#pragma unroll
+            for (int n = 0; n < FL_SN; n++)
+                for (int e = 0; e < 4; e++) {
+                    int s = e >> 1, pos = p0 + n * 8 + tig * 2 + (e & 1);
+                    if (pos >= len[s]) sc[n][e] = __int_as_float(0xff800000);
+                    mx[s] = fmaxf(mx[s], sc[n][e]);
+                }
+            float corr[2], base[2];
+            for (int s = 0; s < 2; s++) {
+                mx[s] = fmaxf(mx[s], __shfl_xor_sync(0xffffffffu, mx[s], 1));
+                mx[s] = fmaxf(mx[s], __shfl_xor_sync(0xffffffffu, mx[s], 2));
+                float m2 = fmaxf(m[s], mx[s]);
+                base[s] = m2 == __int_as_float(0xff800000) ? 0.0f : m2; // nothing seen yet: exp(-inf) = 0, not NaN
+                corr[s] = expf(m[s] - base[s]);
+                m[s] = m2;
+                l[s] *= corr[s]; // this lane's share of the row sum; the shares are added at the end
+            }
+#pragma unroll
+            for (int n = 0; n < FL_SN; n++)
+                for (int e = 0; e < 4; e++) {
+                    int s = e >> 1;
+                    sc[n][e] = expf(sc[n][e] - base[s]);
+                    l[s] += sc[n][e];
+                }
+#pragma unroll
+            for (int n = 0; n < FL_DN; n++)
+                for (int e = 0; e < 4; e++) o[n][e] *= corr[e >> 1];
+#pragma unroll
+            for (int kc = 0; kc < FL_KEYS / 16; kc++) {
+                u32 pa[4] = {pack_bf16(sc[2 * kc][0], sc[2 * kc][1]), pack_bf16(sc[2 * kc][2], sc[2 * kc][3]),
+                             pack_bf16(sc[2 * kc + 1][0], sc[2 * kc + 1][1]), pack_bf16(sc[2 * kc + 1][2], sc[2 * kc + 1][3])};
+#pragma unroll
+                for (int n = 0; n < FL_DN; n++) {
+                    if (n * 8 >= head_dim) break;
+                    u32 b[2] = {vp[kc * 8 + tig][n * 8 + gid], vp[kc * 8 + 4 + tig][n * 8 + gid]};
+                    mma_bf16_16816(o[n], pa, b);
+                }
+            }
+        }
+        __syncthreads(); // the staged rows are overwritten next
+    }
+    for (int s = 0; s < 2; s++) {
+        l[s] += __shfl_xor_sync(0xffffffffu, l[s], 1);
+        l[s] += __shfl_xor_sync(0xffffffffu, l[s], 2);
+    }
+#pragma unroll
+    for (int n = 0; n < FL_DN; n++) {
+        if (n * 8 >= head_dim) break;
+        for (int e = 0; e < 4; e++) {
+            int s = e >> 1;
+            if (len[s] > 0) out[qh[s] + n * 8 + tig * 2 + (e & 1)] = o[n][e] / l[s];
+        }
+    }
+}
+
+extern "C" __global__ void paged_flash_prefill_bf16(const float* q, const u16* k, const u16* v, const int* block_tables,
+                                                    const int* seq_lens, const int* tiles, float* out, int heads, int kv_heads,
+                                                    int head_dim, int block_size, int max_blocks, float softmax_scale) {
+    flash_prefill_tile(q, Bf16Rows{k}, Bf16Rows{v}, block_tables, seq_lens, tiles, out, heads, kv_heads, head_dim, block_size, max_blocks,
+                       softmax_scale);
+}
+extern "C" __global__ void paged_flash_prefill_fp8(const float* q, const u8* k, const u8* v, const float* k_scales,
+                                                   const float* v_scales, const int* block_tables, const int* seq_lens,
+                                                   const int* tiles, float* out, int heads, int kv_heads, int head_dim,
+                                                   int block_size, int max_blocks, float softmax_scale) {
+    flash_prefill_tile(q, Fp8Rows{k, k_scales}, Fp8Rows{v, v_scales}, block_tables, seq_lens, tiles, out, heads, kv_heads, head_dim,
+                       block_size, max_blocks, softmax_scale);
+}
+
 // MLA. The key of a position is its latent c ‖ rotary key kr and its value the latent, the same
 // row for every head, so the heads of a token share one read of it: the block stages MLA_TILE
 // positions at a time in shared memory (widened to f32 once, FP8 scales applied), then each warp

@@ -34,6 +34,27 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Tensor cores: d (16x8 f32) += a (16x16 bf16, row-major) * b (16x8 bf16, column-major), one warp,
+// every lane taking part; fragments in the PTX ISA's m16n8k16 layout (the simulator's
+// cuda_sim::mma_bf16_16816 spells it out). sm_80 and later. Inline PTX rather than <mma.h>'s wmma:
+// NVRTC needs no header for it, and wmma's fragment layout is opaque, while the attention kernels
+// reuse a score fragment as the next product's A operand, which needs the documented layout.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) { return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
+#ifdef CUDA_SIM_MMA
+__device__ __forceinline__ void mma_bf16_16816(float* d, const u32* a, const u32* b) {
+    cuda_sim::mma_bf16_16816(d, a, b, __FILE__, __LINE__);
+}
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+// No bf16 MMA before Ampere; the host never launches a kernel that uses it there (Runtime::bf16_mma).
+__device__ __forceinline__ void mma_bf16_16816(float* d, const u32* a, const u32* b) { __trap(); }
+#else
+__device__ __forceinline__ void mma_bf16_16816(float* d, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
 // Block-wide sum; every thread gets the total. `scratch` holds one float per warp.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, nw = (blockDim.x + WARP - 1) / WARP;

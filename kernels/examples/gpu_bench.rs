@@ -281,25 +281,38 @@ fn mla_report(g: &Gpu) {
 }
 
 /// Prompt attention, one 2048-token chunk of one sequence: every row by the decode kernel (what
-/// the forward did before the prefill kernel) and by the prefill kernel's tiles.
+/// the forward did before the prefill kernels), by the CUDA-core prefill kernel's tiles, and by
+/// the tensor-core one's (what the forward runs for a bf16 cache on sm_80+).
 fn prefill_attention_report(g: &Gpu) {
-    use kernels::gpu::kv_pool::{DeviceKvPool, KvStorage};
-    use kernels::gpu::prefill::{prefill_tiles, rows_per_tile};
+    use kernels::gpu::kv_pool::KvStorage;
+    use kernels::gpu::prefill::{prefill_tiles, PrefillKernel};
+    use kernels::gpu::Runtime;
     let (n, block) = (2048usize, BLOCK);
     let max_blocks = n / block;
-    let pool = DeviceKvPool::new(g, 1, max_blocks, block, KV_HEADS, HEAD_DIM, KvStorage::Bf16).unwrap();
+    let geo = PagedGeometry { heads: HEADS, kv_heads: KV_HEADS, head_dim: HEAD_DIM, block_size: block, max_blocks };
+    let (k, v) = (g.upload(&rand_bf16(n * KV_HEADS * HEAD_DIM, 52, 1.0)).unwrap(), g.upload(&rand_bf16(n * KV_HEADS * HEAD_DIM, 53, 1.0)).unwrap());
     // Row r reads blocks 0..=r / block of the sequence's table (0, 1, 2, ...).
     let tables: Vec<i32> = (0..n).flat_map(|_| 0..max_blocks as i32).collect();
     let lens: Vec<i32> = (1..=n as i32).collect();
     let (tables, lens) = (g.upload(&tables).unwrap(), g.upload(&lens).unwrap());
     let q = g.upload(&rand_f32(n * HEADS * HEAD_DIM, 51, 0.5)).unwrap();
     let mut out = g.zeros::<f32>(n * HEADS * HEAD_DIM).unwrap();
-    let tiles = prefill_tiles(&[(0, n)], rows_per_tile(HEADS / KV_HEADS));
-    let (num_tiles, tiles) = (tiles.len() / 2, g.upload(&tiles).unwrap());
     let scale = 1.0 / (HEAD_DIM as f32).sqrt();
-    let per_row = time_per_call(g, || pool.attention(g, 0, HEADS, max_blocks, &q, &tables, &lens, scale, &mut out).unwrap());
-    let tiled = time_per_call(g, || pool.prefill_attention(g, 0, HEADS, max_blocks, &q, &tables, &lens, &tiles, num_tiles, scale, &mut out).unwrap());
-    println!("prefill attention ({HEADS} heads / {KV_HEADS} KV heads of {HEAD_DIM}, bf16 K/V), one {n}-token chunk: decode kernel per row {:.0} us, prefill kernel {:.0} us per layer, ratio {:.2}x", per_row * 1e6, tiled * 1e6, per_row / tiled);
+    let plan = |kernel: PrefillKernel| {
+        let tiles = prefill_tiles(&[(0, n)], kernel.rows_per_tile(HEADS / KV_HEADS));
+        (tiles.len() / 2, g.upload(&tiles).unwrap())
+    };
+    let per_row = time_per_call(g, || g.paged_attention_bf16(&geo, &q, &k, &v, &tables, &lens, scale, &mut out).unwrap());
+    let (num_tiles, tiles) = plan(PrefillKernel::CudaCores);
+    let cuda_cores = time_per_call(g, || g.paged_prefill_bf16(&geo, &q, &k, &v, &tables, &lens, &tiles, num_tiles, scale, &mut out).unwrap());
+    println!("prefill attention ({HEADS} heads / {KV_HEADS} KV heads of {HEAD_DIM}, bf16 K/V), one {n}-token chunk: decode kernel per row {:.0} us, CUDA-core prefill kernel {:.0} us per layer, ratio {:.2}x", per_row * 1e6, cuda_cores * 1e6, per_row / cuda_cores);
+    if PrefillKernel::choose(KvStorage::Bf16, HEAD_DIM, g.bf16_mma()) == PrefillKernel::TensorCores {
+        let (num_tiles, tiles) = plan(PrefillKernel::TensorCores);
+        let tensor_cores = time_per_call(g, || g.paged_flash_prefill_bf16(&geo, &q, &k, &v, &tables, &lens, &tiles, num_tiles, scale, &mut out).unwrap());
+        println!("  tensor-core prefill kernel {:.0} us per layer: {:.2}x the CUDA-core kernel, {:.2}x the decode kernel", tensor_cores * 1e6, cuda_cores / tensor_cores, per_row / tensor_cores);
+    } else {
+        println!("  tensor-core prefill kernel: not on {} (needs sm_80+)", g.describe());
+    }
 }
 
 fn main() {

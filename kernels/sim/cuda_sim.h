@@ -160,6 +160,45 @@ inline int __all_sync(unsigned mask, int pred, const char* file = __builtin_FILE
     return __ballot_sync(mask, !pred, file, line) == 0;
 }
 
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (prelude.cuh's mma_bf16_16816), d += a * b,
+// with the fragment layout the PTX ISA documents ("Matrix Fragments for mma.m16n8k16 with floating
+// point type"): lane = 4 * group + t; A (16x16, two bf16 per register, the lower column in the low
+// half) a[0] = row group, cols 2t..2t+1; a[1] = row group + 8, same cols; a[2], a[3] = the same
+// rows, cols + 8. B (16x8) b[0] = rows 2t..2t+1 of col group, b[1] = rows + 8. C/D (16x8 f32)
+// d[0], d[1] = row group, cols 2t..2t+1; d[2], d[3] = row group + 8. Every lane of the warp must
+// take part (the instruction is warp-synchronous), which the exchanges check. Products of bf16
+// values are exact in f32; the sum runs in k order (the tensor core's order is unspecified).
+namespace cuda_sim {
+inline float bf16_bits_to_f32(uint32_t half) { return from_bits<float>(half << 16); }
+inline void mma_bf16_16816(float* d, const uint32_t* a, const uint32_t* b, const char* file, int line) {
+    float A[16][16], B[16][8];
+    for (int r = 0; r < 4; r++) {
+        const uint32_t* s = warp_exchange(0xffffffffu, a[r], "mma.sync (A)", file, line);
+        for (int lane = 0; lane < 32; lane++) {
+            int row = lane / 4 + (r & 1) * 8, col = (lane % 4) * 2 + (r >> 1) * 8;
+            A[row][col] = bf16_bits_to_f32(s[lane] & 0xffffu);
+            A[row][col + 1] = bf16_bits_to_f32(s[lane] >> 16);
+        }
+    }
+    for (int r = 0; r < 2; r++) {
+        const uint32_t* s = warp_exchange(0xffffffffu, b[r], "mma.sync (B)", file, line);
+        for (int lane = 0; lane < 32; lane++) {
+            int row = (lane % 4) * 2 + r * 8, col = lane / 4;
+            B[row][col] = bf16_bits_to_f32(s[lane] & 0xffffu);
+            B[row + 1][col] = bf16_bits_to_f32(s[lane] >> 16);
+        }
+    }
+    unsigned lane = lane_id();
+    for (int i = 0; i < 4; i++) {
+        int row = lane / 4 + (i >> 1) * 8, col = (lane % 4) * 2 + (i & 1);
+        float acc = d[i];
+        for (int k = 0; k < 16; k++) acc += A[row][k] * B[k][col];
+        d[i] = acc;
+    }
+}
+}  // namespace cuda_sim
+#define CUDA_SIM_MMA 1
+
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
 inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz((unsigned)v); }

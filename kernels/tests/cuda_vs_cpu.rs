@@ -59,14 +59,17 @@ fn gpu(test: &str) -> Option<&'static kernels::cuda::launch::Gpu> {
 struct Tol {
     /// GEMV, attention, GEMM: max error relative to the largest reference magnitude.
     gemv: f32,
+    /// Tensor-core attention against a reference given the same bf16 operands: P's rounding to
+    /// bf16 for P·V and the summation order.
+    mma: f32,
     /// RoPE: the simulator calls the references' sincosf; CUDA's differs in the last ulps.
     rope: f32,
     /// Sampled tokens that match neither the CPU reference's draw nor an f64-accurate one.
     unexplained_draws: usize,
 }
-const SIM_TOL: Tol = Tol { gemv: 1e-6, rope: 0.0, unexplained_draws: 0 };
+const SIM_TOL: Tol = Tol { gemv: 1e-6, mma: 4e-3, rope: 0.0, unexplained_draws: 0 };
 #[cfg(feature = "cuda")]
-const CUDA_TOL: Tol = Tol { gemv: 1e-5, rope: 2e-6, unexplained_draws: 1 };
+const CUDA_TOL: Tol = Tol { gemv: 1e-5, mma: 4e-3, rope: 2e-6, unexplained_draws: 1 };
 
 /// One `#[test]` per check and runtime: `sim::<check>` and `cuda::<check>`.
 macro_rules! on_every_runtime {
@@ -98,6 +101,7 @@ on_every_runtime!(
     norms_rope_and_swiglu_match_cpu,
     paged_attention_matches_cpu_for_f32_bf16_and_fp8,
     paged_prefill_matches_cpu_for_every_storage_and_group,
+    paged_flash_prefill_matches_cpu_within_bf16_rounding,
     sampling_draws_the_same_tokens_as_cpu,
     moe_grouping_and_expert_gemv_match_cpu,
     cublas_bf16_gemm_matches_cpu,
@@ -326,69 +330,141 @@ fn bf16_rows(x: &[f32]) -> Vec<u16> {
     x.iter().map(|&f| half::bf16::from_f32(f).to_bits()).collect()
 }
 
-/// The prefill kernel over prompt chunks against the decode reference per row (len = pos + 1):
-/// sequence A prefilled from position 0 (37 rows: three tiles of staged keys), a decode row of C
-/// (not in a tile: untouched), B's chunk after a cached prefix (positions 20..=29), scattered
-/// blocks of 4. GQA groups of 3 (5 rows per tile, the last tile partial), 1 (16 rows), 8 (2
+/// A batch of prompt chunks for the prefill kernels: sequence A prefilled from position 0 (37
+/// rows: several stages of staged keys), a decode row of C (not in a tile: must stay untouched),
+/// B's chunk after a cached prefix (positions 20..=29), scattered blocks of 4.
+struct PrefillBatch {
+    bs: usize,
+    num_blocks: usize,
+    max_blocks: usize,
+    runs: [(usize, usize); 2],
+    n: usize,
+    tables: Vec<i32>,
+    lens: Vec<i32>,
+}
+
+impl PrefillBatch {
+    fn new() -> Self {
+        let (bs, num_blocks, max_blocks) = (4usize, 32usize, 10usize);
+        // Each sequence's blocks scattered over the pool (a stride coprime with 32).
+        let table = |s: usize, blocks: usize| -> Vec<i32> { (0..blocks).map(|b| ((s * 10 + b) * 13 % num_blocks) as i32).collect() };
+        let seq_tables = [table(0, 10), table(1, 8), table(2, 9)];
+        // (sequence, position) per batch row; runs (0, 37) and (38, 10); row 37 is a decode row.
+        let rows: Vec<(usize, usize)> = (0..37).map(|p| (0, p)).chain([(2, 33)]).chain((20..30).map(|p| (1, p))).collect();
+        let n = rows.len();
+        let mut tables = vec![0i32; n * max_blocks];
+        for (i, &(s, p)) in rows.iter().enumerate() {
+            tables[i * max_blocks..i * max_blocks + p / bs + 1].copy_from_slice(&seq_tables[s][..p / bs + 1]);
+        }
+        let lens = rows.iter().map(|&(_, p)| p as i32 + 1).collect();
+        Self { bs, num_blocks, max_blocks, runs: [(0, 37), (38, 10)], n, tables, lens }
+    }
+
+    fn in_tiles(&self, i: usize) -> bool {
+        self.runs.iter().any(|&(f, c)| (f..f + c).contains(&i))
+    }
+
+    /// Checks `got` (the kernel's output over a buffer of 7.0s) against `want` on the tile rows
+    /// and that no other row was written.
+    fn check(&self, what: &str, got: &[f32], want: &[f32], per_row: usize, tol: f32) {
+        for i in (0..self.n).filter(|&i| !self.in_tiles(i)) {
+            assert!(got[i * per_row..(i + 1) * per_row].iter().all(|&x| x == 7.0), "{what}: row {i} is in no tile but was written");
+        }
+        let pick = |x: &[f32]| -> Vec<f32> { (0..self.n).filter(|&i| self.in_tiles(i)).flat_map(|i| x[i * per_row..(i + 1) * per_row].to_vec()).collect() };
+        assert_close(what, &pick(got), &pick(want), tol);
+    }
+}
+
+/// The CUDA-core prefill kernel over [`PrefillBatch`] against the decode reference per row
+/// (len = pos + 1). GQA groups of 3 (5 rows per tile, the last tile partial), 1 (16 rows), 8 (2
 /// rows) and 20 (1 row, two blocks of vectors), head widths 40, 64, 32, 16 and 256; every
 /// storage type.
 fn paged_prefill_matches_cpu_for_every_storage_and_group<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     use kernels::gpu::prefill::{prefill_tiles, rows_per_tile};
-    let (bs, num_blocks, max_blocks) = (4usize, 32usize, 10usize);
-    // Each sequence's blocks scattered over the pool (a stride coprime with 32).
-    let table = |s: usize, blocks: usize| -> Vec<i32> { (0..blocks).map(|b| ((s * 10 + b) * 13 % num_blocks) as i32).collect() };
-    let seq_tables = [table(0, 10), table(1, 8), table(2, 9)];
-    // (sequence, position) per batch row; runs (0, 37) and (38, 10); row 37 is a decode row.
-    let rows: Vec<(usize, usize)> = (0..37).map(|p| (0, p)).chain([(2, 33)]).chain((20..30).map(|p| (1, p))).collect();
-    let runs = [(0usize, 37usize), (38, 10)];
-    let n = rows.len();
-    let mut tables = vec![0i32; n * max_blocks];
-    for (i, &(s, p)) in rows.iter().enumerate() {
-        tables[i * max_blocks..i * max_blocks + p / bs + 1].copy_from_slice(&seq_tables[s][..p / bs + 1]);
-    }
-    let lens: Vec<i32> = rows.iter().map(|&(_, p)| p as i32 + 1).collect();
-    let (dt, dl) = (g.upload(&tables).unwrap(), g.upload(&lens).unwrap());
-    let in_tiles = |i: usize| runs.iter().any(|&(f, c)| (f..f + c).contains(&i));
+    let b = PrefillBatch::new();
+    let (n, (dt, dl)) = (b.n, (g.upload(&b.tables).unwrap(), g.upload(&b.lens).unwrap()));
     for (gi, &(heads, kv_heads, head_dim)) in [(6usize, 2usize, 40usize), (4, 4, 64), (16, 2, 32), (40, 2, 16), (2, 1, 256)].iter().enumerate() {
-        let geo = PagedGeometry { heads, kv_heads, head_dim, block_size: bs, max_blocks };
-        let (pool_rows, width) = (num_blocks * bs, kv_heads * head_dim);
+        let geo = PagedGeometry { heads, kv_heads, head_dim, block_size: b.bs, max_blocks: b.max_blocks };
+        let (pool_rows, width) = (b.num_blocks * b.bs, kv_heads * head_dim);
         let q = uniform(n * heads * head_dim, 30 + gi as u64, -1.0, 1.0);
         let k = uniform(pool_rows * width, 40 + gi as u64, -2.0, 2.0);
         let v = uniform(pool_rows * width, 50 + gi as u64, -2.0, 2.0);
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let tiles = prefill_tiles(&runs, rows_per_tile(heads / kv_heads));
+        let tiles = prefill_tiles(&b.runs, rows_per_tile(heads / kv_heads));
         let (dq, dtiles, num_tiles) = (g.upload(&q).unwrap(), g.upload(&tiles).unwrap(), tiles.len() / 2);
         let per_row = heads * head_dim;
-        let check = |what: &str, got: Vec<f32>, want: &[f32]| {
-            for i in (0..n).filter(|&i| !in_tiles(i)) {
-                assert!(got[i * per_row..(i + 1) * per_row].iter().all(|&x| x == 7.0), "{what}: row {i} is in no tile but was written");
-            }
-            let pick = |x: &[f32]| -> Vec<f32> { (0..n).filter(|&i| in_tiles(i)).flat_map(|i| x[i * per_row..(i + 1) * per_row].to_vec()).collect() };
-            assert_close(what, &pick(&got), &pick(want), t.gemv);
-        };
         let mut want = vec![0.0; n * per_row];
         let fresh = || g.upload(&vec![7.0f32; n * per_row]).unwrap();
-        cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &k, v: &v }, &tables, &lens, &geo, scale, &mut want);
+        cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &k, v: &v }, &b.tables, &b.lens, &geo, scale, &mut want);
         let mut out = fresh();
         g.paged_prefill_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
-        check(&format!("prefill f32 {heads}/{kv_heads}x{head_dim}"), g.download(&out).unwrap(), &want);
+        b.check(&format!("prefill f32 {heads}/{kv_heads}x{head_dim}"), &g.download(&out).unwrap(), &want, per_row, t.gemv);
         if gi > 0 {
             continue;
         }
         let (kb, vb) = (bf16_rows(&k), bf16_rows(&v));
-        cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &kb, v: &vb }, &tables, &lens, &geo, scale, &mut want);
+        cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &kb, v: &vb }, &b.tables, &b.lens, &geo, scale, &mut want);
         let mut out = fresh();
         g.paged_prefill_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
-        check("prefill bf16", g.download(&out).unwrap(), &want);
+        b.check("prefill bf16", &g.download(&out).unwrap(), &want, per_row, t.gemv);
         let ((kc, ks), (vc, vs)) = (fp8_rows(&k, head_dim), fp8_rows(&v, head_dim));
-        cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &tables, &lens, &geo, scale, &mut want);
+        cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &b.tables, &b.lens, &geo, scale, &mut want);
         let mut out = fresh();
         let (dkc, dvc, dks, dvs) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
         g.paged_prefill_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
-        check("prefill fp8", g.download(&out).unwrap(), &want);
+        b.check("prefill fp8", &g.download(&out).unwrap(), &want, per_row, t.gemv);
         // Fewer tile entries than tiles is an error before any launch.
         assert!(g.paged_prefill_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, &dtiles, num_tiles + 1, scale, &mut out).is_err());
     }
+}
+
+/// The tensor-core prefill kernel over [`PrefillBatch`], bf16 and FP8 caches, against the decode
+/// reference per row given the same bf16-rounded (and pre-scaled) queries the kernel multiplies:
+/// what remains is the rounding of P to bf16 for the P·V product (and the tensor core's
+/// summation order), bounded by `t.mma`. A fragment-layout mistake (a wrong row, column or
+/// half-word) is an O(1) error. GQA groups of 1 (64 rows per tile: one partial tile per run), 3
+/// (21 rows), 8 (8 rows) and 80 (one row, vectors over two blocks); head widths 64, 32, 128, 16.
+/// Head widths the kernel cannot take are refused before any launch.
+fn paged_flash_prefill_matches_cpu_within_bf16_rounding<R: Runtime>(g: &Kernels<R>, t: &Tol) {
+    use kernels::gpu::prefill::{prefill_tiles, PrefillKernel};
+    let b = PrefillBatch::new();
+    let (n, (dt, dl)) = (b.n, (g.upload(&b.tables).unwrap(), g.upload(&b.lens).unwrap()));
+    for (gi, &(heads, kv_heads, head_dim)) in [(4usize, 4usize, 64usize), (9, 3, 32), (16, 2, 128), (80, 1, 16)].iter().enumerate() {
+        let geo = PagedGeometry { heads, kv_heads, head_dim, block_size: b.bs, max_blocks: b.max_blocks };
+        let (pool_rows, width) = (b.num_blocks * b.bs, kv_heads * head_dim);
+        let q = uniform(n * heads * head_dim, 60 + gi as u64, -1.0, 1.0);
+        let k = uniform(pool_rows * width, 70 + gi as u64, -2.0, 2.0);
+        let v = uniform(pool_rows * width, 80 + gi as u64, -2.0, 2.0);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let q_bf16: Vec<f32> = q.iter().map(|&x| half::bf16::from_f32(x * scale).to_f32()).collect();
+        let tiles = prefill_tiles(&b.runs, PrefillKernel::TensorCores.rows_per_tile(heads / kv_heads));
+        let (dq, dtiles, num_tiles) = (g.upload(&q).unwrap(), g.upload(&tiles).unwrap(), tiles.len() / 2);
+        let per_row = heads * head_dim;
+        let mut want = vec![0.0; n * per_row];
+        let fresh = || g.upload(&vec![7.0f32; n * per_row]).unwrap();
+        let (kb, vb) = (bf16_rows(&k), bf16_rows(&v));
+        cpu::attention::paged_attention_decode(&q_bf16, &KvBlocks::Bf16 { k: &kb, v: &vb }, &b.tables, &b.lens, &geo, 1.0, &mut want);
+        let mut out = fresh();
+        g.paged_flash_prefill_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
+        b.check(&format!("flash prefill bf16 {heads}/{kv_heads}x{head_dim}"), &g.download(&out).unwrap(), &want, per_row, t.mma);
+        // FP8: the kernel widens code x scale to f32 and rounds it to bf16 for the product.
+        let ((kc, ks), (vc, vs)) = (fp8_rows(&k, head_dim), fp8_rows(&v, head_dim));
+        let widen = |codes: &[u8], scales: &[f32]| -> Vec<u16> {
+            codes.iter().enumerate().map(|(i, &c)| half::bf16::from_f32(cpu::fp8::E4M3_TO_F32[c as usize] * scales[i / head_dim]).to_bits()).collect()
+        };
+        let (kw, vw) = (widen(&kc, &ks), widen(&vc, &vs));
+        cpu::attention::paged_attention_decode(&q_bf16, &KvBlocks::Bf16 { k: &kw, v: &vw }, &b.tables, &b.lens, &geo, 1.0, &mut want);
+        let mut out = fresh();
+        let (dkc, dvc, dks, dvs) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
+        g.paged_flash_prefill_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
+        b.check(&format!("flash prefill fp8 {heads}/{kv_heads}x{head_dim}"), &g.download(&out).unwrap(), &want, per_row, t.mma);
+    }
+    // A head width off the MMA tiles is refused, not launched.
+    let geo = PagedGeometry { heads: 2, kv_heads: 1, head_dim: 40, block_size: b.bs, max_blocks: b.max_blocks };
+    let (q, kv) = (g.zeros::<f32>(n * 80).unwrap(), g.zeros::<u16>(b.num_blocks * b.bs * 40).unwrap());
+    let tiles = g.upload(&[0, 1]).unwrap();
+    let err = g.paged_flash_prefill_bf16(&geo, &q, &kv, &kv, &dt, &dl, &tiles, 1, 1.0, &mut g.zeros::<f32>(n * 80).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("head_dim 40"), "{err}");
 }
 
 fn sampling_draws_the_same_tokens_as_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {

@@ -112,6 +112,9 @@ impl Runtime for CudaRuntime {
     fn describe(&self) -> String {
         format!("{} ({})", self.info.name, self.info.arch())
     }
+    fn bf16_mma(&self) -> bool {
+        self.info.compute_capability >= (8, 0)
+    }
     fn upload<T: Elem>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
         drv("cuMemcpyHtoD", self.stream.clone_htod(host))
     }

@@ -131,6 +131,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 mod tests {
     use super::*;
     use crate::cuda::sources::SOURCES;
+    use std::path::Path;
 
     /// Skips (saying so) when libnvrtc is absent, unless `WASMSERVE_REQUIRE_NVRTC=1` (CI sets it
     /// after installing the NVRTC wheel, so there a missing library fails the test).
@@ -146,7 +147,10 @@ mod tests {
     }
 
     /// The real check that the kernels are valid CUDA: every source compiles to PTX with zero
-    /// errors for Hopper and Ampere, and the PTX has an entry per kernel.
+    /// errors for Hopper, Ampere and Turing (which takes the no-MMA fallbacks), and the PTX has an
+    /// entry per kernel. With `ptxas` (`WASMSERVE_PTXAS`, as scripts/setup-nvrtc installs it)
+    /// the PTX is also assembled for its arch: NVRTC passes inline PTX (the tensor-core MMAs)
+    /// through unchecked, so only the assembler, or the driver at load time, would reject it.
     #[test]
     fn every_kernel_source_compiles_with_nvrtc() {
         if !nvrtc_or_skip("every_kernel_source_compiles_with_nvrtc") {
@@ -154,14 +158,33 @@ mod tests {
         }
         let version = nvrtc_version().unwrap();
         eprintln!("NVRTC {}.{}", version.0, version.1);
-        for arch in ["sm_90", "sm_80"] {
+        let ptxas = std::env::var_os("WASMSERVE_PTXAS").map(PathBuf::from);
+        if ptxas.is_none() {
+            eprintln!("(WASMSERVE_PTXAS unset: the PTX is not assembled)");
+        }
+        let dir = std::env::temp_dir().join(format!("wasmserve-ptxas-{}", std::process::id()));
+        for arch in ["sm_90", "sm_80", "sm_75"] {
             for src in SOURCES {
                 let ptx = compile(src, arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
                 for k in src.kernels {
                     assert!(ptx.contains(&format!(".entry {k}(")), "{}: no PTX entry for {k} on {arch}", src.name);
                 }
+                if let Some(ptxas) = &ptxas {
+                    assemble(ptxas, &dir, src.name, arch, &ptx);
+                }
             }
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `ptxas -arch=<arch>` on one source's PTX; a failure shows the assembler's log.
+    fn assemble(ptxas: &Path, dir: &Path, name: &str, arch: &str, ptx: &str) {
+        std::fs::create_dir_all(dir).unwrap();
+        let file = dir.join(format!("{}-{arch}.ptx", name.trim_end_matches(".cu")));
+        std::fs::write(&file, ptx).unwrap();
+        let out = std::process::Command::new(ptxas).arg(format!("-arch={arch}")).arg(&file).arg("-o").arg(file.with_extension("cubin")).output();
+        let out = out.unwrap_or_else(|e| panic!("run {}: {e}", ptxas.display()));
+        assert!(out.status.success(), "ptxas {name} for {arch}:\n{}", String::from_utf8_lossy(&out.stderr));
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! (the host block pool's layout, so the engine's block tables index it unchanged), FP8 with one
 //! scale per (slot, kv head). Allocated once, at start-up, for the whole pool.
 
+use super::prefill::PrefillKernel;
 use super::{Kernels, PagedGeometry, Runtime};
 use crate::cuda::CudaError;
 
@@ -154,14 +155,24 @@ impl<R: Runtime> DeviceKvPool<R> {
         }
     }
 
+    /// The prefill kernel [`Self::prefill_attention`] runs on `gpu` for this pool; plan the tiles
+    /// with its [`PrefillKernel::rows_per_tile`].
+    pub fn prefill_kernel(&self, gpu: &Kernels<R>) -> PrefillKernel {
+        PrefillKernel::choose(self.storage, self.head_dim, gpu.bf16_mma())
+    }
+
     /// Prefill attention over `layer` for the rows in `num_tiles` tiles (see
-    /// [`crate::gpu::prefill`]); other rows of `out` are left untouched.
+    /// [`crate::gpu::prefill`]), planned for [`Self::prefill_kernel`]; other rows of `out` are
+    /// left untouched.
     #[allow(clippy::too_many_arguments)]
     pub fn prefill_attention(&self, gpu: &Kernels<R>, layer: usize, heads: usize, max_blocks: usize, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
         let geo = PagedGeometry { heads, kv_heads: self.kv_heads, head_dim: self.head_dim, block_size: self.block_size, max_blocks };
+        let tensor_cores = self.prefill_kernel(gpu) == PrefillKernel::TensorCores;
         match self.layers.get(layer).ok_or_else(|| bad(format!("kv prefill attention: no layer {layer}")))? {
             KvLayer::F32 { k, v } => gpu.paged_prefill_f32(&geo, q, k, v, tables, lens, tiles, num_tiles, scale, out),
+            KvLayer::Bf16 { k, v } if tensor_cores => gpu.paged_flash_prefill_bf16(&geo, q, k, v, tables, lens, tiles, num_tiles, scale, out),
             KvLayer::Bf16 { k, v } => gpu.paged_prefill_bf16(&geo, q, k, v, tables, lens, tiles, num_tiles, scale, out),
+            KvLayer::Fp8 { k, v, ks, vs } if tensor_cores => gpu.paged_flash_prefill_fp8(&geo, q, k, v, ks, vs, tables, lens, tiles, num_tiles, scale, out),
             KvLayer::Fp8 { k, v, ks, vs } => gpu.paged_prefill_fp8(&geo, q, k, v, ks, vs, tables, lens, tiles, num_tiles, scale, out),
         }
     }

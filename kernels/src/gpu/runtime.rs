@@ -80,4 +80,9 @@ pub trait Runtime {
     /// where W is rows `w_row0..w_row0 + m` of `w` (one expert of an expert-stacked weight).
     #[allow(clippy::too_many_arguments)]
     fn gemm_bf16(&self, x: &Self::Buf<u16>, w: &Self::Buf<u16>, w_row0: usize, out: &mut Self::Buf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError>;
+    /// Whether kernels may issue bf16 tensor-core MMAs (`mma_bf16_16816` in cuda/prelude.cuh:
+    /// sm_80 and later). The simulator emulates them.
+    fn bf16_mma(&self) -> bool {
+        true
+    }
 }

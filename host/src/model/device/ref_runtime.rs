@@ -160,9 +160,10 @@ impl Runtime for RefRuntime {
                 let (q, out, tables, lens) = (&q[..seqs * per], &mut out[..seqs * per], &tables[..seqs * g.max_blocks], &lens[..seqs]);
                 decode_reference(kernel, a, q, tables, lens, &g, scale, out);
             }
-            "paged_prefill_f32" | "paged_prefill_bf16" | "paged_prefill_fp8" => {
-                // Each tile row by the decode reference with its own table and length.
-                let o = if kernel == "paged_prefill_fp8" { 2 } else { 0 };
+            "paged_prefill_f32" | "paged_prefill_bf16" | "paged_prefill_fp8" | "paged_flash_prefill_bf16" | "paged_flash_prefill_fp8" => {
+                // Each tile row by the decode reference with its own table and length (exact: the
+                // tensor-core kernel's bf16 rounding of Q and P is the device's, not the model's).
+                let o = if kernel.ends_with("fp8") { 2 } else { 0 };
                 let g = cpu::attention::PagedGeometry { heads: int(a, 7 + o), kv_heads: int(a, 8 + o), head_dim: int(a, 9 + o), block_size: int(a, 10 + o), max_blocks: int(a, 11 + o) };
                 let (q, tables, lens, tiles, scale) = (f32s(a, 0).borrow(), i32s(a, 3 + o).borrow(), i32s(a, 4 + o).borrow(), i32s(a, 5 + o).borrow(), flt(a, 12 + o));
                 let mut out = f32s(a, 6 + o).borrow_mut();

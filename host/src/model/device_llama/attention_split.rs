@@ -4,7 +4,7 @@
 //! per step, used by every layer.
 
 use kernels::cuda::CudaError;
-use kernels::gpu::prefill::{prefill_tiles, rows_per_tile};
+use kernels::gpu::prefill::prefill_tiles;
 use kernels::gpu::{Kernels, Runtime};
 
 use crate::model::device::step::StepInputs;
@@ -22,9 +22,10 @@ pub(super) struct AttentionSplit<R: Runtime> {
 }
 
 impl<R: Runtime> AttentionSplit<R> {
-    /// The split for `inp` with `group` query heads per kv head.
-    pub fn new(gpu: &Kernels<R>, inp: &StepInputs, group: usize) -> Result<Self, CudaError> {
-        let tiles = prefill_tiles(&inp.prompt_runs, rows_per_tile(group));
+    /// The split for `inp` with prompt chunks in tiles of `rows_per_tile` rows (the pool's
+    /// prefill kernel's plan for the GQA group).
+    pub fn new(gpu: &Kernels<R>, inp: &StepInputs, rows_per_tile: usize) -> Result<Self, CudaError> {
+        let tiles = prefill_tiles(&inp.prompt_runs, rows_per_tile);
         let num_tiles = tiles.len() / 2;
         let mut lens = inp.lens.clone();
         for &(first, rows) in &inp.prompt_runs {

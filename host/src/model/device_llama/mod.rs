@@ -188,7 +188,7 @@ impl<R: Runtime> DeviceRank for LlamaRank<R> {
         let (qw, kw, inter) = (heads * hd, kv_heads * hd, shard.inter);
         let (ids, positions, slots) = (gpu.upload(&shard.embedding_rows(&inp.ids))?, gpu.upload(&inp.positions)?, gpu.upload(&inp.slots)?);
         let (tables, lens) = (gpu.upload(&inp.tables)?, gpu.upload(&inp.lens)?);
-        let split = AttentionSplit::new(gpu, inp, heads / kv_heads)?;
+        let split = AttentionSplit::new(gpu, inp, pool.prefill_kernel(gpu).rows_per_tile(heads / kv_heads))?;
         // Activations for the whole pass, allocated once per step.
         let mut hidden = gpu.zeros::<f32>(n * d)?;
         let mut normed = gpu.zeros::<f32>(n * d)?;
