@@ -66,7 +66,10 @@ __device__ void attend(const float* __restrict__ qa, int da, const float* __rest
     }
 }
 
-// Element `at` of a pool buffer in one storage type; `scale_at` indexes the FP8 scales.
+// Element `at` of a pool buffer in one storage type; `scale_at` indexes the FP8 scales. `at` is
+// the element's value, = code(at) * scale(scale_at): the tensor-core kernels stage the code (an
+// E4M3 code is exactly a bf16 number, its product with an f32 scale is not) and apply the scale
+// to the scores and softmax weights instead.
 struct F32Rows {
     const float* p;
     __device__ float at(long at, long scale_at) const { return p[at]; }
@@ -74,10 +77,14 @@ struct F32Rows {
 struct Bf16Rows {
     const u16* p;
     __device__ float at(long at, long scale_at) const { return bf16_to_f32(p[at]); }
+    __device__ float code(long at) const { return bf16_to_f32(p[at]); }
+    __device__ float scale(long scale_at) const { return 1.0f; }
 };
 struct Fp8Rows {
     const u8* p; const float* scales;
     __device__ float at(long at, long scale_at) const { return e4m3_to_f32(p[at]) * scales[scale_at]; }
+    __device__ float code(long at) const { return e4m3_to_f32(p[at]); }
+    __device__ float scale(long scale_at) const { return scales[scale_at]; }
 };
 
 // GQA: kv head `kvh` of K/V rows [kv_heads * head_dim], one scale per (row, kv head).
@@ -222,8 +229,9 @@ extern "C" __global__ void paged_prefill_fp8(const float* q, const u8* k, const 
 // in shared memory as bf16: S = Q·Kᵀ (m16n8k16 over head_dim), causal mask by each vector's
 // length, online softmax on the score fragments (a row's four lanes share it through two xor
 // shuffles), then O += P·V with P taken straight from the score fragments (their C layout is the A
-// layout of the next product). Q, K, V and P are rounded to bf16 for the products, accumulation is
-// f32; head_dim a multiple of 16 up to FL_MAX_D (the host falls back to paged_prefill_* otherwise,
+// layout of the next product). Q and P are rounded to bf16 for the products, accumulation is f32;
+// K and V are staged as bf16 exactly (an FP8 cache's E4M3 codes, its per-row scales applied to the
+// scores and folded into P instead); head_dim a multiple of 16 up to FL_MAX_D (the host falls back to paged_prefill_* otherwise,
 // and for f32 caches, whose precision this would not keep). A block of FL_WARPS warps shares each
 // staged K/V row among FL_VECS query vectors: 4x paged_prefill_*'s sharing, and the dot products
 // run on the tensor cores instead of the CUDA cores.
@@ -243,6 +251,7 @@ __device__ void flash_prefill_tile(const float* q, S k, S v, const int* block_ta
                                    int heads, int kv_heads, int head_dim, int block_size, int max_blocks, float softmax_scale) {
     __shared__ u32 kp[FL_KEYS][FL_MAX_D / 2 + 4];     // +4 words: lanes of a fragment load hit distinct banks
     __shared__ u32 vp[FL_KEYS / 2][FL_MAX_D + 8];
+    __shared__ float ksc[FL_KEYS], vsc[FL_KEYS];       // the staged rows' scales (1 unless FP8)
     int first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
     int kvh = blockIdx.y, group = heads / kv_heads, lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
     int gid = lane / 4, tig = lane % 4; // the fragment's row group and thread in group
@@ -289,7 +298,13 @@ __device__ void flash_prefill_tile(const float* q, S k, S v, const int* block_ta
                 int pos = p0 + r;
                 long row = (long)table[pos / block_size] * block_size + pos % block_size;
                 long at = (row * kv_heads + kvh) * head_dim + 2 * i, sc = row * kv_heads + kvh;
-                word = pack_bf16(k.at(at, sc), k.at(at + 1, sc));
+                word = pack_bf16(k.code(at), k.code(at + 1));
+                if (i == 0) {
+                    ksc[r] = k.scale(sc);
+                    vsc[r] = v.scale(sc);
+                }
+            } else if (i == 0) {
+                ksc[r] = vsc[r] = 0.0f; // past the stage: P is 0 there, and 0 x a stale scale may not be
             }
             kp[r][i] = word;
         }
@@ -301,7 +316,7 @@ __device__ void flash_prefill_tile(const float* q, S k, S v, const int* block_ta
                 if (r >= count) continue;
                 int pos = p0 + r;
                 long row = (long)table[pos / block_size] * block_size + pos % block_size;
-                float x = v.at((row * kv_heads + kvh) * head_dim + d, row * kv_heads + kvh);
+                float x = v.code((row * kv_heads + kvh) * head_dim + d);
                 if (b == 0) lo = x; else hi = x;
             }
             vp[j][d] = pack_bf16(lo, hi);
@@ -324,8 +339,8 @@ __device__ void flash_prefill_tile(const float* q, S k, S v, const int* block_ta
 #pragma unroll
             for (int n = 0; n < FL_SN; n++)
                 for (int e = 0; e < 4; e++) {
-                    int s = e >> 1, pos = p0 + n * 8 + tig * 2 + (e & 1);
-                    if (pos >= len[s]) sc[n][e] = __int_as_float(0xff800000);
+                    int s = e >> 1, key = n * 8 + tig * 2 + (e & 1);
+                    sc[n][e] = p0 + key < len[s] ? sc[n][e] * ksc[key] : __int_as_float(0xff800000);
                     mx[s] = fmaxf(mx[s], sc[n][e]);
                 }
             float corr[2], base[2];
@@ -348,6 +363,10 @@ __device__ void flash_prefill_tile(const float* q, S k, S v, const int* block_ta
 #pragma unroll
             for (int n = 0; n < FL_DN; n++)
                 for (int e = 0; e < 4; e++) o[n][e] *= corr[e >> 1];
+            // P's A operand carries each key's value scale (the staged values are codes).
+#pragma unroll
+            for (int n = 0; n < FL_SN; n++)
+                for (int e = 0; e < 4; e++) sc[n][e] *= vsc[n * 8 + tig * 2 + (e & 1)];
 #pragma unroll
             for (int kc = 0; kc < FL_KEYS / 16; kc++) {
                 u32 pa[4] = {pack_bf16(sc[2 * kc][0], sc[2 * kc][1]), pack_bf16(sc[2 * kc][2], sc[2 * kc][3]),
@@ -477,6 +496,202 @@ __device__ void latent_heads(const float* q_lat, const float* q_rope, S c, S kr,
         if (i < lora) out[i] = acc[j];
     }
     if (lane == 0) { out[lora] = m; out[lora + 1] = l; } // an empty share: (-inf, 0)
+}
+
+// MLA prefill on tensor cores: absorbed attention for the rows of prompt chunks (tiles as for
+// paged_flash_prefill_*, with MLA's single latent "kv head": a tile's vectors are its (row, head)
+// pairs). The key of a position is c ‖ kr (lora + rope wide) and its value c (lora), both far
+// wider than one warp's registers hold for 16 query rows, so a block of 8 warps works on 32
+// vectors as two row groups of 16, and the 4 warps of a row group split the work: for S = Q·Kᵀ
+// each takes every 4th 16-wide chunk of the key (its Q fragments in registers) and the partial
+// scores are summed through shared memory; every warp of the group then runs the same online
+// softmax on the full scores and multiplies P by its quarter of the latent (O's columns split 4
+// ways). Staged keys are bf16 pairs along the key width, zero-padded to whole chunks: the latent
+// to a multiple of 32 (4 quarters of whole 8-wide MMA tiles), the rotary part to a multiple of 16;
+// P·V reads a position pair of one latent column as two halves of those words. lora <= 512,
+// rope <= 64 (DeepSeek-V3, Kimi); Q and P rounded to bf16, f32 accumulation; rows staged exactly
+// (FP8: the codes; a warp keeps its latent and rotary partial scores apart, as they take
+// different row scales, and P carries the latent's scale into P·V).
+#define FM_WARPS 8
+#define FM_VECS 32 // 2 row groups of 16
+#define FM_KEYS 16
+#define FM_MAX_LORA 512
+#define FM_MAX_ROPE 64
+#define FM_MAX_W (FM_MAX_LORA + FM_MAX_ROPE)
+#define FM_QC (FM_MAX_W / 16 / 4)    // key chunks per warp
+#define FM_ON (FM_MAX_LORA / 4 / 8)  // 8-wide O tiles per warp
+template <typename S>
+__device__ void mla_flash_prefill_tile(const float* q_lat, const float* q_rope, S c, S kr, const int* block_tables, const int* lens,
+                                       const int* tiles, float* ctx, int heads, int lora, int rope, int block_size, int max_blocks,
+                                       float softmax_scale) {
+    __shared__ u32 kp[FM_KEYS][FM_MAX_W / 2 + 4];
+    __shared__ float part[FM_WARPS][2][4][WARP]; // each warp's partial score fragments
+    __shared__ float csc[FM_KEYS], rsc[FM_KEYS]; // the staged rows' latent and rotary scales
+    int first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
+    int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, rg = w / 4, quarter = w % 4;
+    int gid = lane / 4, tig = lane % 4;
+    int v0 = blockIdx.z * FM_VECS;
+    if (v0 >= rows * heads) return; // the whole block: no barrier is missed
+    int lora_pad = (lora + 31) / 32 * 32, rope_pad = (rope + 15) / 16 * 16, width = lora_pad + rope_pad;
+    int chunks = width / 16, slice = lora_pad / 4; // slice: this warp's O columns, a multiple of 8
+    int last = first + rows - 1, max_len = lens[last];
+    const int* table = block_tables + (long)last * max_blocks;
+    long th[2];
+    int len[2];
+    for (int s = 0; s < 2; s++) {
+        int vec = v0 + rg * 16 + gid + 8 * s;
+        bool act = vec < rows * heads;
+        th[s] = act ? (long)(first + vec / heads) * heads + vec % heads : 0;
+        len[s] = act ? lens[first + vec / heads] : 0;
+    }
+    int group_len = (int)warp_max((float)max(len[0], len[1])); // the same in the row group's 4 warps
+    // Element d of the padded query (scaled): q_lat below lora_pad, q_rope after it, zeros between.
+    u32 qa[FM_QC][4];
+#pragma unroll
+    for (int j = 0; j < FM_QC; j++) {
+        int ch = quarter + 4 * j;
+        for (int r = 0; r < 4; r++) {
+            int s = r & 1;
+            float x[2] = {0.0f, 0.0f};
+            for (int b = 0; b < 2; b++) {
+                int d = ch * 16 + tig * 2 + (r >> 1) * 8 + b;
+                if (ch >= chunks || len[s] == 0) continue;
+                if (d < lora) x[b] = q_lat[th[s] * lora + d];
+                else if (d >= lora_pad && d - lora_pad < rope) x[b] = q_rope[th[s] * rope + d - lora_pad];
+            }
+            qa[j][r] = pack_bf16(x[0] * softmax_scale, x[1] * softmax_scale);
+        }
+    }
+    float o[FM_ON][4], m[2], l[2];
+#pragma unroll
+    for (int n = 0; n < FM_ON; n++)
+        for (int e = 0; e < 4; e++) o[n][e] = 0.0f;
+    for (int s = 0; s < 2; s++) {
+        m[s] = __int_as_float(0xff800000);
+        l[s] = 0.0f;
+    }
+    int half = width / 2;
+    for (int p0 = 0; p0 < max_len; p0 += FM_KEYS) {
+        int count = min(FM_KEYS, max_len - p0);
+        for (int e = threadIdx.x; e < FM_KEYS * half; e += blockDim.x) {
+            int r = e / half, i = e % half;
+            float x[2] = {0.0f, 0.0f};
+            if (r < count) {
+                int pos = p0 + r;
+                long row = (long)table[pos / block_size] * block_size + pos % block_size;
+                for (int b = 0; b < 2; b++) {
+                    int d = 2 * i + b;
+                    if (d < lora) x[b] = c.code(row * lora + d);
+                    else if (d >= lora_pad && d - lora_pad < rope) x[b] = kr.code(row * rope + d - lora_pad);
+                }
+                if (i == 0) {
+                    csc[r] = c.scale(row);
+                    rsc[r] = rope > 0 ? kr.scale(row) : 0.0f;
+                }
+            } else if (i == 0) {
+                csc[r] = rsc[r] = 0.0f; // past the stage: P is 0 there, and 0 x a stale scale may not be
+            }
+            kp[r][i] = pack_bf16(x[0], x[1]);
+        }
+        __syncthreads();
+        bool live = p0 < group_len; // uniform over the row group: its warps skip together
+        float sc[FM_KEYS / 8][4];
+        if (live) {
+#pragma unroll
+            for (int n = 0; n < FM_KEYS / 8; n++) {
+                float lat[4] = {0.0f, 0.0f, 0.0f, 0.0f}, rot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int j = 0; j < FM_QC; j++) {
+                    int ch = quarter + 4 * j;
+                    if (ch >= chunks) break;
+                    u32 b[2] = {kp[n * 8 + gid][ch * 8 + tig], kp[n * 8 + gid][ch * 8 + 4 + tig]};
+                    if (ch * 16 < lora_pad) mma_bf16_16816(lat, qa[j], b); // warp-uniform
+                    else mma_bf16_16816(rot, qa[j], b);
+                }
+                for (int e = 0; e < 4; e++) {
+                    int key = n * 8 + tig * 2 + (e & 1);
+                    part[w][n][e][lane] = lat[e] * csc[key] + rot[e] * rsc[key];
+                }
+            }
+        }
+        __syncthreads();
+        if (live) {
+            // The row group's full scores: the sum of its 4 warps' partials (same fragment slots).
+            float mx[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)};
+#pragma unroll
+            for (int n = 0; n < FM_KEYS / 8; n++)
+                for (int e = 0; e < 4; e++) {
+                    float v = 0.0f;
+                    for (int q = 0; q < 4; q++) v += part[rg * 4 + q][n][e][lane];
+                    int s = e >> 1, pos = p0 + n * 8 + tig * 2 + (e & 1);
+                    sc[n][e] = pos < len[s] ? v : __int_as_float(0xff800000);
+                    mx[s] = fmaxf(mx[s], sc[n][e]);
+                }
+            float corr[2], base[2];
+            for (int s = 0; s < 2; s++) {
+                mx[s] = fmaxf(mx[s], __shfl_xor_sync(0xffffffffu, mx[s], 1));
+                mx[s] = fmaxf(mx[s], __shfl_xor_sync(0xffffffffu, mx[s], 2));
+                float m2 = fmaxf(m[s], mx[s]);
+                base[s] = m2 == __int_as_float(0xff800000) ? 0.0f : m2;
+                corr[s] = expf(m[s] - base[s]);
+                m[s] = m2;
+                l[s] *= corr[s];
+            }
+#pragma unroll
+            for (int n = 0; n < FM_KEYS / 8; n++)
+                for (int e = 0; e < 4; e++) {
+                    sc[n][e] = expf(sc[n][e] - base[e >> 1]);
+                    l[e >> 1] += sc[n][e];
+                }
+#pragma unroll
+            for (int n = 0; n < FM_ON; n++)
+                for (int e = 0; e < 4; e++) o[n][e] *= corr[e >> 1];
+            // P's A operand carries each key's latent scale (the staged latents are codes).
+#pragma unroll
+            for (int n = 0; n < FM_KEYS / 8; n++)
+                for (int e = 0; e < 4; e++) sc[n][e] *= csc[n * 8 + tig * 2 + (e & 1)];
+            // O[:, this quarter] += P · C[:, this quarter] (FM_KEYS = 16: one k step).
+            u32 pa[4] = {pack_bf16(sc[0][0], sc[0][1]), pack_bf16(sc[0][2], sc[0][3]), pack_bf16(sc[1][0], sc[1][1]), pack_bf16(sc[1][2], sc[1][3])};
+#pragma unroll
+            for (int n = 0; n < FM_ON; n++) {
+                if (n * 8 >= slice) break;
+                int col = quarter * slice + n * 8 + gid, word = col / 2, shift = (col & 1) * 16;
+                u32 b[2];
+                for (int r = 0; r < 2; r++) {
+                    int k0 = tig * 2 + r * 8; // positions k0, k0 + 1 of the stage
+                    b[r] = ((kp[k0][word] >> shift) & 0xffffu) | (((kp[k0 + 1][word] >> shift) & 0xffffu) << 16);
+                }
+                mma_bf16_16816(o[n], pa, b);
+            }
+        }
+        __syncthreads(); // the staged rows and partial scores are overwritten next
+    }
+    for (int s = 0; s < 2; s++) {
+        l[s] += __shfl_xor_sync(0xffffffffu, l[s], 1);
+        l[s] += __shfl_xor_sync(0xffffffffu, l[s], 2);
+    }
+#pragma unroll
+    for (int n = 0; n < FM_ON; n++) {
+        if (n * 8 >= slice) break;
+        for (int e = 0; e < 4; e++) {
+            int s = e >> 1, col = quarter * slice + n * 8 + tig * 2 + (e & 1);
+            if (len[s] > 0 && col < lora) ctx[th[s] * lora + col] = o[n][e] / l[s];
+        }
+    }
+}
+
+extern "C" __global__ void mla_flash_prefill_bf16(const float* q_lat, const float* q_rope, const u16* c, const u16* kr,
+                                                  const int* block_tables, const int* lens, const int* tiles, float* ctx, int heads,
+                                                  int lora, int rope, int block_size, int max_blocks, float softmax_scale) {
+    mla_flash_prefill_tile(q_lat, q_rope, Bf16Rows{c}, Bf16Rows{kr}, block_tables, lens, tiles, ctx, heads, lora, rope, block_size,
+                           max_blocks, softmax_scale);
+}
+extern "C" __global__ void mla_flash_prefill_fp8(const float* q_lat, const float* q_rope, const u8* c, const u8* kr,
+                                                 const float* c_scales, const float* kr_scales, const int* block_tables,
+                                                 const int* lens, const int* tiles, float* ctx, int heads, int lora, int rope,
+                                                 int block_size, int max_blocks, float softmax_scale) {
+    mla_flash_prefill_tile(q_lat, q_rope, Fp8Rows{c, c_scales}, Fp8Rows{kr, kr_scales}, block_tables, lens, tiles, ctx, heads, lora,
+                           rope, block_size, max_blocks, softmax_scale);
 }
 
 // Merges the `splits` partial results of latent_heads per (token, head): with M the largest

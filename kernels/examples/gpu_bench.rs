@@ -280,6 +280,41 @@ fn mla_report(g: &Gpu) {
     }
 }
 
+/// MLA prompt attention, one 1024-token chunk of one sequence at DeepSeek-V3's widths (128
+/// heads, latent 512 + rotary 64, bf16 latent cache): every row by the decode kernel (what the
+/// forward runs without the prefill kernel) and the tensor-core `mla_flash_prefill_bf16`, with
+/// its achieved rate in causal-attention FLOPs.
+fn mla_prefill_report(g: &Gpu) {
+    use kernels::gpu::kv_pool::KvStorage;
+    use kernels::gpu::mla::mla_flash_rows_per_tile;
+    use kernels::gpu::prefill::prefill_tiles;
+    use kernels::gpu::DeviceLatentPool;
+    let (heads, lora, rope, n, block) = (128usize, 512usize, 64usize, 1024usize, 16usize);
+    let max_blocks = n / block;
+    let mut pool = DeviceLatentPool::new(g, 1, max_blocks, block, lora, rope, KvStorage::Bf16).unwrap();
+    let slots: Vec<i32> = (0..n as i32).collect();
+    let (c, kr) = (g.upload(&rand_f32(n * lora, 61, 1.0)).unwrap(), g.upload(&rand_f32(n * rope, 62, 1.0)).unwrap());
+    pool.write_rows(g, 0, &c, &kr, &g.upload(&slots).unwrap(), n).unwrap();
+    let tables: Vec<i32> = (0..n).flat_map(|_| 0..max_blocks as i32).collect();
+    let lens: Vec<i32> = (1..=n as i32).collect();
+    let (tables, lens) = (g.upload(&tables).unwrap(), g.upload(&lens).unwrap());
+    let q_lat = g.upload(&rand_f32(n * heads * lora, 63, 0.1)).unwrap();
+    let q_rope = g.upload(&rand_f32(n * heads * rope, 64, 0.1)).unwrap();
+    let mut ctx = g.zeros::<f32>(n * heads * lora).unwrap();
+    let per_row = time_per_call(g, || pool.attention(g, 0, heads, max_blocks, &q_lat, &q_rope, &tables, &lens, 0.07, &mut ctx).unwrap());
+    let what = format!("MLA prefill attention ({heads} heads, latent {lora}+{rope} bf16), one {n}-token chunk");
+    if !pool.has_prefill_kernel(g) {
+        println!("{what}: decode kernel per row {:.0} us per layer; tensor-core prefill kernel: not on this GPU", per_row * 1e6);
+        return;
+    }
+    let tiles = prefill_tiles(&[(0, n)], mla_flash_rows_per_tile(heads));
+    let (num_tiles, tiles) = (tiles.len() / 2, g.upload(&tiles).unwrap());
+    let flash = time_per_call(g, || pool.prefill_attention(g, 0, heads, max_blocks, &q_lat, &q_rope, &tables, &lens, &tiles, num_tiles, 0.07, &mut ctx).unwrap());
+    // Causal: n(n+1)/2 (query, key) pairs per head, 2 FLOPs per multiply-add of Q·K and P·V.
+    let flops = (heads * n * (n + 1) / 2 * 2 * (lora + rope + lora)) as f64;
+    println!("{what}: decode kernel per row {:.0} us, tensor-core prefill kernel {:.0} us per layer, ratio {:.2}x; {:.1} TFLOP/s", per_row * 1e6, flash * 1e6, per_row / flash, flops / flash / 1e12);
+}
+
 /// Prompt attention, one 2048-token chunk of one sequence: every row by the decode kernel (what
 /// the forward did before the prefill kernels), by the CUDA-core prefill kernel's tiles, and by
 /// the tensor-core one's (what the forward runs for a bf16 cache on sm_80+).
@@ -336,4 +371,5 @@ fn main() {
     moe_prefill_report(&g);
     mla_report(&g);
     prefill_attention_report(&g);
+    mla_prefill_report(&g);
 }

@@ -120,6 +120,7 @@ on_every_runtime!(
     kv_stores_match_cpu_bit_for_bit,
     latent_pool_writes_copies_and_attends_like_cpu,
     latent_attention_splits_long_contexts,
+    mla_flash_prefill_matches_cpu_within_bf16_rounding,
     absorbed_mla_equals_expanded_attention,
     kda_conv_matches_cpu,
     kda_recurrent_matches_cpu_for_both_gates_and_head_dims,
@@ -419,9 +420,10 @@ fn paged_prefill_matches_cpu_for_every_storage_and_group<R: Runtime>(g: &Kernels
 }
 
 /// The tensor-core prefill kernel over [`PrefillBatch`], bf16 and FP8 caches, against the decode
-/// reference per row given the same bf16-rounded (and pre-scaled) queries the kernel multiplies:
-/// what remains is the rounding of P to bf16 for the P·V product (and the tensor core's
-/// summation order), bounded by `t.mma`. A fragment-layout mistake (a wrong row, column or
+/// reference per row given the same bf16-rounded (and pre-scaled) queries the kernel multiplies
+/// (the cache rows are exact on both sides: bf16, or E4M3 codes with their scales): what remains
+/// is the rounding of P to bf16 for the P·V product (and the tensor core's summation order),
+/// bounded by `t.mma`. A fragment-layout mistake (a wrong row, column or
 /// half-word) is an O(1) error. GQA groups of 1 (64 rows per tile: one partial tile per run), 3
 /// (21 rows), 8 (8 rows) and 80 (one row, vectors over two blocks); head widths 64, 32, 128, 16.
 /// Head widths the kernel cannot take are refused before any launch.
@@ -447,13 +449,10 @@ fn paged_flash_prefill_matches_cpu_within_bf16_rounding<R: Runtime>(g: &Kernels<
         let mut out = fresh();
         g.paged_flash_prefill_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
         b.check(&format!("flash prefill bf16 {heads}/{kv_heads}x{head_dim}"), &g.download(&out).unwrap(), &want, per_row, t.mma);
-        // FP8: the kernel widens code x scale to f32 and rounds it to bf16 for the product.
+        // FP8: the kernel multiplies the E4M3 codes (exact in bf16) and applies the row scales to
+        // the scores and to P, so the reference reads the FP8 rows as they are.
         let ((kc, ks), (vc, vs)) = (fp8_rows(&k, head_dim), fp8_rows(&v, head_dim));
-        let widen = |codes: &[u8], scales: &[f32]| -> Vec<u16> {
-            codes.iter().enumerate().map(|(i, &c)| half::bf16::from_f32(cpu::fp8::E4M3_TO_F32[c as usize] * scales[i / head_dim]).to_bits()).collect()
-        };
-        let (kw, vw) = (widen(&kc, &ks), widen(&vc, &vs));
-        cpu::attention::paged_attention_decode(&q_bf16, &KvBlocks::Bf16 { k: &kw, v: &vw }, &b.tables, &b.lens, &geo, 1.0, &mut want);
+        cpu::attention::paged_attention_decode(&q_bf16, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &b.tables, &b.lens, &geo, 1.0, &mut want);
         let mut out = fresh();
         let (dkc, dvc, dks, dvs) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
         g.paged_flash_prefill_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();

@@ -33,7 +33,7 @@ pub const SOURCES: &[Source] = &[
     src!("norm.cu", ["rms_norm", "add_rms_norm"]),
     src!("rope.cu", ["rope_neox"]),
     src!("swiglu.cu", ["silu_mul"]),
-    src!("paged_attention.cu", ["paged_attention_f32", "paged_attention_bf16", "paged_attention_fp8", "paged_prefill_f32", "paged_prefill_bf16", "paged_prefill_fp8", "paged_flash_prefill_bf16", "paged_flash_prefill_fp8", "mla_attention_f32", "mla_attention_bf16", "mla_attention_fp8", "mla_combine"]),
+    src!("paged_attention.cu", ["paged_attention_f32", "paged_attention_bf16", "paged_attention_fp8", "paged_prefill_f32", "paged_prefill_bf16", "paged_prefill_fp8", "paged_flash_prefill_bf16", "paged_flash_prefill_fp8", "mla_attention_f32", "mla_attention_bf16", "mla_attention_fp8", "mla_combine", "mla_flash_prefill_bf16", "mla_flash_prefill_fp8"]),
     src!("sampling.cu", ["sample_top_k_top_p"]),
     src!("moe.cu", ["moe_count", "moe_offsets", "moe_scatter", "moe_tiles", "moe_gather_bf16", "moe_scatter_rows", "moe_gemv_bf16", "moe_gemv_f32", "matmul_f32", "moe_route", "moe_combine"]),
     src!("gather.cu", ["gather_rows_f32", "gather_rows_bf16", "narrow_bf16"]),

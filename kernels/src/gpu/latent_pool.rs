@@ -71,6 +71,26 @@ impl<R: Runtime> DeviceLatentPool<R> {
         super::kv_pool::copy_block(&mut self.layers, gpu, "latent", self.num_blocks, self.block_size, src, dst, slots, shape)
     }
 
+    /// Whether [`Self::prefill_attention`] can run here (the tensor-core kernel: bf16 or FP8 rows
+    /// of DeepSeek/Kimi widths on sm_80+); without it prompt chunks take [`Self::attention`].
+    pub fn has_prefill_kernel(&self, gpu: &Kernels<R>) -> bool {
+        super::mla::mla_flash_prefill_fits(self.storage, self.lora, self.rope, gpu.bf16_mma())
+    }
+
+    /// [`Self::attention`] for the rows of prompt chunks in `num_tiles` tiles (`(first row, rows)`
+    /// pairs from `prefill::prefill_tiles` with `mla::mla_flash_rows_per_tile(heads)`), on the
+    /// tensor cores; other rows of `ctx` are left untouched. An error where
+    /// [`Self::has_prefill_kernel`] is false.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill_attention(&self, gpu: &Kernels<R>, layer: usize, heads: usize, max_blocks: usize, q_lat: &R::Buf<f32>, q_rope: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, ctx: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        let g = LatentGeometry { heads, lora: self.lora, rope: self.rope, block_size: self.block_size, max_blocks };
+        match self.layers.get(layer).ok_or_else(|| bad(format!("latent prefill attention: no layer {layer} of {}", self.layers.len())))? {
+            KvLayer::F32 { .. } => Err(bad("latent prefill attention: an f32 pool keeps f32 products (use attention)".into())),
+            KvLayer::Bf16 { k, v } => gpu.mla_flash_prefill_bf16(&g, q_lat, q_rope, k, v, tables, lens, tiles, num_tiles, scale, ctx),
+            KvLayer::Fp8 { k, v, ks, vs } => gpu.mla_flash_prefill_fp8(&g, q_lat, q_rope, k, v, ks, vs, tables, lens, tiles, num_tiles, scale, ctx),
+        }
+    }
+
     /// ctx[t, h, :] (lora wide) = sum over positions p < lens[t] of token t's block table (tables
     /// [n, max_blocks]) of softmax_p(scale * (q_lat[t,h] . c_p + q_rope[t,h] . kr_p)) * c_p.
     /// q_lat [n, heads, lora], q_rope [n, heads, rope] dense. n = lens.len(). The block ids must be

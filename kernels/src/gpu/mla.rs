@@ -7,6 +7,7 @@
 use super::kernels::check;
 use super::runtime::{DevBuf, Dims, KArg as A};
 use super::{Kernels, Runtime};
+use super::kv_pool::KvStorage;
 use crate::cpu::mla::LatentGeometry;
 use crate::cuda::CudaError;
 
@@ -30,6 +31,26 @@ const MLA_MAX_SPLITS: usize = 64;
 pub fn mla_splits(blocks: usize, max_len: usize) -> usize {
     MLA_TARGET_BLOCKS.div_ceil(blocks.max(1)).min(max_len / MLA_MIN_SPLIT).clamp(1, MLA_MAX_SPLITS)
 }
+/// Query vectors per block of `mla_flash_prefill_*` (`FM_VECS` in paged_attention.cu: two row
+/// groups of 16 MMA rows) and the widest latent and rotary key it takes (`FM_MAX_LORA`,
+/// `FM_MAX_ROPE`).
+pub const MLA_FLASH_VECS: usize = 32;
+pub const MLA_FLASH_MAX_LORA: usize = 512;
+pub const MLA_FLASH_MAX_ROPE: usize = 64;
+
+/// Whether prompt chunks over a latent cache of `storage` with these widths take the tensor-core
+/// kernel (`mla_flash_prefill_*`) on a runtime with (or without) bf16 MMA: bf16 and FP8 caches
+/// (an f32 cache keeps f32 products), DeepSeek-V3/Kimi-sized rows, sm_80+.
+pub fn mla_flash_prefill_fits(storage: KvStorage, lora: usize, rope: usize, bf16_mma: bool) -> bool {
+    bf16_mma && storage != KvStorage::F32 && (1..=MLA_FLASH_MAX_LORA).contains(&lora) && rope <= MLA_FLASH_MAX_ROPE
+}
+
+/// Rows per tile of `mla_flash_prefill_*` for `heads` query heads (all sharing the latent): as
+/// many rows as fill a block's vectors, at least one (more heads are split over gridDim.z).
+pub fn mla_flash_rows_per_tile(heads: usize) -> usize {
+    (MLA_FLASH_VECS / heads.max(1)).max(1)
+}
+
 /// Rotary pairs per row `rope_rows` handles (32 lanes × `ROPE_PAIRS` in mla.cu).
 pub const ROPE_ROWS_MAX_PAIRS: usize = 256;
 /// Warps per block and tokens per tile of `head_matvec_bf16` (`HM_WARPS`, `HM_TOK` in mla.cu).
@@ -127,6 +148,41 @@ impl<R: Runtime> Kernels<R> {
         // A scale for every stored row (kr is a 1-element placeholder when rope is 0).
         check(c_scales.len() * g.lora >= c.len() && (g.rope == 0 || kr_scales.len() * g.rope >= kr.len()), || format!("mla_attention_fp8: {} / {} scales for {} / {} codes", c_scales.len(), kr_scales.len(), c.len(), kr.len()))?;
         self.mla_attention("mla_attention_fp8", g, q_lat, q_rope, [A::U8s(c), A::U8s(kr), A::F32s(c_scales), A::F32s(kr_scales)], tables, lens, scale, ctx)
+    }
+
+    /// Absorbed MLA attention for the rows of prompt chunks on the tensor cores: `tiles` (`num_tiles`
+    /// `(first row, rows)` pairs from `prefill::prefill_tiles` with [`mla_flash_rows_per_tile`])
+    /// cover runs of consecutive rows of one sequence; their ctx rows get what
+    /// [`Self::mla_attention_bf16`] would give (up to bf16 rounding of Q, K and P), other rows are
+    /// left untouched. `q_lat`, `q_rope`, `tables`, `lens`, `ctx` are the whole batch's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_flash_prefill_bf16(&self, g: &LatentGeometry, q_lat: &R::Buf<f32>, q_rope: &R::Buf<f32>, c: &R::Buf<u16>, kr: &R::Buf<u16>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, ctx: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        self.mla_flash_prefill("mla_flash_prefill_bf16", KvStorage::Bf16, g, q_lat, q_rope, vec![A::U16s(c), A::U16s(kr)], tables, lens, tiles, num_tiles, scale, ctx)
+    }
+
+    /// As [`Self::mla_flash_prefill_bf16`] over E4M3 rows with one scale per pool row of each.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_flash_prefill_fp8(&self, g: &LatentGeometry, q_lat: &R::Buf<f32>, q_rope: &R::Buf<f32>, c: &R::Buf<u8>, kr: &R::Buf<u8>, c_scales: &R::Buf<f32>, kr_scales: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, ctx: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        check(c_scales.len() * g.lora >= c.len() && (g.rope == 0 || kr_scales.len() * g.rope >= kr.len()), || format!("mla_flash_prefill_fp8: {} / {} scales for {} / {} codes", c_scales.len(), kr_scales.len(), c.len(), kr.len()))?;
+        self.mla_flash_prefill("mla_flash_prefill_fp8", KvStorage::Fp8, g, q_lat, q_rope, vec![A::U8s(c), A::U8s(kr), A::F32s(c_scales), A::F32s(kr_scales)], tables, lens, tiles, num_tiles, scale, ctx)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn mla_flash_prefill(&self, name: &'static str, storage: KvStorage, g: &LatentGeometry, q_lat: &R::Buf<f32>, q_rope: &R::Buf<f32>, cache: Vec<A<'_, R>>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, ctx: &mut R::Buf<f32>) -> Result<(), CudaError> {
+        let (n, heads, lora, rope) = (lens.len(), g.heads, g.lora, g.rope);
+        check(mla_flash_prefill_fits(storage, lora, rope, self.rt.bf16_mma()), || format!("{name}: latent {lora} / rotary {rope} wide (at most {MLA_FLASH_MAX_LORA} / {MLA_FLASH_MAX_ROPE}) on {} (bf16 MMA: {})", self.rt.describe(), self.rt.bf16_mma()))?;
+        check(heads >= 1 && n <= i32::MAX as usize && g.block_size > 0, || format!("{name}: {n} tokens x {heads} heads, block size {}", g.block_size))?;
+        check(q_lat.len() >= n * heads * lora && q_rope.len() >= n * heads * rope && ctx.len() >= n * heads * lora && tables.len() >= n * g.max_blocks, || format!("{name}: q_lat {} / q_rope {} / ctx {} / tables {} elements for {n} tokens", q_lat.len(), q_rope.len(), ctx.len(), tables.len()))?;
+        check(tiles.len() >= 2 * num_tiles && num_tiles <= i32::MAX as usize, || format!("{name}: {} tile entries for {num_tiles} tiles", tiles.len()))?;
+        let z = (mla_flash_rows_per_tile(heads) * heads).div_ceil(MLA_FLASH_VECS);
+        check(z <= GRID_YZ_MAX, || format!("{name}: {heads} heads exceed one launch's grid"))?;
+        if num_tiles == 0 {
+            return Ok(()); // no prompt chunk in the batch; CUDA refuses an empty grid
+        }
+        let mut args: Vec<A<'_, R>> = vec![A::F32s(q_lat), A::F32s(q_rope)];
+        args.extend(cache);
+        args.extend([A::I32s(tables), A::I32s(lens), A::I32s(tiles), A::F32s(ctx), A::I32(heads as i32), A::I32(lora as i32), A::I32(rope as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)]);
+        self.go(name, Dims::new((num_tiles as u32, 1, z as u32), (MLA_FLASH_VECS / 16 * 4 * 32) as u32), &args)
     }
 
     /// Size checks and launch of the three storage variants; `cache` is the kernel's cache

@@ -59,6 +59,8 @@ impl ThreadOrder {
 pub struct SimRuntime {
     parallel: bool,
     order: ThreadOrder,
+    /// What [`Runtime::bf16_mma`] answers (the simulator emulates the MMAs either way).
+    bf16_mma: bool,
 }
 
 impl SimRuntime {
@@ -76,7 +78,13 @@ impl SimRuntime {
         if !ffi::BUILT {
             return Err(sim_err("simulator", ffi::NOT_BUILT.to_string()));
         }
-        Ok(Self { parallel, order: ThreadOrder::from_env() })
+        Ok(Self { parallel, order: ThreadOrder::from_env(), bf16_mma: true })
+    }
+    /// The same runtime posing as a GPU without bf16 tensor cores (before sm_80): callers then
+    /// choose the kernels that do without them, as they would there (e.g. to check the rest of
+    /// a forward at f32 precision).
+    pub fn without_bf16_mma(self) -> Self {
+        Self { bf16_mma: false, ..self }
     }
     /// The same runtime with the threads of each block run in `order` between barriers.
     pub fn with_order(self, order: ThreadOrder) -> Self {
@@ -191,6 +199,9 @@ impl Runtime for SimRuntime {
     }
 
     /// Not cuBLAS: `out[i, j] = Σ_k x[i, k]·w[j, k]` over the bf16 values in f32, in k order.
+    fn bf16_mma(&self) -> bool {
+        self.bf16_mma
+    }
     fn gemm_bf16(&self, x: &SimBuf<u16>, w: &SimBuf<u16>, w_row0: usize, out: &mut SimBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
         gpu::kernels::check(x.len() >= n * k && w.len() >= (w_row0 + m) * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
         let widen = |b: u16| f32::from_bits((b as u32) << 16);

@@ -271,6 +271,58 @@ pub fn latent_pool_writes_copies_and_attends_like_cpu<R: Runtime>(g: &Kernels<R>
     assert!(DeviceLatentPool::new(g, 1, 1, 1, 0, 8, KvStorage::F32).is_err(), "a zero-width latent is an error");
 }
 
+/// The tensor-core prefill (`mla_flash_prefill_*` through `DeviceLatentPool::prefill_attention`)
+/// over the prompt-chunk batch of `PrefillBatch` (a 37-row chunk from position 0, a 10-row chunk
+/// after a cached prefix, a decode row that must stay untouched), bf16 and FP8 pools, against
+/// `cpu::mla` given the same bf16-rounded scaled queries (the rows are exact on both sides: bf16,
+/// or E4M3 codes with their scales): what remains is P's rounding, bounded by `t.mma`.
+/// Widths: the tiny DeepSeek fixture's (latent 24, rotary 8: both padded to whole MMA chunks),
+/// Kimi's NoPE (16, 0), DeepSeek-V3's (512, 64; 16 heads: 2 rows per tile) and 40 heads (one row,
+/// its vectors over two blocks, the second partial).
+pub fn mla_flash_prefill_matches_cpu_within_bf16_rounding<R: Runtime>(g: &Kernels<R>, t: &Tol) {
+    use kernels::gpu::mla::mla_flash_rows_per_tile;
+    use kernels::gpu::prefill::prefill_tiles;
+    let b = super::PrefillBatch::new();
+    let (n, pool_rows) = (b.n, b.num_blocks * b.bs);
+    let (dt, dl) = (g.upload(&b.tables).unwrap(), g.upload(&b.lens).unwrap());
+    let up = |x: &[f32]| g.upload(x).unwrap();
+    let all_rows: Vec<i32> = (0..pool_rows as i32).collect();
+    for (ci, &(heads, lora, rope)) in [(4usize, 24usize, 8usize), (4, 16, 0), (16, 512, 64), (40, 64, 16)].iter().enumerate() {
+        let (c, kr) = latent_rows(pool_rows, lora, rope, 200 + ci as u64);
+        let q_lat = uniform(n * heads * lora, 210 + ci as u64, -0.3, 0.3);
+        let q_rope = uniform((n * heads * rope).max(1), 220 + ci as u64, -0.3, 0.3);
+        let scale = 1.0 / ((lora + rope) as f32).sqrt() * 4.0;
+        let round = |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| half::bf16::from_f32(v * scale).to_f32()).collect() };
+        let (ql16, qr16) = (round(&q_lat), round(&q_rope));
+        let geo = LatentGeometry { heads, lora, rope, block_size: b.bs, max_blocks: b.max_blocks };
+        let tiles = prefill_tiles(&b.runs, mla_flash_rows_per_tile(heads));
+        let (dtiles, num_tiles) = (g.upload(&tiles).unwrap(), tiles.len() / 2);
+        let per_row = heads * lora;
+        for storage in [KvStorage::Bf16, KvStorage::Fp8] {
+            let what = format!("MLA flash prefill {storage:?} heads={heads} lora={lora} rope={rope}");
+            let mut pool = DeviceLatentPool::new(g, 1, b.num_blocks, b.bs, lora, rope, storage).unwrap();
+            assert!(pool.has_prefill_kernel(g), "{what}: the tensor-core kernel must take it");
+            let dkr = if rope > 0 { up(&kr) } else { g.zeros::<f32>(1).unwrap() };
+            pool.write_rows(g, 0, &up(&c), &dkr, &g.upload(&all_rows).unwrap(), pool_rows).unwrap();
+            let mut cpu_rows = CpuRows::new(storage, pool_rows, lora, rope);
+            cpu_rows.store(&c, &kr, &all_rows, lora, rope);
+            let mut want = vec![0.0; n * per_row];
+            cpu::mla::mla_attention(&ql16, &qr16[..n * heads * rope], &cpu_rows.blocks(), &b.tables, &b.lens, &geo, 1.0, &mut want);
+            let mut ctx = up(&vec![7.0f32; n * per_row]);
+            pool.prefill_attention(g, 0, heads, b.max_blocks, &up(&q_lat), &up(&q_rope), &dt, &dl, &dtiles, num_tiles, scale, &mut ctx).unwrap();
+            b.check(&what, &g.download(&ctx).unwrap(), &want, per_row, t.mma);
+        }
+    }
+    // An f32 pool and widths past the kernel's registers are refused, not launched.
+    let (q, tiles) = (g.zeros::<f32>(n * 1024).unwrap(), g.upload(&[0i32, 1]).unwrap());
+    for (storage, lora, rope) in [(KvStorage::F32, 64, 16), (KvStorage::Bf16, 1024, 0), (KvStorage::Bf16, 64, 128)] {
+        let pool = DeviceLatentPool::new(g, 1, b.num_blocks, b.bs, lora, rope, storage).unwrap();
+        assert!(!pool.has_prefill_kernel(g), "{storage:?} {lora}/{rope}");
+        let mut ctx = g.zeros::<f32>(n * lora).unwrap();
+        assert!(pool.prefill_attention(g, 0, 1, b.max_blocks, &q, &q, &dt, &dl, &tiles, 1, 1.0, &mut ctx).is_err(), "{storage:?} {lora}/{rope}");
+    }
+}
+
 /// Long contexts with few query tokens: the attention splits each token's positions over blocks
 /// (`mla_splits`) and merges the shares (`mla_combine`). Sequences of 300, 0, 70 and 1 positions
 /// in scattered blocks of 16 (4 shares of at most 75: some shares empty), 3 and 11 heads, every

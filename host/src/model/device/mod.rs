@@ -4,6 +4,7 @@
 //! releasing its peers (`ranks`). The architectures themselves are `device_llama` and
 //! `device_deepseek`.
 
+pub(crate) mod attention_split;
 pub mod model;
 pub mod ranks;
 pub mod step;

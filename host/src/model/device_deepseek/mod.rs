@@ -26,6 +26,7 @@ mod tests;
 
 use kernels::gpu::kernels::GemmScratch;
 use kernels::gpu::latent_pool::DeviceLatentPool;
+use kernels::gpu::mla::mla_flash_rows_per_tile;
 use kernels::gpu::recurrent_pool::DeviceRecurrentPool;
 use kernels::gpu::kv_pool::KvStorage;
 use kernels::gpu::{Kernels, Runtime};
@@ -33,6 +34,7 @@ use kernels::gpu::{Kernels, Runtime};
 use super::config::ModelConfig;
 use super::deepseek::DeepseekV3Model;
 use super::kimi_linear::KimiLinearModel;
+use super::device::attention_split::AttentionSplit;
 use super::device::model::{check_ranks, DeviceModel, DeviceRank, Logits};
 use super::device::step::StepInputs;
 use super::device::weights::DenseWeights;
@@ -195,6 +197,7 @@ impl<R: Runtime> DeviceRank for DecoderRank<R> {
             tables: gpu.upload(&inp.tables)?,
             lens: gpu.upload(&inp.lens)?,
             max_blocks: inp.max_blocks,
+            prefill: mla_prefill_split(gpu, pool, layers, inp)?,
         };
         let ids = gpu.upload(&inp.ids)?;
         let mut hidden = gpu.zeros::<f32>(n * d)?;
@@ -269,6 +272,23 @@ struct Step<R: Runtime> {
     tables: R::Buf<i32>,
     lens: R::Buf<i32>,
     max_blocks: usize,
+    /// Prompt chunks for the latent pool's tensor-core prefill kernel and the decode rows left
+    /// to `mla_attention_*`; `None` when the pool has no prefill kernel (f32 rows, pre-sm_80) or
+    /// the model no MLA layer: every row then takes the decode kernel.
+    prefill: Option<AttentionSplit<R>>,
+}
+
+/// The step's [`AttentionSplit`] for the MLA layers, tiled for their head count (every MLA layer
+/// of a rank has the same heads), when the latent pool can run the prefill kernel.
+fn mla_prefill_split<R: Runtime>(gpu: &Kernels<R>, pool: &DeviceLatentPool<R>, layers: &[DevLayer<R>], inp: &StepInputs) -> Result<Option<AttentionSplit<R>>, ForwardError> {
+    let heads = layers.iter().find_map(|l| match &l.mixer {
+        DevMixer::Mla { attn, .. } => Some(attn.heads),
+        DevMixer::Kda(_) => None,
+    });
+    match heads {
+        Some(h) if pool.has_prefill_kernel(gpu) && !inp.prompt_runs.is_empty() => Ok(Some(AttentionSplit::new(gpu, inp, mla_flash_rows_per_tile(h))?)),
+        _ => Ok(None),
+    }
 }
 
 impl<R: Runtime> DevMla<R> {
@@ -313,7 +333,16 @@ impl<R: Runtime> DevMla<R> {
         let mut q_lat = gpu.zeros::<f32>(n * h * lora)?;
         self.w_uk_t.matvec(gpu, &q_nope, &mut q_lat, n, h, lora, nope)?;
         let mut ctx = gpu.zeros::<f32>(n * h * lora)?;
-        pool.attention(gpu, layer, h, step.max_blocks, &q_lat, &q_rope, &step.tables, &step.lens, self.scale, &mut ctx)?;
+        match &step.prefill {
+            // Decode rows by the decode kernel, prompt chunks on the tensor cores.
+            Some(split) => {
+                if split.decode_rows {
+                    pool.attention(gpu, layer, h, step.max_blocks, &q_lat, &q_rope, &step.tables, split.decode_lens.as_ref().unwrap_or(&step.lens), self.scale, &mut ctx)?;
+                }
+                pool.prefill_attention(gpu, layer, h, step.max_blocks, &q_lat, &q_rope, &step.tables, &step.lens, &split.tiles, split.num_tiles, self.scale, &mut ctx)?;
+            }
+            None => pool.attention(gpu, layer, h, step.max_blocks, &q_lat, &q_rope, &step.tables, &step.lens, self.scale, &mut ctx)?,
+        }
         let mut o = gpu.zeros::<f32>(n * h * v)?;
         self.w_uv.matvec(gpu, &ctx, &mut o, n, h, v, lora)?;
         if let Some(g) = &self.gate {

@@ -164,15 +164,37 @@ fn worst(errors: &[f32]) -> f32 {
 
 /// f32 dense weights: the device differs from the CPU model only in summation order, for every
 /// storage type of the latent rows (both sides round them alike; a value an f32 ulp apart can
-/// still round to the neighbouring bf16 or E4M3 code, hence the looser bounds there).
+/// still round to the neighbouring bf16 or E4M3 code, hence the looser bounds there). The
+/// simulator poses as a GPU without bf16 tensor cores here, so prompt chunks take the f32
+/// decode kernel too; the tensor-core prefill is the next test.
 #[test]
 fn sim_matches_the_cpu_model_on_mixed_batches_with_a_fork() {
     let Some(_) = sim("sim_matches_the_cpu_model_on_mixed_batches_with_a_fork") else { return };
     for (storage, tol) in [(KvStorage::F32, 1e-4), (KvStorage::Bf16, 5e-3), (KvStorage::Fp8, 5e-3)] {
-        let (m, dev) = on_sim(&fixture(), 1, false, DenseWeights::F32);
+        let (m, dev) = placed(&fixture(), 1, false, DenseWeights::F32, || Kernels::new(kernels::sim::SimRuntime::new().unwrap().without_bf16_mma()));
         let e = mixed_batch_errors(m.model.as_ref(), &dev, storage);
         eprintln!("sim, f32 dense weights, {storage:?} latent cache: worst relative logit error vs the CPU model {:.2e} over {} rows", worst(&e), e.len());
         assert!(worst(&e) < tol, "{storage:?}: {}", worst(&e));
+    }
+}
+
+/// The same batches with the prompt chunks of bf16 and FP8 latent caches on the tensor-core
+/// prefill kernel (`mla_flash_prefill_*`), decode rows on the decode kernel: the queries and
+/// softmax weights of prompt rows are rounded to bf16 for the MMAs, which moves their logits by
+/// rounding-sized amounts (measured: median 3e-3 of the row's largest logit) and can re-route a
+/// token through the MoE (one row of 37 at 0.3). A wiring mistake (tiles, the decode rows'
+/// lengths, the head count the tiles assume) is O(1) in whole groups of rows: the median and
+/// the count of rows past 5e-2 catch it.
+#[test]
+fn sim_prompt_chunks_on_the_tensor_core_prefill_match_the_cpu_model() {
+    let Some(_) = sim("sim_prompt_chunks_on_the_tensor_core_prefill_match_the_cpu_model") else { return };
+    for storage in [KvStorage::Bf16, KvStorage::Fp8] {
+        let (m, dev) = on_sim(&fixture(), 1, false, DenseWeights::F32);
+        let mut e = mixed_batch_errors(m.model.as_ref(), &dev, storage);
+        e.sort_by(f32::total_cmp);
+        let (median, far) = (e[e.len() / 2], e.iter().filter(|&&x| x > 5e-2).count());
+        eprintln!("sim, f32 dense weights, {storage:?} latent cache, tensor-core prefill: relative logit error vs the CPU model median {median:.1e}, worst {:.1e}, {far} of {} rows past 5e-2", worst(&e), e.len());
+        assert!(median < 1e-2 && far <= 2, "{storage:?}: median {median}, {far} rows past 5e-2");
     }
 }
 

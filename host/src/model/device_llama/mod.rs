@@ -13,7 +13,6 @@
 //! Numerically it is the CPU model with dense weights in bf16 (see `weights`), so it is tested
 //! against it and against transformers.
 
-mod attention_split;
 #[cfg(test)]
 mod tests;
 
@@ -30,7 +29,7 @@ use super::device::weights::{DenseWeights, DevLinear};
 use super::kv::{BlockCopy, CacheLayout, LayerKvShape};
 use super::llama::LlamaModel;
 use super::{ForwardError, LoadedModel};
-use attention_split::AttentionSplit;
+use crate::model::device::attention_split::AttentionSplit;
 use crate::mesh::device_collective::{DeviceCollective, DeviceGroup, SoleRank};
 
 struct DevLayer<R: Runtime> {

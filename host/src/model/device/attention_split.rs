@@ -1,7 +1,8 @@
-//! How one step's attention rows are split between the two paged-attention kernels: prompt
-//! chunks (`StepInputs::prompt_runs`) go to the prefill kernel in tiles that share their K/V
-//! reads (`kernels::gpu::prefill`), the remaining rows (decode) to the decode kernel. Built once
-//! per step, used by every layer.
+//! How one step's attention rows are split between a decode and a prefill attention kernel:
+//! prompt chunks (`StepInputs::prompt_runs`) go to the prefill kernel in tiles that share their
+//! cache reads (`kernels::gpu::prefill` for Llama's K/V, `mla_flash_prefill_*` for MLA's latent
+//! rows), the remaining rows (decode) to the decode kernel. Built once per step, used by every
+//! layer.
 
 use kernels::cuda::CudaError;
 use kernels::gpu::prefill::prefill_tiles;
@@ -9,7 +10,7 @@ use kernels::gpu::{Kernels, Runtime};
 
 use crate::model::device::step::StepInputs;
 
-pub(super) struct AttentionSplit<R: Runtime> {
+pub(crate) struct AttentionSplit<R: Runtime> {
     /// The prefill kernel's `(first row, rows)` tiles and their number (0: no prompt chunk).
     pub tiles: R::Buf<i32>,
     pub num_tiles: usize,
