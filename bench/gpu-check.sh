@@ -151,10 +151,10 @@ step 180 t_wasmserve_lib device_deepseek::tests::cuda --nocapture --test-threads
 grep -E "max \|logit|median" /tmp/gpu-check-deepseek.log | sed 's/^/FIGURE device-deepseek /' || true
 models+=(tests/reference/deepseek_v3/model tests/reference/kimi_linear/model)
 
-log "engine decode with --device cuda:0 (the device forward)"
+log "engine decode with --device cuda:0 (the device forward; --kv-cache-dtype auto: bf16 K/V, prompts on the tensor-core prefill)"
 for m in "${models[@]}"; do
   out=$(step 150 "$wasmserve" --device cuda:0 bench engine --model "$m" --concurrency 1,64 --steps 16 2>&1)
-  echo "$out" | grep -E "compute device|CUDA kernels loaded|uploaded to the device" >&2 || true
+  echo "$out" | grep -E "compute device|CUDA kernels loaded|uploaded to the device|KV cache (Bf16|F32|Fp8)" >&2 || true
   echo "$out" | grep -vE "^\s*$" | tail -n 4 | sed "s|^|FIGURE engine $(basename "$m") |"
 done
 ngpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l || echo 1)

@@ -72,6 +72,10 @@ struct BenchEngineArgs {
     steps: usize,
     #[arg(long, default_value_t = 256)]
     max_num_batched_tokens: usize,
+    /// As `serve --kv-cache-dtype`: auto (bf16 for a device forward with --dtype bfloat16, else
+    /// f32), f32, bf16 or fp8.
+    #[arg(long, default_value = "auto", value_parser = wasmserve::engine::block_pool::KvCacheDtype::parse)]
+    kv_cache_dtype: wasmserve::engine::block_pool::KvCacheDtype,
 }
 
 #[derive(Args)]
@@ -230,12 +234,14 @@ fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec, dense:
 fn run_bench_engine(a: BenchEngineArgs, device: &wasmserve::backend::DeviceSpec, dense: wasmserve::model::device::weights::DenseWeights) -> Result<()> {
     let model = std::sync::Arc::new(wasmserve::backend::place_model(a.model.load()?, device, dense).map_err(anyhow::Error::msg)?);
     let max_streams = a.concurrency.iter().copied().max().unwrap_or(1);
+    let kv_dtype = a.kv_cache_dtype.resolve(model.model.device_kv().is_some(), dense);
     let cfg = wasmserve::engine::EngineConfig {
         max_num_seqs: max_streams.max(64),
         max_num_batched_tokens: a.max_num_batched_tokens.max(max_streams),
+        kv_dtype,
         ..Default::default()
     };
-    eprintln!("bench: dot kernel {}, {} threads", kernels::cpu::dot::dot_impl_name(), rayon::current_num_threads());
+    eprintln!("bench: dot kernel {}, {} threads, KV cache {kv_dtype:?}", kernels::cpu::dot::dot_impl_name(), rayon::current_num_threads());
     let report = wasmserve::bench::run_engine_bench(model, cfg, &a.concurrency, a.steps).map_err(anyhow::Error::msg)?;
     report.print();
     Ok(())

@@ -27,10 +27,37 @@ pub enum KvDtype {
 impl KvDtype {
     pub fn parse(s: &str) -> Result<Self, String> {
         match s {
-            "auto" | "f32" | "float32" => Ok(Self::F32),
+            "f32" | "float32" => Ok(Self::F32),
             "bf16" | "bfloat16" => Ok(Self::Bf16),
             "fp8" | "fp8_e4m3" => Ok(Self::Fp8E4m3),
             other => Err(format!("unknown KV cache dtype '{other}' (expected auto, f32, bf16 or fp8)")),
+        }
+    }
+}
+
+/// `--kv-cache-dtype`: a storage type, or `auto`, the type the forward computes in (vLLM's auto:
+/// the model's dtype), known once the model is placed: bf16 for a device forward holding its
+/// dense weights in bf16 (`--dtype bfloat16`, the default), f32 on the CPU (whose forward is f32)
+/// and with `--dtype float32`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    Auto,
+    Fixed(KvDtype),
+}
+
+impl KvCacheDtype {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        if s == "auto" { Ok(Self::Auto) } else { KvDtype::parse(s).map(Self::Fixed) }
+    }
+
+    /// The storage type for a model whose forward runs on a device (`on_device`) with dense
+    /// weights in `dense`.
+    pub fn resolve(self, on_device: bool, dense: crate::model::device::weights::DenseWeights) -> KvDtype {
+        use crate::model::device::weights::DenseWeights;
+        match self {
+            Self::Fixed(d) => d,
+            Self::Auto if on_device && dense == DenseWeights::Bf16 => KvDtype::Bf16,
+            Self::Auto => KvDtype::F32,
         }
     }
 }
@@ -328,6 +355,20 @@ impl BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_kv_dtype_is_what_the_forward_computes_in() {
+        use crate::model::device::weights::DenseWeights::{Bf16, F32};
+        let auto = KvCacheDtype::parse("auto").unwrap();
+        assert_eq!(auto.resolve(true, Bf16), KvDtype::Bf16, "a bf16 device forward");
+        assert_eq!(auto.resolve(true, F32), KvDtype::F32, "--dtype float32 on a device");
+        assert_eq!(auto.resolve(false, Bf16), KvDtype::F32, "the CPU forward");
+        for (s, want) in [("f32", KvDtype::F32), ("bfloat16", KvDtype::Bf16), ("fp8", KvDtype::Fp8E4m3)] {
+            assert_eq!(KvCacheDtype::parse(s).unwrap().resolve(true, Bf16), want, "{s} is kept");
+            assert_eq!(KvCacheDtype::parse(s).unwrap().resolve(false, Bf16), want, "{s} is kept");
+        }
+        assert!(KvCacheDtype::parse("int8").unwrap_err().contains("expected auto, f32, bf16 or fp8"));
+    }
 
     fn pool(n: usize) -> BlockPool {
         BlockPool::new(PoolShape::new(&CacheLayout::uniform(2, LayerKvShape::heads(1, 4)), 2), n, KvDtype::F32)

@@ -28,7 +28,7 @@ use clap::Args;
 
 use crate::chat::jinja::JinjaChatTemplate;
 use crate::chat::ChatTemplate;
-use crate::engine::block_pool::KvDtype;
+use crate::engine::block_pool::{KvCacheDtype, KvDtype};
 use crate::engine::{Engine, EngineConfig};
 use state::{AppState, ServerState};
 
@@ -86,10 +86,11 @@ pub struct ServeArgs {
     /// KV cache size: bytes, or with a suffix (512MiB, 2GiB, 1GB, ...).
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     pub kv_cache_memory: usize,
-    /// auto (f32), bf16 (half the memory, 8 mantissa bits) or fp8 (E4M3 with a scale per
-    /// head and token: a quarter of the memory).
-    #[arg(long, default_value = "auto", value_parser = KvDtype::parse)]
-    pub kv_cache_dtype: KvDtype,
+    /// auto (bf16 for a device forward with --dtype bfloat16, else f32: the dtype the forward
+    /// computes in), f32, bf16 (half the memory, 8 mantissa bits) or fp8 (E4M3 with a scale per
+    /// head and token: a quarter of f32's memory).
+    #[arg(long, default_value = "auto", value_parser = KvCacheDtype::parse)]
+    pub kv_cache_dtype: KvCacheDtype,
     /// Tokens per KV cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -134,11 +135,12 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 }
 
 impl ServeArgs {
-    pub fn engine_config(&self) -> EngineConfig {
+    /// The engine's configuration, the KV cache's `auto` dtype resolved to `kv_dtype`.
+    pub fn engine_config(&self, kv_dtype: KvDtype) -> EngineConfig {
         EngineConfig {
             block_size: self.block_size,
             kv_cache_bytes: self.kv_cache_memory,
-            kv_dtype: self.kv_cache_dtype,
+            kv_dtype,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_waiting: self.max_queue,
@@ -188,7 +190,9 @@ pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec, dense: crate
         },
     };
     let name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
-    let cfg = args.engine_config();
+    let kv_dtype = args.kv_cache_dtype.resolve(model.model.device_kv().is_some(), dense);
+    tracing::info!(kv_cache_dtype = ?kv_dtype, "KV cache dtype ({:?} asked)", args.kv_cache_dtype);
+    let cfg = args.engine_config(kv_dtype);
     let engine = Engine::try_start(model, cfg).map_err(anyhow::Error::msg)?;
     let mut state = ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes);
     state.tenancy = tenancy;
