@@ -246,6 +246,38 @@ extern "C" __global__ void paged_prefill_fp8(const float* q, const u8* k, const 
 #define FL_KC (FL_MAX_D / 16) // 16-wide chunks of head_dim (Q·Kᵀ's k steps)
 #define FL_DN (FL_MAX_D / 8)  // 8-wide chunks of head_dim (P·V's n tiles)
 #define FL_SN (FL_KEYS / 8)   // 8-wide chunks of a stage (Q·Kᵀ's n tiles)
+// One stage of the online softmax of a lane's two MMA rows (gid and gid + 8) in the tensor-core
+// kernels: `sc` holds the stage's masked scores (-inf where masked) in the accumulator layout; the
+// row max is shared by the row's four lanes through two xor shuffles, `m` and this lane's share of
+// the row sum `l` are updated, `sc` becomes the unnormalised weights P and the context `o` is
+// rescaled to the new max. Every lane of the warp must call it (the shuffles).
+template <int SN, int ON>
+__device__ __forceinline__ void online_softmax_stage(float (&sc)[SN][4], float (&o)[ON][4], float* m, float* l) {
+    float mx[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)};
+#pragma unroll
+    for (int n = 0; n < SN; n++)
+        for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
+    float corr[2], base[2];
+    for (int s = 0; s < 2; s++) {
+        mx[s] = fmaxf(mx[s], __shfl_xor_sync(0xffffffffu, mx[s], 1));
+        mx[s] = fmaxf(mx[s], __shfl_xor_sync(0xffffffffu, mx[s], 2));
+        float m2 = fmaxf(m[s], mx[s]);
+        base[s] = m2 == __int_as_float(0xff800000) ? 0.0f : m2; // nothing seen yet: exp(-inf) = 0, not NaN
+        corr[s] = expf(m[s] - base[s]);
+        m[s] = m2;
+        l[s] *= corr[s]; // this lane's share of the row sum; the shares are added at the end
+    }
+#pragma unroll
+    for (int n = 0; n < SN; n++)
+        for (int e = 0; e < 4; e++) {
+            sc[n][e] = expf(sc[n][e] - base[e >> 1]);
+            l[e >> 1] += sc[n][e];
+        }
+#pragma unroll
+    for (int n = 0; n < ON; n++)
+        for (int e = 0; e < 4; e++) o[n][e] *= corr[e >> 1];
+}
+
 template <typename S>
 __device__ void flash_prefill_tile(const float* q, S k, S v, const int* block_tables, const int* lens, const int* tiles, float* out,
                                    int heads, int kv_heads, int head_dim, int block_size, int max_blocks, float softmax_scale) {
@@ -335,34 +367,13 @@ __device__ void flash_prefill_tile(const float* q, S k, S v, const int* block_ta
                 }
             }
             // Mask (causal and past the stage), then the online softmax of rows gid and gid + 8.
-            float mx[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)};
 #pragma unroll
             for (int n = 0; n < FL_SN; n++)
                 for (int e = 0; e < 4; e++) {
                     int s = e >> 1, key = n * 8 + tig * 2 + (e & 1);
                     sc[n][e] = p0 + key < len[s] ? sc[n][e] * ksc[key] : __int_as_float(0xff800000);
-                    mx[s] = fmaxf(mx[s], sc[n][e]);
                 }
-            float corr[2], base[2];
-            for (int s = 0; s < 2; s++) {
-                mx[s] = fmaxf(mx[s], __shfl_xor_sync(0xffffffffu, mx[s], 1));
-                mx[s] = fmaxf(mx[s], __shfl_xor_sync(0xffffffffu, mx[s], 2));
-                float m2 = fmaxf(m[s], mx[s]);
-                base[s] = m2 == __int_as_float(0xff800000) ? 0.0f : m2; // nothing seen yet: exp(-inf) = 0, not NaN
-                corr[s] = expf(m[s] - base[s]);
-                m[s] = m2;
-                l[s] *= corr[s]; // this lane's share of the row sum; the shares are added at the end
-            }
-#pragma unroll
-            for (int n = 0; n < FL_SN; n++)
-                for (int e = 0; e < 4; e++) {
-                    int s = e >> 1;
-                    sc[n][e] = expf(sc[n][e] - base[s]);
-                    l[s] += sc[n][e];
-                }
-#pragma unroll
-            for (int n = 0; n < FL_DN; n++)
-                for (int e = 0; e < 4; e++) o[n][e] *= corr[e >> 1];
+            online_softmax_stage(sc, o, m, l);
             // P's A operand carries each key's value scale (the staged values are codes).
 #pragma unroll
             for (int n = 0; n < FL_SN; n++)
@@ -617,7 +628,6 @@ __device__ void mla_flash_prefill_tile(const float* q_lat, const float* q_rope, 
         __syncthreads();
         if (live) {
             // The row group's full scores: the sum of its 4 warps' partials (same fragment slots).
-            float mx[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)};
 #pragma unroll
             for (int n = 0; n < FM_KEYS / 8; n++)
                 for (int e = 0; e < 4; e++) {
@@ -625,27 +635,8 @@ __device__ void mla_flash_prefill_tile(const float* q_lat, const float* q_rope, 
                     for (int q = 0; q < 4; q++) v += part[rg * 4 + q][n][e][lane];
                     int s = e >> 1, pos = p0 + n * 8 + tig * 2 + (e & 1);
                     sc[n][e] = pos < len[s] ? v : __int_as_float(0xff800000);
-                    mx[s] = fmaxf(mx[s], sc[n][e]);
                 }
-            float corr[2], base[2];
-            for (int s = 0; s < 2; s++) {
-                mx[s] = fmaxf(mx[s], __shfl_xor_sync(0xffffffffu, mx[s], 1));
-                mx[s] = fmaxf(mx[s], __shfl_xor_sync(0xffffffffu, mx[s], 2));
-                float m2 = fmaxf(m[s], mx[s]);
-                base[s] = m2 == __int_as_float(0xff800000) ? 0.0f : m2;
-                corr[s] = expf(m[s] - base[s]);
-                m[s] = m2;
-                l[s] *= corr[s];
-            }
-#pragma unroll
-            for (int n = 0; n < FM_KEYS / 8; n++)
-                for (int e = 0; e < 4; e++) {
-                    sc[n][e] = expf(sc[n][e] - base[e >> 1]);
-                    l[e >> 1] += sc[n][e];
-                }
-#pragma unroll
-            for (int n = 0; n < FM_ON; n++)
-                for (int e = 0; e < 4; e++) o[n][e] *= corr[e >> 1];
+            online_softmax_stage(sc, o, m, l);
             // P's A operand carries each key's latent scale (the staged latents are codes).
 #pragma unroll
             for (int n = 0; n < FM_KEYS / 8; n++)
