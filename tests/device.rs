@@ -130,17 +130,39 @@ fn serve_on_the_simulator_answers_like_the_cpu() {
 }
 
 /// `generate` on `--device sim` (one and two simulated devices) runs the device forward with a pool
-/// sized for the request and prints the CPU's greedy text.
+/// sized for the request and prints the CPU's greedy text. The pool is f32 like the CPU's cache:
+/// this random checkpoint's near-tied logits flip under bf16 K/V.
 #[test]
 fn generate_on_the_simulator_prints_the_cpus_text() {
     if !simulator_built("generate_on_the_simulator_prints_the_cpus_text") {
         return;
     }
-    let run = |device: &str, tp: &str| generate_text("tiny_llama", device, &["--tensor-parallel-size", tp], None);
+    let run = |device: &str, tp: &str| generate_text("tiny_llama", device, &["--tensor-parallel-size", tp, "--kv-cache-dtype", "f32"], None);
     let cpu = run("cpu", "1");
     assert!(!cpu.trim().is_empty());
     assert_eq!(run("sim", "1"), cpu);
     assert_eq!(run("sim", "2"), cpu);
+}
+
+/// `generate --kv-cache-dtype` sizes the request's device pool in the asked storage (`auto` is
+/// bf16 under the default `--dtype bfloat16`); every storage decodes the full 12 tokens.
+#[test]
+fn generate_on_the_simulator_allocates_the_asked_kv_cache_dtype() {
+    if !simulator_built("generate_on_the_simulator_allocates_the_asked_kv_cache_dtype") {
+        return;
+    }
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+    for (asked, logged) in [("auto", "Bf16"), ("f32", "F32"), ("fp8", "Fp8E4m3")] {
+        let out = wasmserve(&["--device", "sim", "generate", "--model", model.to_str().unwrap(), "--prompt", "hello world", "--max-tokens", "12", "--ignore-eos", "--kv-cache-dtype", asked]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "--kv-cache-dtype {asked}: {err}");
+        assert!(err.contains(&format!("device KV pool of {logged} allocated")), "--kv-cache-dtype {asked}: {err}");
+        assert!(err.contains("12 generated"), "{err}");
+    }
+    let out = wasmserve(&["--device", "sim", "generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "--kv-cache-dtype", "int3"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("unknown KV cache dtype 'int3'"), "{err}");
 }
 
 /// `bench engine` through the device forward (on the simulator): the engine is built with the

@@ -36,7 +36,7 @@ fn prompts() -> Vec<Vec<u32>> {
 
 fn alone(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let m = common::smollm2();
-    let req = GenerateRequest { prompt_ids: prompt.to_vec(), sampling: SamplingParams::greedy(), max_tokens, stop: vec![], ignore_eos: true };
+    let req = GenerateRequest { prompt_ids: prompt.to_vec(), sampling: SamplingParams::greedy(), max_tokens, stop: vec![], ignore_eos: true, kv_dtype: KvDtype::F32 };
     generate(&m, &req, |_| {}).unwrap().tokens
 }
 

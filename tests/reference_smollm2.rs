@@ -95,7 +95,7 @@ fn greedy_continuations_match_transformers() {
     let m = common::smollm2();
     for p in f["prompts"].as_array().unwrap() {
         let want = ids(&p["greedy_ids"]);
-        let req = GenerateRequest { prompt_ids: ids(&p["ids"]), sampling: SamplingParams::greedy(), max_tokens: want.len(), stop: vec![], ignore_eos: true };
+        let req = GenerateRequest { prompt_ids: ids(&p["ids"]), sampling: SamplingParams::greedy(), max_tokens: want.len(), stop: vec![], ignore_eos: true, kv_dtype: KvDtype::F32 };
         let out = generate(&m, &req, |_| {}).unwrap();
         assert_eq!(out.tokens, want, "greedy continuation of {:?}", p["text"]);
     }
@@ -112,7 +112,7 @@ fn chat_template_and_answer_match_transformers() {
     assert_eq!(prompt, chat["prompt"].as_str().unwrap(), "rendered chat prompt");
     let prompt_ids = m.tokenizer.encode(&prompt, true).unwrap();
     assert_eq!(prompt_ids, ids(&chat["ids"]));
-    let req = GenerateRequest { prompt_ids, sampling: SamplingParams::greedy(), max_tokens: 32, stop: vec![], ignore_eos: false };
+    let req = GenerateRequest { prompt_ids, sampling: SamplingParams::greedy(), max_tokens: 32, stop: vec![], ignore_eos: false, kv_dtype: KvDtype::F32 };
     let out = generate(&m, &req, |_| {}).unwrap();
     assert!(out.text.contains("Paris"), "answer: {:?}", out.text);
     assert_eq!(out.text, chat["greedy_text"].as_str().unwrap().trim_end());

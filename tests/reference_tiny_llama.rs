@@ -8,6 +8,7 @@ use serde_json::Value;
 use wasmserve::chat::jinja::JinjaChatTemplate;
 use wasmserve::chat::{ChatTemplate, ChatTemplateInput};
 use wasmserve::generate::{generate, GenerateRequest};
+use wasmserve::engine::block_pool::KvDtype;
 use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
 use wasmserve::sampling::SamplingParams;
 
@@ -38,7 +39,7 @@ fn sharded_bf16_checkpoint_matches_transformers() {
         }
         assert!(max_diff <= LOGIT_TOLERANCE, "{text:?}: max logit difference {max_diff}");
 
-        let req = GenerateRequest { prompt_ids: want_ids.clone(), sampling: SamplingParams::greedy(), max_tokens: 12, stop: vec![], ignore_eos: true };
+        let req = GenerateRequest { prompt_ids: want_ids.clone(), sampling: SamplingParams::greedy(), max_tokens: 12, stop: vec![], ignore_eos: true, kv_dtype: KvDtype::F32 };
         let got = generate(&m, &req, |_| {}).unwrap().tokens;
         let want: Vec<u32> = case["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(got, want, "greedy continuation of {text:?}");

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::engine::block_pool::KvDtype;
 use crate::model::device::step::BlockTables;
 use crate::model::kv::{BatchRow, ContiguousKvCache, KvCache};
 use crate::model::LoadedModel;
@@ -19,6 +20,9 @@ pub struct GenerateRequest {
     pub max_tokens: usize,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// Storage of a device model's KV pool (`--kv-cache-dtype`). A CPU model's contiguous cache
+    /// is always f32.
+    pub kv_dtype: KvDtype,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,7 +76,7 @@ pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(
     req.sampling.validate()?;
     let max_tokens = req.max_tokens.min(ctx - req.prompt_ids.len());
 
-    let mut cache = Cache::for_request(m, req.prompt_ids.len() + max_tokens)?;
+    let mut cache = Cache::for_request(m, req.prompt_ids.len() + max_tokens, req.kv_dtype)?;
     let kv = cache.as_kv();
     let mut sampler = Sampler::new(req.sampling.clone(), &req.prompt_ids);
     let mut decoder = IncrementalDecoder::with_context(&req.prompt_ids, true);
@@ -146,13 +150,15 @@ enum Cache {
 impl Cache {
     const BLOCK_SIZE: usize = 16;
 
-    /// A host cache, or for a device model its pool allocated with blocks for `positions`.
-    fn for_request(m: &LoadedModel, positions: usize) -> Result<Self, String> {
+    /// A host cache, or for a device model its pool of `dtype` allocated with blocks for
+    /// `positions`.
+    fn for_request(m: &LoadedModel, positions: usize, dtype: KvDtype) -> Result<Self, String> {
         let Some(dev) = m.model.device_kv() else {
             return Ok(Cache::Host(m.model.contiguous_cache(1)));
         };
         let blocks = positions.div_ceil(Self::BLOCK_SIZE).max(1);
-        dev.allocate(blocks, Self::BLOCK_SIZE, kernels::gpu::kv_pool::KvStorage::F32).map_err(|e| format!("cannot allocate the device KV pool: {e}"))?;
+        dev.allocate(blocks, Self::BLOCK_SIZE, dtype.device_storage()).map_err(|e| format!("cannot allocate the device KV pool: {e}"))?;
+        tracing::info!(blocks, block_size = Self::BLOCK_SIZE, "device KV pool of {dtype:?} allocated for the request");
         let mut tables = BlockTables::new(Self::BLOCK_SIZE, vec![(0..blocks as u32).collect()], Vec::new());
         if m.model.cache_layout().recurrent_bytes_per_seq > 0 {
             // One recurrent-state slot, allocated zeroed: the empty state, so no reset is needed.

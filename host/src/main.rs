@@ -144,6 +144,10 @@ struct GenerateArgs {
     stop: Vec<String>,
     #[arg(long)]
     ignore_eos: bool,
+    /// As `serve --kv-cache-dtype`: auto (bf16 for a device forward with --dtype bfloat16, else
+    /// f32), f32, bf16 or fp8. Applies to a device model; the CPU's single-request cache is f32.
+    #[arg(long, default_value = "auto", value_parser = wasmserve::engine::block_pool::KvCacheDtype::parse)]
+    kv_cache_dtype: wasmserve::engine::block_pool::KvCacheDtype,
 }
 
 fn main() -> Result<()> {
@@ -175,6 +179,11 @@ fn main() -> Result<()> {
 
 fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec, dense: wasmserve::model::device::weights::DenseWeights) -> Result<()> {
     let m = wasmserve::backend::place_model(a.model.load()?, device, dense).map_err(anyhow::Error::msg)?;
+    let on_device = m.model.device_kv().is_some();
+    let kv_dtype = a.kv_cache_dtype.resolve(on_device, dense);
+    if !on_device && kv_dtype != wasmserve::engine::block_pool::KvDtype::F32 {
+        tracing::warn!("`generate` keeps a CPU model's K/V in an f32 cache; --kv-cache-dtype {kv_dtype:?} applies to `serve` and device models");
+    }
     let prompt = if let Some(p) = &a.prompt {
         p.clone()
     } else {
@@ -212,6 +221,7 @@ fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec, dense:
         max_tokens: a.max_tokens,
         stop: a.stop,
         ignore_eos: a.ignore_eos,
+        kv_dtype,
     };
     let mut stdout = std::io::stdout();
     let out = generate(&m, &req, |t| {

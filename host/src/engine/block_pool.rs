@@ -33,6 +33,16 @@ impl KvDtype {
             other => Err(format!("unknown KV cache dtype '{other}' (expected auto, f32, bf16 or fp8)")),
         }
     }
+
+    /// The layout of a device pool holding this dtype.
+    pub fn device_storage(self) -> kernels::gpu::kv_pool::KvStorage {
+        use kernels::gpu::kv_pool::KvStorage;
+        match self {
+            Self::F32 => KvStorage::F32,
+            Self::Bf16 => KvStorage::Bf16,
+            Self::Fp8E4m3 => KvStorage::Fp8,
+        }
+    }
 }
 
 /// `--kv-cache-dtype`: a storage type, or `auto`, the type the forward computes in (vLLM's auto:

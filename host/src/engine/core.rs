@@ -12,7 +12,6 @@ use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineEvent, EngineRequest, EngineStats, RequestId, SubmitError, TokenLogprob};
-use kernels::gpu::kv_pool::KvStorage;
 
 use super::block_pool::{BlockPool, KvDtype, PoolShape};
 use super::fair_share::SlotShares;
@@ -186,11 +185,7 @@ impl EngineCore {
         );
         let pool = match model.model.device_kv() {
             Some(dev) => {
-                let storage = match cfg.kv_dtype {
-                    KvDtype::F32 => KvStorage::F32,
-                    KvDtype::Bf16 => KvStorage::Bf16,
-                    KvDtype::Fp8E4m3 => KvStorage::Fp8,
-                };
+                let storage = cfg.kv_dtype.device_storage();
                 dev.allocate(num_blocks, cfg.block_size, storage).map_err(|e| format!("cannot allocate the device KV pool ({num_blocks} blocks of {}): {e}", cfg.block_size))?;
                 tracing::info!(blocks = num_blocks, "K/V live in the device pool; the host keeps block tables only");
                 BlockPool::new_external(shape, num_blocks).with_recurrent(slots)
