@@ -260,9 +260,28 @@ def test_tokenizer_endpoints_count_against_the_request_rate(tsrv):
     new_tenant("tok-off", "--rpm", "0")
     off = new_key("tok-off")["key"]
     assert httpx.post(tsrv.url + "/tokenize", headers={"Authorization": f"Bearer {off}"}, json={"prompt": "Hi"}).status_code == 429
-    # No usage row: the tenant's usage lists nothing for them.
-    rows = httpx.get(tsrv.url + "/v1/usage", headers=h).json()
+    # No usage row: the tenant's usage lists nothing for them (the admin asks: the key's own
+    # usage reports count against its spent request rate too).
+    rows = httpx.get(tsrv.url + "/admin/usage", params={"tenant": "tok"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
     assert rows["totals"]["requests"] == 0, rows
+    assert httpx.get(tsrv.url + "/v1/usage", headers=h).status_code == 429
+
+
+def test_usage_reports_count_against_the_request_rate(tsrv):
+    # A report reads the database: a key cannot query its usage in a loop without limit.
+    new_tenant("reports", "--rpm", "2")
+    key = new_key("reports")["key"]
+    h = {"Authorization": f"Bearer {key}"}
+    r = httpx.get(tsrv.url + "/v1/usage", headers=h)
+    assert r.status_code == 200 and r.json()["totals"]["requests"] == 0, r.text
+    assert r.headers["x-ratelimit-limit-requests"] == "2" and r.headers["x-ratelimit-remaining-requests"] == "1"
+    assert complete(tsrv, key).usage.total_tokens > 0
+    r = httpx.get(tsrv.url + "/v1/usage", headers=h)
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    # Only the completion left a usage row; the admin's reports are not limited.
+    rows = httpx.get(tsrv.url + "/admin/usage", params={"tenant": "reports"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    assert rows["totals"]["requests"] == 1, rows
 
 
 def test_usage_rows_equal_responses(tsrv):

@@ -16,7 +16,7 @@ use super::openai::{DetokenizeRequest, TokenizeRequest};
 use super::state::AppState;
 use super::{chat, completions};
 use crate::chat::ChatTemplateInput;
-use crate::tenancy::http::{add_headers as add_rate_headers, admit_call, check_model as check_tenant_model, model_visible, CallerExt};
+use crate::tenancy::http::{admitted_call, check_model as check_tenant_model, model_visible, CallerExt};
 
 pub fn router(state: AppState) -> Router {
     let api = Router::new()
@@ -109,24 +109,6 @@ async fn metrics(State(state): State<AppState>) -> Response {
         body.push_str(&p.prometheus());
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
-}
-
-/// Runs a tokenizer endpoint inside its tenant admission (rate and concurrency, see
-/// `admit_call`), adding the rate-limit headers to whatever it answers.
-async fn admitted_call<Fut>(state: &AppState, caller: &CallerExt, call: Fut) -> Response
-where
-    Fut: std::future::Future<Output = ApiResult<Json<Value>>>,
-{
-    let admission = match admit_call(state, caller) {
-        Ok(a) => a,
-        Err(e) => return e.into_response(),
-    };
-    let mut resp = call.await.into_response();
-    if let Some(a) = admission {
-        add_rate_headers(&mut resp, &a.headers());
-        a.finish();
-    }
-    resp
 }
 
 async fn tokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<TokenizeRequest>) -> Response {

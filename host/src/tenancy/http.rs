@@ -181,10 +181,11 @@ impl CallAdmission {
     }
 }
 
-/// Admission for `/tokenize` and `/detokenize`: they generate nothing, but rendering a chat
-/// runs the template (perhaps a tenant's Wasm plugin) on the server, so they count against the
-/// caller's request rate and concurrency like any request; they reserve no tokens and write
-/// no usage row. Without this, a key switched off with `rpm 0` could still keep the server busy.
+/// Admission for `/tokenize`, `/detokenize` and `/v1/usage`: they generate nothing, but
+/// rendering a chat runs the template (perhaps a tenant's Wasm plugin) and a usage report reads
+/// the database, so they count against the caller's request rate and concurrency like any
+/// request; they reserve no tokens and write no usage row. Without this, a key switched off
+/// with `rpm 0` could still keep the server busy.
 pub fn admit_call(state: &AppState, caller: &CallerExt) -> ApiResult<Option<CallAdmission>> {
     let (Some(t), Some(c)) = (state.tenancy.as_ref(), caller_of(caller)) else { return Ok(None) };
     let now_unix = db::unix_now().max(0) as u64;
@@ -255,16 +256,37 @@ fn internal(e: anyhow::Error) -> ApiError {
 }
 
 /// `GET /v1/usage`: the caller's tenant's own usage (rows newest first, and totals).
-pub async fn own_usage(State(state): State<AppState>, caller: CallerExt, OpenAiQuery(mut q): OpenAiQuery<UsageQuery>) -> ApiResult<Json<Value>> {
+/// `GET /v1/usage`: the caller's tenant's rows. A report reads the database, so it counts
+/// against the caller's request rate and concurrency like `/tokenize` (see `admit_call`): a
+/// tenant cannot query it in a loop without limit.
+pub async fn own_usage(State(state): State<AppState>, caller: CallerExt, OpenAiQuery(mut q): OpenAiQuery<UsageQuery>) -> Response {
     let (Some(t), Some(c)) = (state.tenancy.clone(), caller_of(&caller)) else {
-        return Err(ApiError::not_found("Usage accounting needs the server to run with --db"));
+        return ApiError::not_found("Usage accounting needs the server to run with --db").into_response();
     };
     q.tenant = Some(c.principal.tenant.id.clone());
-    usage_json(&t, q).await
+    admitted_call(&state, &caller, usage_json(&t, q)).await
+}
+
+/// Runs a call that generates nothing inside its tenant admission (rate and concurrency, see
+/// `admit_call`), adding the rate-limit headers to whatever it answers.
+pub async fn admitted_call<Fut>(state: &AppState, caller: &CallerExt, call: Fut) -> Response
+where
+    Fut: std::future::Future<Output = ApiResult<Json<Value>>>,
+{
+    let admission = match admit_call(state, caller) {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    let mut resp = call.await.into_response();
+    if let Some(a) = admission {
+        add_headers(&mut resp, &a.headers());
+        a.finish();
+    }
+    resp
 }
 
 async fn usage_json(t: &Arc<Tenancy>, q: UsageQuery) -> ApiResult<Json<Value>> {
-    let (rows, totals) = t.with_conn(move |conn, _| db::query_usage(conn, &q)).await.map_err(internal)?;
+    let (rows, totals) = t.with_reports_conn(move |conn| db::query_usage(conn, &q)).await.map_err(internal)?;
     Ok(Json(json!({"object": "list", "data": rows, "totals": totals})))
 }
 
