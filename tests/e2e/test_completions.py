@@ -69,6 +69,57 @@ def test_stop_and_seed(client):
     assert sample(99) == sample(99)
 
 
+def test_include_stop_str_in_output(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0, stop=["."], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == " Paris."
+    assert r.choices[0].finish_reason == "stop"
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0, stop=["."], stream=True, extra_body={"include_stop_str_in_output": True}
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == " Paris."
+
+
+def test_min_tokens_holds_off_stop_ids_and_strings(client, http):
+    # Token 1000 biased to the top and made a stop id: it ends generation at once, unless
+    # min_tokens masks it, and then it is the first token after the minimum.
+    body = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0)
+    forced = {"logit_bias": {"1000": 100}, "stop_token_ids": [1000]}
+    r = client.completions.create(**body, extra_body=forced)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (1, "stop")
+    r = client.completions.create(**body, extra_body={**forced, "min_tokens": 5})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (6, "stop")
+    # The "." of " Paris." comes before the minimum: generation goes on past it.
+    r = client.completions.create(**body, stop=["."], extra_body={"min_tokens": 4})
+    assert r.choices[0].text.startswith(" Paris.") and r.usage.completion_tokens >= 4, r.choices[0].text
+    r = http.post("/v1/completions", json={**body, "min_tokens": 11})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_tail(client, http):
+    ids = list(range(100, 120))
+    r = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0, echo=True, extra_body={"truncate_prompt_tokens": 5})
+    assert r.usage.prompt_tokens == 5
+    tail = http.post("/detokenize", json={"tokens": ids[-5:]}).json()["prompt"]
+    assert r.choices[0].text.startswith(tail)
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello there"}], max_tokens=2, extra_body={"truncate_prompt_tokens": 3}
+    )
+    assert r.usage.prompt_tokens == 3
+    r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 20, r.text
+    r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_known_fields_that_cannot_be_honoured_are_refused(http):
+    r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json={**chat, "chat_template": "{{ messages[0].content }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert http.post("/v1/chat/completions", json={**chat, "prompt_logprobs": None, "chat_template": None}).status_code == 200
+
+
 def test_legacy_logprobs(client):
     r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs

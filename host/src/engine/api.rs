@@ -19,7 +19,12 @@ pub struct EngineRequest {
     /// Generated tokens per choice at most (already capped by the caller to the context size is
     /// not required: the engine caps it to `max_model_len - prompt_len`).
     pub max_tokens: usize,
+    /// vLLM's `min_tokens`: until this many tokens are generated, EOS and `stop_token_ids`
+    /// cannot be sampled and stop strings are not looked for. At most `max_tokens`.
+    pub min_tokens: usize,
     pub stop: Vec<String>,
+    /// vLLM's `include_stop_str_in_output`: the stop string that ends a choice stays in its text.
+    pub include_stop_str_in_output: bool,
     /// Extra token ids that end generation (besides the model's EOS, unless `ignore_eos`).
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
@@ -47,7 +52,9 @@ impl Default for EngineRequest {
             prompt_ids: Vec::new(),
             sampling: SamplingParams::default(),
             max_tokens: 16,
+            min_tokens: 0,
             stop: Vec::new(),
+            include_stop_str_in_output: false,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             n: 1,

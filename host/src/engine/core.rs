@@ -117,6 +117,12 @@ pub fn validate_request(model: &LoadedModel, max_model_len: usize, cfg: &EngineC
         return Err(SubmitError::InvalidParam { param: "top_logprobs", message: format!("'top_logprobs' must be at most {}", cfg.max_logprobs) });
     }
     check_list_sizes(req)?;
+    if req.min_tokens > req.max_tokens {
+        return Err(SubmitError::InvalidParam {
+            param: "min_tokens",
+            message: format!("'min_tokens' must be at most 'max_tokens' ({}), got {}", req.max_tokens, req.min_tokens),
+        });
+    }
     if let Some(&t) = req.sampling.logit_bias.keys().find(|&&t| t as usize >= vocab) {
         return Err(SubmitError::InvalidParam { param: "logit_bias", message: format!("logit_bias token id {t} is outside the vocabulary") });
     }
@@ -238,7 +244,10 @@ impl EngineCore {
             index,
             sampler: Sampler::new(sampling, &req.prompt_ids),
             decoder: IncrementalDecoder::with_context(&req.prompt_ids, req.skip_special_tokens),
-            stops: StopChecker::new(req.stop.clone()),
+            stops: match req.include_stop_str_in_output {
+                true => StopChecker::new(req.stop.clone()).including_stop(),
+                false => StopChecker::new(req.stop.clone()),
+            },
             max_tokens: req.max_tokens.min(self.max_model_len - prompt_len),
             tokens,
             prompt_len,
@@ -596,6 +605,17 @@ impl EngineCore {
         let logprob_request = state.req.logprobs;
         let raw_top = logprob_request.map(|k| (top_logprobs(&logits, k), crate::sampling::log_sum_exp(&logits)));
         let raw_logits_for_chosen = logprob_request.map(|_| logits.clone());
+        // `min_tokens`: the ending tokens are masked after the logprobs are taken (vLLM reports
+        // logprobs of the raw distribution too).
+        let before_min = s.generated() < state.req.min_tokens;
+        if before_min {
+            let eos = if state.req.ignore_eos { &[][..] } else { &tok.eos_token_ids[..] };
+            for &t in eos.iter().chain(&state.req.stop_token_ids) {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
         let next = match &s.constraint {
             None => s.sampler.sample(&mut logits).token,
             Some(js) => {
@@ -634,11 +654,15 @@ impl EngineCore {
             reason = Some(FinishReason::Stop);
         } else {
             let delta = s.decoder.push(tok, next);
-            match s.stops.push(&delta) {
-                StopOutcome::Continue(t) => text = t,
-                StopOutcome::Stopped(t) => {
-                    text = t;
-                    reason = Some(FinishReason::Stop);
+            if before_min {
+                text = s.stops.push_unchecked(&delta);
+            } else {
+                match s.stops.push(&delta) {
+                    StopOutcome::Continue(t) => text = t,
+                    StopOutcome::Stopped(t) => {
+                        text = t;
+                        reason = Some(FinishReason::Stop);
+                    }
                 }
             }
         }

@@ -5,12 +5,15 @@ pub struct StopChecker {
     stops: Vec<String>,
     pending: String,
     max_len: usize,
+    /// vLLM's `include_stop_str_in_output`: the text a stop string ends includes it.
+    include_stop: bool,
 }
 
 pub enum StopOutcome {
     /// Text that is safe to emit now.
     Continue(String),
-    /// A stop string was hit: emit this text (before the stop string) and finish.
+    /// A stop string was hit: emit this text (up to the stop string, or through it when asked
+    /// to include it) and finish.
     Stopped(String),
 }
 
@@ -18,7 +21,22 @@ impl StopChecker {
     pub fn new(stops: Vec<String>) -> Self {
         let stops: Vec<String> = stops.into_iter().filter(|s| !s.is_empty()).collect();
         let max_len = stops.iter().map(|s| s.len()).max().unwrap_or(0);
-        Self { stops, pending: String::new(), max_len }
+        Self { stops, pending: String::new(), max_len, include_stop: false }
+    }
+
+    /// Ends the text a stop string stops with that stop string instead of just before it.
+    pub fn including_stop(mut self) -> Self {
+        self.include_stop = true;
+        self
+    }
+
+    /// Text that may not stop generation (before `min_tokens` are generated, as vLLM: stop
+    /// strings are only looked for once a sequence is past its minimum): emitted at once with
+    /// whatever was held back.
+    pub fn push_unchecked(&mut self, delta: &str) -> String {
+        let mut out = std::mem::take(&mut self.pending);
+        out.push_str(delta);
+        out
     }
 
     pub fn push(&mut self, delta: &str) -> StopOutcome {
@@ -26,8 +44,10 @@ impl StopChecker {
             return StopOutcome::Continue(delta.to_string());
         }
         self.pending.push_str(delta);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
-            let out = self.pending[..at].to_string();
+        // The earliest match; of stop strings matching there, the longest.
+        if let Some((at, neg_len)) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str()).map(|at| (at, usize::MAX - s.len()))).min() {
+            let end = if self.include_stop { at + (usize::MAX - neg_len) } else { at };
+            let out = self.pending[..end].to_string();
             self.pending.clear();
             return StopOutcome::Stopped(out);
         }
@@ -61,7 +81,10 @@ mod tests {
     use super::*;
 
     fn run(stops: &[&str], deltas: &[&str]) -> (String, bool) {
-        let mut c = StopChecker::new(stops.iter().map(|s| s.to_string()).collect());
+        run_with(StopChecker::new(stops.iter().map(|s| s.to_string()).collect()), deltas)
+    }
+
+    fn run_with(mut c: StopChecker, deltas: &[&str]) -> (String, bool) {
         let mut out = String::new();
         for d in deltas {
             match c.push(d) {
@@ -94,5 +117,23 @@ mod tests {
         assert_eq!(run(&["END"], &["abc E", "x"]), ("abc Ex".into(), false));
         assert_eq!(run(&["\n\n", "."], &["Paris", ". Next"]), ("Paris".into(), true));
         assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
+    }
+
+    #[test]
+    fn included_stop_strings_end_the_text() {
+        let inc = |stops: &[&str]| StopChecker::new(stops.iter().map(|s| s.to_string()).collect()).including_stop();
+        assert_eq!(run_with(inc(&["END"]), &["abc E", "N", "D more"]), ("abc END".into(), true));
+        assert_eq!(run_with(inc(&["\n\n", "."]), &["Paris", ". Next"]), ("Paris.".into(), true));
+        // Two stop strings matching at one place: the longer one is the stop.
+        assert_eq!(run_with(inc(&["a", "ab"]), &["xab"]), ("xab".into(), true));
+        assert_eq!(run_with(inc(&["é"]), &["ab", "é", "c"]), ("abé".into(), true));
+    }
+
+    #[test]
+    fn unchecked_text_flushes_what_was_held_back_and_never_stops() {
+        let mut c = StopChecker::new(vec!["END".into()]);
+        assert!(matches!(c.push("ab E"), StopOutcome::Continue(t) if t == "ab "));
+        assert_eq!(c.push_unchecked("ND x"), "END x");
+        assert!(matches!(c.push(" y END z"), StopOutcome::Stopped(t) if t == " y "));
     }
 }

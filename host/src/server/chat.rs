@@ -143,6 +143,12 @@ pub fn template_extra(reasoning_effort: Option<&str>, kwargs: Option<&Map<String
 }
 
 fn check_unsupported(req: &ChatCompletionRequest) -> ApiResult<()> {
+    if req.chat_template.as_ref().is_some_and(|t| !t.is_null()) {
+        return Err(ApiError::not_supported(
+            "chat_template",
+            "a chat template in the request is not accepted: chats are rendered with the model's template or the deployed chat-template plugin",
+        ));
+    }
     match &req.tool_choice {
         None => {}
         Some(Value::String(s)) if s == "auto" || s == "none" => {}
@@ -219,6 +225,7 @@ pub async fn handler(
         }
     })?;
     ereq.prompt_ids = prompt_ids;
+    req.sampling.truncate_prompt(&mut ereq.prompt_ids, state.engine.max_model_len());
     if req.response_format.as_ref().and_then(|rf| rf.get("type")).and_then(Value::as_str) == Some("json_object") {
         ereq.constraint = Some(ConstraintSpec::JsonObject);
     }

@@ -66,7 +66,8 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     let mut echoes = Vec::new();
     let mut reqs: Vec<_> = prompts
         .into_iter()
-        .map(|ids| {
+        .map(|mut ids| {
+            req.sampling.truncate_prompt(&mut ids, state.engine.max_model_len());
             if echo {
                 echoes.push(tok.decode(&ids, base.skip_special_tokens));
             }

@@ -46,6 +46,12 @@ pub struct SamplingFields {
     pub ignore_eos: Option<bool>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub skip_special_tokens: Option<bool>,
+    pub min_tokens: Option<u64>,
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's: keep only the prompt's last this many tokens (-1: as many as the context holds).
+    pub truncate_prompt_tokens: Option<i64>,
+    /// vLLM's prompt logprobs: not computed here (refused, not dropped).
+    pub prompt_logprobs: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -65,6 +71,9 @@ pub struct ChatCompletionRequest {
     pub guided_choice: Option<Value>,
     pub reasoning_effort: Option<String>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// vLLM's per-request Jinja template: refused (templates are the deployment's plugins; vLLM
+    /// too refuses one unless started with --trust-request-chat-template).
+    pub chat_template: Option<Value>,
     pub add_generation_prompt: Option<bool>,
     /// Read from the same object by `JsonBody::from_json`.
     #[serde(skip)]
@@ -194,6 +203,14 @@ impl SamplingFields {
             Some(StopField::Many(v)) => v.clone(),
         };
         let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
+        if self.prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::not_supported("prompt_logprobs", "'prompt_logprobs' is not supported"));
+        }
+        if let Some(t) = self.truncate_prompt_tokens {
+            if t == 0 || t < -1 {
+                return Err(ApiError::invalid_param("truncate_prompt_tokens", format!("'truncate_prompt_tokens' must be -1 or at least 1, got {t}")));
+            }
+        }
         let n = self.n.unwrap_or(1);
         if n == 0 {
             return Err(ApiError::invalid_param("n", "'n' must be at least 1"));
@@ -206,6 +223,8 @@ impl SamplingFields {
             sampling,
             max_tokens,
             stop,
+            min_tokens: self.min_tokens.map_or(0, |m| m.min(usize::MAX as u64) as usize),
+            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             n: n.min(usize::MAX as u64) as usize,
@@ -213,6 +232,22 @@ impl SamplingFields {
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             ..Default::default()
         })
+    }
+}
+
+impl SamplingFields {
+    /// Applies `truncate_prompt_tokens` (checked by `to_engine_request`): the prompt's last
+    /// `k` tokens, as vLLM keeps them. `-1` keeps what leaves room for one generated token in
+    /// `max_model_len` (the engine refuses a prompt that fills the context).
+    pub fn truncate_prompt(&self, ids: &mut Vec<u32>, max_model_len: usize) {
+        let keep = match self.truncate_prompt_tokens {
+            None => return,
+            Some(-1) => max_model_len.saturating_sub(1),
+            Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
+        };
+        if ids.len() > keep {
+            ids.drain(..ids.len() - keep);
+        }
     }
 }
 
