@@ -1,5 +1,7 @@
 """Text completions (the legacy API) through the openai client."""
 
+import json
+
 import pytest
 
 from conftest import MODEL_NAME
@@ -109,6 +111,15 @@ def test_truncate_prompt_tokens_keeps_the_prompt_tail(client, http):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 20, r.text
     r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_structured_outputs_in_text_completions(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"structured_outputs": {"choice": ["Lyon", "Nice"]}})
+    assert r.choices[0].text in ("Lyon", "Nice")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}}, "required": ["city", "population"]}
+    r = client.completions.create(model=MODEL_NAME, prompt="Paris as JSON:", max_tokens=60, temperature=0, extra_body={"guided_json": schema})
+    out = json.loads(r.choices[0].text)
+    assert list(out) == ["city", "population"] and isinstance(out["population"], int), out
 
 
 def test_known_fields_that_cannot_be_honoured_are_refused(http):

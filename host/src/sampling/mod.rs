@@ -5,6 +5,8 @@
 pub mod choice_constraint;
 pub mod constraint;
 pub mod json_constraint;
+pub mod json_schema;
+pub mod schema_constraint;
 pub mod stop;
 pub mod tool_call_constraint;
 

@@ -167,12 +167,8 @@ fn check_unsupported(req: &ChatCompletionRequest) -> ApiResult<()> {
             Some("text") => {}
             // Enforced by the engine's JSON-object constrained sampling (see the handler).
             Some("json_object") => {}
-            Some("json_schema") => {
-                return Err(ApiError::not_supported(
-                    "response_format",
-                    "response_format 'json_schema' is not supported yet (no constrained decoding)",
-                ))
-            }
+            // Compiled (and refused if invalid) by the handler.
+            Some("json_schema") => {}
             _ => {
                 return Err(ApiError::invalid_param(
                     "response_format",
@@ -226,11 +222,13 @@ pub async fn handler(
     })?;
     ereq.prompt_ids = prompt_ids;
     req.sampling.truncate_prompt(&mut ereq.prompt_ids, state.engine.max_model_len());
-    if req.response_format.as_ref().and_then(|rf| rf.get("type")).and_then(Value::as_str) == Some("json_object") {
-        ereq.constraint = Some(ConstraintSpec::JsonObject);
+    match req.response_format.as_ref().and_then(|rf| rf.get("type")).and_then(Value::as_str) {
+        Some("json_object") => ereq.constraint = Some(ConstraintSpec::JsonObject),
+        Some("json_schema") => ereq.constraint = Some(super::structured::response_format_schema(req.response_format.as_ref().expect("checked"))?),
+        _ => {}
     }
-    if let Some(choice) = super::structured::choice_constraint(req.structured_outputs.as_ref(), req.guided_choice.as_ref())? {
-        ereq.constraint = Some(choice);
+    if let Some(c) = super::structured::from_sampling_fields(&req.sampling)? {
+        ereq.constraint = Some(c);
     }
     let forced = forced_constraint(req.tool_choice.as_ref(), req.tools.as_deref())?;
     let forced_tool = forced.is_some();

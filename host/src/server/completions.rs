@@ -61,7 +61,8 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     })
     .await??;
     let max_tokens = req.max_tokens.map_or(DEFAULT_MAX_TOKENS, |m| m.min(usize::MAX as u64) as usize);
-    let base = req.sampling.to_engine_request(max_tokens)?;
+    let mut base = req.sampling.to_engine_request(max_tokens)?;
+    base.constraint = super::structured::from_sampling_fields(&req.sampling)?;
     let n = base.n;
     let mut echoes = Vec::new();
     let mut reqs: Vec<_> = prompts

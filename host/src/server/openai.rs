@@ -52,6 +52,11 @@ pub struct SamplingFields {
     pub truncate_prompt_tokens: Option<i64>,
     /// vLLM's prompt logprobs: not computed here (refused, not dropped).
     pub prompt_logprobs: Option<Value>,
+    /// vLLM's structured outputs (`{"choice": [...]}` or `{"json": schema}`) and their older
+    /// spellings (see `structured.rs`).
+    pub structured_outputs: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_json: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -66,9 +71,6 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
     pub response_format: Option<Value>,
-    /// vLLM's structured outputs (`{"choice": [...]}`) and its older `guided_choice`.
-    pub structured_outputs: Option<Value>,
-    pub guided_choice: Option<Value>,
     pub reasoning_effort: Option<String>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     /// vLLM's per-request Jinja template: refused (templates are the deployment's plugins; vLLM

@@ -1,29 +1,82 @@
-//! vLLM's `structured_outputs` request field (and its older spelling `guided_choice`). Only
-//! `choice` is served: the output is exactly one of the given strings (see
-//! `sampling::choice_constraint`). Other structured-output kinds are refused by name rather than
-//! ignored, so a client never gets unconstrained text it believes was constrained.
+//! Structured outputs: vLLM's `structured_outputs` request field (`choice` or `json`) and its
+//! older spellings `guided_choice` / `guided_json`, and OpenAI's `response_format` of type
+//! `json_schema`. A choice makes the output exactly one of the given strings
+//! (`sampling::choice_constraint`); a schema makes it JSON the schema accepts
+//! (`sampling::json_schema`, `sampling::schema_constraint`). Other kinds (`regex`, `grammar`)
+//! and schema keywords that cannot be enforced are refused by name rather than ignored, so a
+//! client never gets unconstrained text it believes was constrained.
+
+use std::sync::Arc;
 
 use serde_json::Value;
 
 use super::error::{ApiError, ApiResult};
 use crate::sampling::constraint::ConstraintSpec;
+use crate::sampling::json_schema::Schema;
 
-pub fn choice_constraint(structured_outputs: Option<&Value>, guided_choice: Option<&Value>) -> ApiResult<Option<ConstraintSpec>> {
-    let (param, choices) = match (structured_outputs, guided_choice) {
-        (None | Some(Value::Null), None | Some(Value::Null)) => return Ok(None),
-        (Some(_), Some(_)) => return Err(ApiError::bad_request("give either 'structured_outputs' or 'guided_choice', not both")),
-        (Some(Value::Object(o)), None) => {
-            if let Some(other) = o.keys().find(|k| *k != "choice") {
-                return Err(ApiError::invalid_param("structured_outputs", format!("structured_outputs.{other} is not supported (only 'choice')")));
-            }
-            ("structured_outputs.choice", o.get("choice"))
-        }
-        (Some(_), None) => return Err(ApiError::invalid_param("structured_outputs", "'structured_outputs' must be an object")),
-        (None, Some(v)) => ("guided_choice", Some(v)),
+/// The constraint a chat or text completion request asks for in its vLLM fields.
+pub fn from_sampling_fields(f: &super::openai::SamplingFields) -> ApiResult<Option<ConstraintSpec>> {
+    structured_constraint(f.structured_outputs.as_ref(), f.guided_choice.as_ref(), f.guided_json.as_ref())
+}
+
+/// The constraint of `structured_outputs`, `guided_choice` or `guided_json` (at most one).
+pub fn structured_constraint(structured_outputs: Option<&Value>, guided_choice: Option<&Value>, guided_json: Option<&Value>) -> ApiResult<Option<ConstraintSpec>> {
+    let given = |v: Option<&Value>| v.is_some_and(|v| !v.is_null());
+    let (so, gc, gj) = (given(structured_outputs), given(guided_choice), given(guided_json));
+    if [so, gc, gj].iter().filter(|x| **x).count() > 1 {
+        return Err(ApiError::bad_request("give one of 'structured_outputs', 'guided_choice' or 'guided_json', not several"));
+    }
+    if gc {
+        return choices("guided_choice", guided_choice).map(Some);
+    }
+    if gj {
+        return schema_constraint("guided_json", guided_json.expect("given")).map(Some);
+    }
+    if !so {
+        return Ok(None);
+    }
+    let Some(Value::Object(o)) = structured_outputs else {
+        return Err(ApiError::invalid_param("structured_outputs", "'structured_outputs' must be an object"));
     };
-    let choices: Option<Vec<String>> = choices.and_then(Value::as_array).and_then(|a| a.iter().map(|c| c.as_str().map(str::to_string)).collect());
+    if let Some(other) = o.keys().find(|k| !matches!(k.as_str(), "choice" | "json")) {
+        return Err(ApiError::invalid_param("structured_outputs", format!("structured_outputs.{other} is not supported (only 'choice' and 'json')")));
+    }
+    match (o.get("choice"), o.get("json")) {
+        (Some(_), Some(_)) => Err(ApiError::invalid_param("structured_outputs", "give 'choice' or 'json', not both")),
+        (_, Some(schema)) => schema_constraint("structured_outputs.json", schema).map(Some),
+        (choice, None) => choices("structured_outputs.choice", choice).map(Some),
+    }
+}
+
+/// `response_format: {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`
+/// (no `schema`: any JSON object).
+pub fn response_format_schema(rf: &Value) -> ApiResult<ConstraintSpec> {
+    let js = rf.get("json_schema").ok_or_else(|| ApiError::invalid_param("response_format", "response_format 'json_schema' needs a 'json_schema' object"))?;
+    if !js.is_object() {
+        return Err(ApiError::invalid_param("response_format", "'response_format.json_schema' must be an object"));
+    }
+    let schema = js.get("schema").cloned().unwrap_or_else(|| Value::Object(Default::default()));
+    schema_constraint("response_format", &schema)
+}
+
+fn schema_constraint(param: &str, schema: &Value) -> ApiResult<ConstraintSpec> {
+    // guided_json may come as the schema's text.
+    let parsed;
+    let schema = match schema {
+        Value::String(text) => {
+            parsed = serde_json::from_str::<Value>(text).map_err(|e| ApiError::invalid_param(param, format!("'{param}' is not a JSON schema: {e}")))?;
+            &parsed
+        }
+        v => v,
+    };
+    let schema = Schema::compile(schema).map_err(|e| ApiError::invalid_param(param, format!("invalid schema in '{param}': {e}")))?;
+    Ok(ConstraintSpec::JsonSchema { schema: Arc::new(schema) })
+}
+
+fn choices(param: &str, v: Option<&Value>) -> ApiResult<ConstraintSpec> {
+    let choices: Option<Vec<String>> = v.and_then(Value::as_array).and_then(|a| a.iter().map(|c| c.as_str().map(str::to_string)).collect());
     match choices {
-        Some(c) if !c.is_empty() && c.iter().all(|s| !s.is_empty()) => Ok(Some(ConstraintSpec::Choice { choices: c })),
+        Some(c) if !c.is_empty() && c.iter().all(|s| !s.is_empty()) => Ok(ConstraintSpec::Choice { choices: c }),
         _ => Err(ApiError::invalid_param(param, format!("'{param}' must be a non-empty list of non-empty strings"))),
     }
 }
@@ -35,12 +88,29 @@ mod tests {
 
     #[test]
     fn choices_are_read_and_bad_ones_refused() {
-        let spec = choice_constraint(Some(&json!({"choice": ["yes", "no"]})), None).unwrap();
+        let spec = structured_constraint(Some(&json!({"choice": ["yes", "no"]})), None, None).unwrap();
         assert_eq!(spec, Some(ConstraintSpec::Choice { choices: vec!["yes".into(), "no".into()] }));
-        assert!(choice_constraint(None, Some(&json!(["a"]))).unwrap().is_some());
-        assert!(choice_constraint(None, None).unwrap().is_none());
+        assert!(structured_constraint(None, Some(&json!(["a"])), None).unwrap().is_some());
+        assert!(structured_constraint(None, None, None).unwrap().is_none());
         for bad in [json!({"choice": []}), json!({"choice": [1]}), json!({"regex": "a+"}), json!("x"), json!({"choice": [""]})] {
-            assert!(choice_constraint(Some(&bad), None).is_err(), "{bad}");
+            assert!(structured_constraint(Some(&bad), None, None).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn schemas_come_from_every_spelling_and_bad_ones_are_400() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        for spec in [
+            structured_constraint(Some(&json!({"json": schema})), None, None).unwrap().unwrap(),
+            structured_constraint(None, None, Some(&schema)).unwrap().unwrap(),
+            structured_constraint(None, None, Some(&Value::String(schema.to_string()))).unwrap().unwrap(),
+            response_format_schema(&json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})).unwrap(),
+        ] {
+            assert!(matches!(spec, ConstraintSpec::JsonSchema { .. }));
+        }
+        let e = response_format_schema(&json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a"}}})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("response_format"));
+        assert!(e.message.contains("'pattern'"), "{}", e.message);
+        assert!(structured_constraint(Some(&json!({"json": schema})), Some(&json!(["a"])), None).is_err());
     }
 }
