@@ -182,6 +182,7 @@ fn engine_follows_transformers(m: LoadedModel, on: &str) {
         while let Ok(ev) = rx.try_recv() {
             match ev {
                 EngineEvent::Token { token, .. } => got.push(token),
+                EngineEvent::PromptLogprobs(_) => panic!("prompt logprobs were not asked for"),
                 EngineEvent::Error(e) => panic!("engine error: {e}"),
                 _ => {}
             }

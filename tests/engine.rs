@@ -59,6 +59,7 @@ fn drain(rx: &mut UnboundedReceiver<EngineEvent>) -> Collected {
                 c.finish.insert(index, reason);
                 c.cached = cached_tokens;
             }
+            EngineEvent::PromptLogprobs(_) => panic!("prompt logprobs were not asked for"),
             EngineEvent::Error(e) => panic!("engine error: {e}"),
         }
     }
@@ -233,6 +234,7 @@ fn text_held_back_for_a_possible_stop_string_is_released_at_eos() {
     while let Ok(ev) = rx.try_recv() {
         match ev {
             EngineEvent::Token { text: t, .. } | EngineEvent::Finished { text: t, .. } => text.push_str(&t),
+            EngineEvent::PromptLogprobs(_) => panic!("prompt logprobs were not asked for"),
             EngineEvent::Error(e) => panic!("{e}"),
         }
     }
@@ -294,6 +296,7 @@ fn json_object_mode_yields_one_valid_object() {
                     text.push_str(&t);
                     reason = Some(r);
                 }
+                EngineEvent::PromptLogprobs(_) => panic!("prompt logprobs were not asked for"),
                 EngineEvent::Error(e) => panic!("{e}"),
             }
         }
@@ -357,6 +360,7 @@ fn flooding_tenant_sits_out_the_quiet_tenants_prefill_step_only() {
                 match ev {
                     EngineEvent::Token { .. } => n += 1,
                     EngineEvent::Finished { reason, .. } => finished[i] = reason == FinishReason::Length,
+                    EngineEvent::PromptLogprobs(_) => panic!("prompt logprobs were not asked for"),
                     EngineEvent::Error(e) => panic!("engine error: {e}"),
                 }
             }

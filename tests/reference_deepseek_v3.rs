@@ -158,6 +158,7 @@ fn run_engine(core: &mut EngineCore, prompts: &[&[u32]]) -> Vec<EngineRun> {
                         r.logprobs.push((lp.logprob, lp.top));
                     }
                     EngineEvent::Finished { cached_tokens, .. } => r.cached = cached_tokens,
+                    EngineEvent::PromptLogprobs(_) => panic!("prompt logprobs were not asked for"),
                     EngineEvent::Error(e) => panic!("engine error: {e}"),
                 }
             }

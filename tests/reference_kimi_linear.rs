@@ -105,6 +105,7 @@ fn drain(rx: &mut UnboundedReceiver<EngineEvent>, vocab: usize) -> Collected {
                 c.logprobs.entry(index).or_default().push(full);
             }
             EngineEvent::Finished { cached_tokens, .. } => c.cached = cached_tokens,
+            EngineEvent::PromptLogprobs(_) => panic!("prompt logprobs were not asked for"),
             EngineEvent::Error(e) => panic!("engine error: {e}"),
         }
     }

@@ -77,6 +77,7 @@ pub fn engine_greedy_tokens(model: Arc<LoadedModel>, config: wasmserve::engine::
             while let Ok(ev) = rx.try_recv() {
                 match ev {
                     EngineEvent::Token { token, .. } => toks.push(token),
+                    EngineEvent::PromptLogprobs(_) => panic!("prompt logprobs were not asked for"),
                     EngineEvent::Error(e) => panic!("engine error: {e}"),
                     _ => {}
                 }

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import MODEL_NAME
+from conftest import MODEL_NAME, ROOT
 
 PROMPT = "The capital of France is"
 
@@ -120,6 +120,42 @@ def test_structured_outputs_in_text_completions(client):
     r = client.completions.create(model=MODEL_NAME, prompt="Paris as JSON:", max_tokens=60, temperature=0, extra_body={"guided_json": schema})
     out = json.loads(r.choices[0].text)
     assert list(out) == ["city", "population"] and isinstance(out["population"], int), out
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(client, http):
+    # lm-evaluation-harness's loglikelihood request: echo + logprobs, one generated token. The
+    # prompt's scores are checked against transformers' logits (tests/reference/smollm2): the
+    # same best token at every position, and logprob differences equal to logit differences.
+    fx = json.loads((ROOT / "tests/reference/smollm2/fixtures.json").read_text())["prompts"][0]
+    ids = fx["ids"]
+    piece = lambda t: http.post("/detokenize", json={"tokens": [t]}).json()["prompt"]
+    body = dict(model=MODEL_NAME, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=5)
+    lp = client.completions.create(**body).choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.tokens[:3] == [piece(t) for t in ids[:3]]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, len(ids)):
+        top = {piece(t): logit for t, logit in fx["logits_top"][j - 1]}
+        best_piece, best_logit = piece(fx["logits_top"][j - 1][0][0]), fx["logits_top"][j - 1][0][1]
+        ours = lp.top_logprobs[j]
+        assert len(ours) == 5 and max(ours, key=ours.get) == best_piece, (j, ours)
+        assert len(set(ours) & set(list(top)[:5])) >= 4, (j, ours, top)
+        for p_, l in ours.items():
+            if p_ in top:
+                assert abs((l - ours[best_piece]) - (top[p_] - best_logit)) < 3e-3, (j, p_)
+        if piece(ids[j]) in top:
+            assert abs((lp.token_logprobs[j] - ours[best_piece]) - (top[piece(ids[j])] - best_logit)) < 3e-3, j
+        assert lp.token_logprobs[j] <= 0
+    # A repeat is a prefix-cache hit for plain requests; scoring computes the prompt again.
+    again = client.completions.create(**body).choices[0].logprobs
+    assert again.token_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(again.token_logprobs[1:-1], lp.token_logprobs[1:-1])) < 1e-4
+    # Several prompts and n: each choice carries its own prompt's scores; a one-token prompt has none.
+    r = client.completions.create(model=MODEL_NAME, prompt=[ids[:6], ids[:1]], n=2, max_tokens=1, temperature=0, echo=True, logprobs=0)
+    assert [len(c.logprobs.tokens) for c in r.choices] == [7, 7, 2, 2]
+    assert max(abs(a - b) for a, b in zip(r.choices[1].logprobs.token_logprobs[1:6], lp.token_logprobs[1:6])) < 1e-4
+    assert r.choices[2].logprobs.token_logprobs[0] is None
+    r = http.post("/v1/completions", json={**body, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
 
 
 def test_known_fields_that_cannot_be_honoured_are_refused(http):

@@ -32,6 +32,10 @@ pub struct EngineRequest {
     pub n: usize,
     /// `None`: no logprobs. `Some(k)`: the chosen token's logprob plus the top `k` alternatives.
     pub logprobs: Option<usize>,
+    /// `Some(k)`: the logprob of every prompt token after the first, with the top `k`
+    /// alternatives (the legacy completions' `echo` with `logprobs`). Such a request computes
+    /// its whole prompt (no prefix-cache hit) in chunks of at most `PROMPT_LOGPROB_ROWS`.
+    pub prompt_logprobs: Option<usize>,
     /// Higher runs first when the scheduler has to choose; FCFS within a priority.
     pub priority: i32,
     /// Prefix-cache salt: requests only share cached blocks with the same salt (the tenant).
@@ -59,6 +63,7 @@ impl Default for EngineRequest {
             ignore_eos: false,
             n: 1,
             logprobs: None,
+            prompt_logprobs: None,
             priority: 0,
             cache_salt: String::new(),
             tenant: String::new(),
@@ -84,6 +89,9 @@ pub enum EngineEvent {
     Token { index: usize, token: u32, text: String, logprob: Option<TokenLogprob> },
     /// Choice `index` ended. `text` is any held-back text released at the end.
     Finished { index: usize, reason: FinishReason, text: String, prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize },
+    /// The prompt's logprobs (`prompt_logprobs`): one entry per prompt token after the first,
+    /// sent once, before the first `Token`.
+    PromptLogprobs(Vec<TokenLogprob>),
     /// The request failed inside the engine; no more events follow.
     Error(String),
 }

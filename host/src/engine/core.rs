@@ -72,6 +72,9 @@ pub const MAX_LOGIT_BIAS: usize = 1024;
 pub const MAX_CHOICES: usize = 256;
 pub const MAX_CHOICE_BYTES: usize = 16 * 1024;
 pub const MAX_TOOLS: usize = 128;
+/// Prompt rows of one sequence scheduled per step while it collects prompt logprobs: each row
+/// returns a vocabulary of logits (128 rows of a 150k vocabulary: 77 MB).
+pub const PROMPT_LOGPROB_ROWS: usize = 128;
 
 /// The per-token work a request asks for, within the caps above.
 fn check_list_sizes(req: &EngineRequest) -> Result<(), SubmitError> {
@@ -113,7 +116,7 @@ pub fn validate_request(model: &LoadedModel, max_model_len: usize, cfg: &EngineC
     if req.n == 0 || req.n > cfg.max_n {
         return Err(SubmitError::InvalidParam { param: "n", message: format!("'n' must be between 1 and {}, got {}", cfg.max_n, req.n) });
     }
-    if req.logprobs.is_some_and(|k| k > cfg.max_logprobs) {
+    if req.logprobs.into_iter().chain(req.prompt_logprobs).any(|k| k > cfg.max_logprobs) {
         return Err(SubmitError::InvalidParam { param: "top_logprobs", message: format!("'top_logprobs' must be at most {}", cfg.max_logprobs) });
     }
     check_list_sizes(req)?;
@@ -249,6 +252,9 @@ impl EngineCore {
                 false => StopChecker::new(req.stop.clone()),
             },
             max_tokens: req.max_tokens.min(self.max_model_len - prompt_len),
+            prompt_logprobs: if index == 0 { req.prompt_logprobs } else { None },
+            prompt_lp: Vec::new(),
+            prompt_lp_sent: false,
             tokens,
             prompt_len,
             num_computed: 0,
@@ -343,7 +349,7 @@ impl EngineCore {
                 i += 1;
                 continue;
             }
-            let chunk = self.running[i].remaining().min(budget);
+            let chunk = self.running[i].remaining().min(budget).min(self.running[i].chunk_limit());
             let upto = self.running[i].num_computed + chunk;
             if self.running[i].reserve(upto, &mut self.pool) {
                 plan.push((i, chunk));
@@ -384,13 +390,14 @@ impl EngineCore {
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs && !self.waiting.is_empty() {
                 let Some(next) = self.next_to_admit(&deferred) else { break };
                 let mut s = self.waiting.remove(next);
-                if self.cfg.enable_prefix_caching {
+                // Prompt logprobs need every prompt row computed: no prefix-cache hit (as vLLM).
+                if self.cfg.enable_prefix_caching && s.prompt_logprobs.is_none() {
                     let hit = s.attach_cached_prefix(&mut self.pool);
                     if !s.admitted_once {
                         s.cached_tokens = hit;
                     }
                 }
-                let chunk = s.remaining().min(budget);
+                let chunk = s.remaining().min(budget).min(s.chunk_limit());
                 if !s.reserve(s.num_computed + chunk, &mut self.pool) {
                     s.release_blocks(&mut self.pool);
                     self.waiting.insert(next, s);
@@ -472,6 +479,10 @@ impl EngineCore {
         let mut rows = Vec::new();
         let mut logit_rows = Vec::new();
         let mut sampled_seqs = Vec::new();
+        // (running index, prompt position) of the rows scoring prompt tokens, in `logit_rows` order
+        // before each sequence's sampled row.
+        let mut prompt_rows: Vec<(usize, usize)> = Vec::new();
+        let mut logit_is_prompt = Vec::new();
         let mut tables = Vec::with_capacity(plan.len());
         let mut slots = Vec::with_capacity(plan.len());
         for (b, &(i, chunk)) in plan.iter().enumerate() {
@@ -479,9 +490,16 @@ impl EngineCore {
             for p in s.num_computed..s.num_computed + chunk {
                 tokens.push(s.tokens[p]);
                 rows.push(BatchRow { seq: b, pos: p });
+                if s.wants_prompt_logprob(p) {
+                    logit_rows.push(rows.len() - 1);
+                    logit_is_prompt.push(true);
+                    prompt_rows.push((i, p));
+                }
             }
             if s.num_computed + chunk == s.tokens.len() {
+                // The last prompt row both scores nothing (no next prompt token) and samples.
                 logit_rows.push(rows.len() - 1);
+                logit_is_prompt.push(false);
                 sampled_seqs.push(i);
             }
             tables.push(s.blocks.clone());
@@ -520,9 +538,11 @@ impl EngineCore {
             }
         }
         let vocab = self.model.config().vocab_size;
+        let (prompt_logits, sample_logits): (Vec<usize>, Vec<usize>) = (0..logit_rows.len()).partition(|&k| logit_is_prompt[k]);
+        self.score_prompt_rows(&prompt_rows, prompt_logits.iter().map(|&k| &logits[k * vocab..(k + 1) * vocab]), &sampled_seqs);
         let mut finished: Vec<usize> = Vec::new();
         let mut forks: Vec<(usize, Vec<f32>)> = Vec::new();
-        for (k, &i) in sampled_seqs.iter().enumerate() {
+        for (&k, &i) in sample_logits.iter().zip(&sampled_seqs) {
             let row = logits[k * vocab..(k + 1) * vocab].to_vec();
             let id = self.running[i].request;
             if self.requests.get(&id).is_some_and(|r| !r.forked) {
@@ -551,6 +571,31 @@ impl EngineCore {
             }
             keep
         });
+    }
+
+    /// Records the logprob of the prompt token each of `rows` scores (`logits` in the same
+    /// order), and sends a sequence's prompt logprobs once they are all in, before its first
+    /// token.
+    fn score_prompt_rows<'a>(&mut self, rows: &[(usize, usize)], logits: impl Iterator<Item = &'a [f32]>, sampled: &[usize]) {
+        for (&(i, pos), l) in rows.iter().zip(logits) {
+            let s = &mut self.running[i];
+            let k = s.prompt_logprobs.unwrap_or(0);
+            let token = s.tokens[pos + 1];
+            let lse = crate::sampling::log_sum_exp(l);
+            s.prompt_lp.push(TokenLogprob { token, logprob: l[token as usize] - lse, top: top_logprobs(l, k) });
+        }
+        // A one-token prompt has no rows to score and is complete when it samples.
+        for i in rows.iter().map(|r| r.0).chain(sampled.iter().copied()) {
+            let s = &mut self.running[i];
+            if s.prompt_logprobs.is_none() || s.prompt_lp_sent || s.prompt_lp.len() + 1 < s.prompt_len {
+                continue;
+            }
+            s.prompt_lp_sent = true;
+            let lp = std::mem::take(&mut s.prompt_lp);
+            if let Some(state) = self.requests.get(&s.request) {
+                let _ = state.tx.send(EngineEvent::PromptLogprobs(lp));
+            }
+        }
     }
 
     /// Creates choices 1..n of a request from choice 0 once its prompt is computed. They share

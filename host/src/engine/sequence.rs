@@ -27,6 +27,13 @@ pub struct Sequence {
     pub stops: StopChecker,
     /// Generation ends when this many tokens were generated.
     pub max_tokens: usize,
+    /// `Some(k)`: collect the prompt's logprobs with `k` alternatives (choice 0 only).
+    pub prompt_logprobs: Option<usize>,
+    /// The prompt logprobs so far: entry `j` is prompt token `j + 1`'s. Kept across a
+    /// preemption, so a recompute only adds what is missing; emptied once sent.
+    pub prompt_lp: Vec<crate::engine::TokenLogprob>,
+    /// Whether `prompt_lp` was sent.
+    pub prompt_lp_sent: bool,
     /// Prompt tokens served from the prefix cache at first admission (for usage accounting).
     pub cached_tokens: usize,
     /// Whether the sequence has been admitted before (so a re-admission is a recompute).
@@ -58,6 +65,22 @@ impl Sequence {
 
     pub fn is_prefilling(&self) -> bool {
         self.remaining() > 1
+    }
+
+    /// Whether the logits of row `pos` are wanted for the prompt logprobs (they score prompt
+    /// token `pos + 1`, and it was not scored before a preemption).
+    pub fn wants_prompt_logprob(&self, pos: usize) -> bool {
+        self.prompt_logprobs.is_some() && !self.prompt_lp_sent && pos + 1 < self.prompt_len && pos >= self.prompt_lp.len()
+    }
+
+    /// The most prompt tokens to schedule in one step: a prompt-logprobs prompt returns one
+    /// row of logits per token, so its chunks are capped to bound that memory.
+    pub fn chunk_limit(&self) -> usize {
+        if self.prompt_logprobs.is_some() && !self.prompt_lp_sent {
+            super::core::PROMPT_LOGPROB_ROWS
+        } else {
+            usize::MAX
+        }
     }
 
     /// Drops all blocks and the recurrent state (for preemption or when done): the sequence

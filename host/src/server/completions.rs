@@ -36,8 +36,11 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
         return Err(ApiError::not_supported("best_of", "'best_of' other than 'n' is not supported"));
     }
     let echo = req.echo.unwrap_or(false);
-    if echo && req.logprobs.is_some() {
-        return Err(ApiError::not_supported("echo", "'echo' together with 'logprobs' (prompt logprobs) is not supported"));
+    // echo + logprobs scores the prompt too (what lm-evaluation-harness's loglikelihood tasks
+    // ask for), returned whole: a stream would have to hold its echo until the scores exist.
+    let score_prompt = echo && req.logprobs.is_some();
+    if score_prompt && req.sampling.is_stream() {
+        return Err(ApiError::not_supported("echo", "'echo' together with 'logprobs' is not supported when streaming"));
     }
     // Before the tokenizing: a caller at its limits gets its 429 without costing that work.
     tenancy::precheck(&state, &caller)?;
@@ -65,16 +68,19 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     base.constraint = super::structured::from_sampling_fields(&req.sampling)?;
     let n = base.n;
     let mut echoes = Vec::new();
+    let mut first_tokens = Vec::new();
     let mut reqs: Vec<_> = prompts
         .into_iter()
         .map(|mut ids| {
             req.sampling.truncate_prompt(&mut ids, state.engine.max_model_len());
             if echo {
                 echoes.push(tok.decode(&ids, base.skip_special_tokens));
+                first_tokens.push(ids.first().copied());
             }
             let mut r = base.clone();
             r.prompt_ids = ids;
             r.logprobs = req.logprobs.map(|k| k as usize);
+            r.prompt_logprobs = if score_prompt { r.logprobs } else { None };
             r
         })
         .collect();
@@ -108,6 +114,10 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
         .map(|(i, c)| {
             let logprobs = if want_logprobs {
                 let mut l = LegacyLogprobs::default();
+                if let (true, Some(Some(first))) = (score_prompt, first_tokens.get(i / n)) {
+                    l.push_unscored(tok, *first);
+                    c.prompt_logprobs.iter().flatten().for_each(|x| l.push(tok, x));
+                }
                 c.logprobs.iter().for_each(|x| l.push(tok, x));
                 l.take()
             } else {

@@ -19,6 +19,8 @@ type Events = Pin<Box<dyn Stream<Item = (usize, EngineEvent)> + Send>>;
 pub enum GenEvent {
     Token { choice: usize, token: u32, text: String, logprob: Option<TokenLogprob> },
     Finished { choice: usize, reason: FinishReason, text: String },
+    /// The logprobs of prompt `prompt`'s tokens after its first (asked with `prompt_logprobs`).
+    PromptLogprobs { prompt: usize, logprobs: Vec<TokenLogprob> },
     Error(String),
 }
 
@@ -174,6 +176,7 @@ impl Generation {
                 }
                 GenEvent::Finished { choice, reason, text }
             }
+            EngineEvent::PromptLogprobs(logprobs) => GenEvent::PromptLogprobs { prompt: p, logprobs },
             EngineEvent::Error(msg) => {
                 self.failed = true;
                 m.count_finished("error");
@@ -204,6 +207,8 @@ pub struct Collected {
     pub tokens: Vec<u32>,
     pub logprobs: Vec<TokenLogprob>,
     pub finish_reason: Option<FinishReason>,
+    /// The choice's prompt's logprobs, when asked for.
+    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
 }
 
 pub async fn collect(mut g: Generation) -> Result<(Vec<Collected>, Usage), ApiError> {
@@ -219,6 +224,12 @@ pub async fn collect(mut g: Generation) -> Result<(Vec<Collected>, Usage), ApiEr
             GenEvent::Finished { choice, reason, text } => {
                 out[choice].text.push_str(&text);
                 out[choice].finish_reason = Some(reason);
+            }
+            GenEvent::PromptLogprobs { prompt, logprobs } => {
+                let n = g.n;
+                for c in &mut out[prompt * n..(prompt + 1) * n] {
+                    c.prompt_logprobs = Some(logprobs.clone());
+                }
             }
             GenEvent::Error(msg) => {
                 let _ = g.settle().await;

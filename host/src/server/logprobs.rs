@@ -68,6 +68,16 @@ impl LegacyLogprobs {
         self.top_logprobs.push(Value::Object(top));
     }
 
+    /// The first prompt token of an echo, which has no logprob (nothing comes before it).
+    pub fn push_unscored(&mut self, tok: &Tokenizer, token: u32) {
+        let s = piece(tok, token);
+        self.text_offset.push(self.offset);
+        self.offset += s.len();
+        self.tokens.push(s.into());
+        self.token_logprobs.push(Value::Null);
+        self.top_logprobs.push(Value::Null);
+    }
+
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }

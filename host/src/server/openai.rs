@@ -206,7 +206,7 @@ impl SamplingFields {
         };
         let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
         if self.prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(ApiError::not_supported("prompt_logprobs", "'prompt_logprobs' is not supported"));
+            return Err(ApiError::not_supported("prompt_logprobs", "'prompt_logprobs' is not supported; text completions score the prompt with 'echo' and 'logprobs'"));
         }
         if let Some(t) = self.truncate_prompt_tokens {
             if t == 0 || t < -1 {

@@ -150,6 +150,8 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_usage: b
                         st.gen = None;
                     }
                 }
+                // Streams never ask for prompt logprobs (completions refuses echo + logprobs + stream).
+                Some(GenEvent::PromptLogprobs { .. }) => {}
                 Some(GenEvent::Error(msg)) => {
                     let err = ApiError::internal(format!("generation failed: {msg}"));
                     tracing::warn!(message = %err.message, "stream failed");

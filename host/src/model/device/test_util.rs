@@ -49,6 +49,7 @@ pub fn engine_greedy_matches_transformers(m: LoadedModel, reference: &serde_json
         while let Ok(ev) = rx.try_recv() {
             match ev {
                 EngineEvent::Token { index, token, .. } => got.entry(index).or_default().push(token),
+                EngineEvent::PromptLogprobs(_) => panic!("prompt logprobs were not asked for"),
                 EngineEvent::Error(e) => panic!("{what}: engine error: {e}"),
                 _ => {}
             }
