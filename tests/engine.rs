@@ -392,3 +392,82 @@ fn flooding_tenant_sits_out_the_quiet_tenants_prefill_step_only() {
     flood_tokens(&mut flood);
     assert!(finished.iter().all(|&f| f), "some flood requests did not finish: {finished:?}");
 }
+
+/// Prompt token `j + 1`'s logprob from the contiguous-cache forward with every row's logits.
+fn prompt_logprobs_alone(prompt: &[u32]) -> Vec<f32> {
+    use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
+    let m = common::smollm2();
+    let cfg = m.config();
+    let rows: Vec<BatchRow> = (0..prompt.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+    let scoring: Vec<usize> = (0..prompt.len() - 1).collect();
+    let mut kv = ContiguousKvCache::new(cfg.num_layers(), cfg.kv_width(), 1);
+    let flat = m.model.forward(prompt, &rows, &mut kv, &scoring);
+    flat.chunks(cfg.vocab_size).zip(&prompt[1..]).map(|(l, &t)| l[t as usize] - wasmserve::sampling::log_sum_exp(l)).collect()
+}
+
+/// Runs `reqs` to the end; per request, its prompt logprobs (if sent, checked to come before
+/// its first token) and its cached prompt tokens.
+fn run_scored(core: &mut EngineCore, reqs: Vec<EngineRequest>) -> Vec<(Option<Vec<wasmserve::engine::TokenLogprob>>, usize)> {
+    let mut rxs = Vec::new();
+    for (i, r) in reqs.into_iter().enumerate() {
+        let (tx, rx) = unbounded_channel();
+        core.add_request(1000 + i as u64, r, tx).unwrap();
+        rxs.push(rx);
+    }
+    while core.step() {}
+    rxs.iter_mut()
+        .map(|rx| {
+            let (mut lp, mut cached, mut tokens) = (None, 0, 0);
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    EngineEvent::PromptLogprobs(l) => {
+                        assert!(lp.is_none() && tokens == 0, "prompt logprobs sent twice or after a token");
+                        lp = Some(l);
+                    }
+                    EngineEvent::Token { .. } => tokens += 1,
+                    EngineEvent::Finished { cached_tokens, .. } => cached = cached_tokens,
+                    EngineEvent::Error(e) => panic!("engine error: {e}"),
+                }
+            }
+            (lp, cached)
+        })
+        .collect()
+}
+
+fn assert_scores(got: &[wasmserve::engine::TokenLogprob], prompt: &[u32], k: usize) {
+    let want = prompt_logprobs_alone(prompt);
+    assert_eq!(got.iter().map(|l| l.token).collect::<Vec<_>>(), prompt[1..], "one score per prompt token after the first");
+    for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g.logprob - w).abs() < 1e-4, "prompt token {}: {} vs {w}", j + 1, g.logprob);
+        assert_eq!(g.top.len(), k);
+        assert!(g.top[0].1 >= g.logprob - 1e-6 && g.top.windows(2).all(|p| p[0].1 >= p[1].1));
+    }
+}
+
+#[test]
+fn prompt_logprobs_survive_chunking_preemption_and_skip_the_prefix_cache() {
+    use wasmserve::engine::core::PROMPT_LOGPROB_ROWS;
+    let m = common::smollm2();
+    let long = m.tokenizer.encode(&"The history of the Roman Empire spans many centuries. ".repeat(32), true).unwrap();
+    assert!(long.len() > 2 * PROMPT_LOGPROB_ROWS, "three scored chunks");
+    let mut c = core(EngineConfig::default());
+    run_all(&mut c, vec![greedy(&long, 2)]);
+    let mut scored = greedy(&long, 2);
+    scored.prompt_logprobs = Some(3);
+    let out = run_scored(&mut c, vec![scored]);
+    assert_eq!(out[0].1, 0, "a scored prompt is computed whole, not served from the prefix cache");
+    assert_scores(out[0].0.as_ref().expect("prompt logprobs sent"), &long, 3);
+
+    // A budget that forces preemption (as above); the scored request, newest, is a victim first.
+    let mc = common::smollm2();
+    let block_bytes = 2 * mc.config().num_layers() * 16 * mc.config().kv_width() * 4;
+    let mut c = core(EngineConfig { kv_cache_bytes: 12 * block_bytes, max_num_batched_tokens: 64, ..Default::default() });
+    let chosen: Vec<Vec<u32>> = prompts().into_iter().take(8).collect();
+    let mut reqs: Vec<EngineRequest> = chosen.iter().map(|p| greedy(p, 24)).collect();
+    reqs[7].prompt_logprobs = Some(1);
+    let out = run_scored(&mut c, reqs);
+    assert!(c.stats().preemptions_total > 0, "the budget did not force preemption");
+    assert!(out[..7].iter().all(|o| o.0.is_none()), "only the scored request gets prompt logprobs");
+    assert_scores(out[7].0.as_ref().expect("prompt logprobs sent"), &chosen[7], 1);
+    assert_eq!(c.pool().unreferenced(), c.pool().num_blocks());
+}
