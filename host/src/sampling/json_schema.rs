@@ -77,7 +77,39 @@ impl Schema {
         if c.nodes[root as usize] == (Node::Num { integer: true }) || c.nodes[root as usize] == (Node::Num { integer: false }) {
             return Err("the schema's root is a number, whose end cannot be told: wrap it in an object".into());
         }
-        Ok(Self { nodes: c.nodes, root })
+        let schema = Self { nodes: c.nodes, root };
+        if !schema.finite_values()[root as usize] {
+            return Err("the schema admits no finite JSON value (its references only lead back to themselves)".into());
+        }
+        Ok(schema)
+    }
+
+    /// Per node, whether some finite JSON text matches it (a least fixpoint: `{"$ref": "#"}`
+    /// or an object requiring itself has none, and decoding to it could only emit whitespace).
+    fn finite_values(&self) -> Vec<bool> {
+        let mut ok = vec![false; self.nodes.len()];
+        loop {
+            let mut changed = false;
+            for (i, n) in self.nodes.iter().enumerate() {
+                if ok[i] {
+                    continue;
+                }
+                let now = match n {
+                    Node::Union(branches) => branches.iter().any(|&b| ok[b as usize]),
+                    Node::Array { items, min, .. } => *min == 0 || ok[*items as usize],
+                    Node::Object { props } => props.iter().all(|p| !p.required || ok[p.node as usize]),
+                    Node::Pending => false,
+                    Node::Any | Node::Str { .. } | Node::Num { .. } | Node::Lit(_) | Node::Map { .. } => true,
+                };
+                if now {
+                    ok[i] = true;
+                    changed = true;
+                }
+            }
+            if !changed {
+                return ok;
+            }
+        }
     }
 }
 
@@ -303,6 +335,8 @@ mod tests {
             (json!({"type": "wat"}), "unknown JSON Schema type"),
             (json!(false), "matches nothing"),
             (json!({"type": "string", "minLength": 3, "maxLength": 2}), "minLength"),
+            (json!({"$ref": "#"}), "no finite JSON value"),
+            (json!({"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]}), "no finite JSON value"),
         ] {
             let e = Schema::compile(&schema).unwrap_err();
             assert!(e.contains(want), "{schema}: {e}");
