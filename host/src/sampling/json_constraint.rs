@@ -5,6 +5,8 @@
 //! Checking is lazy: candidates are tried best first (greedy) or by sampling with rejection, so a
 //! step usually checks a handful of tokens rather than the whole vocabulary.
 
+use super::json_number::NumState;
+
 /// Longest run of insignificant whitespace allowed: stops a model from padding forever.
 const MAX_WHITESPACE_RUN: u32 = 16;
 /// Deepest nesting accepted.
@@ -40,24 +42,6 @@ enum Expect {
     Literal(&'static [u8]),
     /// The top-level object is closed.
     Done,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum NumState {
-    Minus,
-    Zero,
-    Int,
-    Dot,
-    Frac,
-    Exp,
-    ExpSign,
-    ExpDigits,
-}
-
-impl NumState {
-    fn can_end(self) -> bool {
-        matches!(self, NumState::Zero | NumState::Int | NumState::Frac | NumState::ExpDigits)
-    }
 }
 
 #[derive(Clone, Debug)]
@@ -117,18 +101,6 @@ impl JsonState {
                 self.expect = Expect::Str { key: false, escape: false, unicode_left: 0 };
                 true
             }
-            b'-' => {
-                self.expect = Expect::Number(NumState::Minus);
-                true
-            }
-            b'0' => {
-                self.expect = Expect::Number(NumState::Zero);
-                true
-            }
-            b'1'..=b'9' => {
-                self.expect = Expect::Number(NumState::Int);
-                true
-            }
             b't' => {
                 self.expect = Expect::Literal(b"rue");
                 true
@@ -141,7 +113,13 @@ impl JsonState {
                 self.expect = Expect::Literal(b"ull");
                 true
             }
-            _ => false,
+            _ => match NumState::start(b) {
+                Some(n) => {
+                    self.expect = Expect::Number(n);
+                    true
+                }
+                None => false,
+            },
         }
     }
 
@@ -245,19 +223,7 @@ impl JsonState {
                 }
             }
             Expect::Number(n) => {
-                use NumState::*;
-                let next = match (n, b) {
-                    (Minus, b'0') => Some(Zero),
-                    (Minus, b'1'..=b'9') => Some(Int),
-                    (Int, b'0'..=b'9') => Some(Int),
-                    (Zero | Int, b'.') => Some(Dot),
-                    (Dot | Frac, b'0'..=b'9') => Some(Frac),
-                    (Zero | Int | Frac, b'e' | b'E') => Some(Exp),
-                    (Exp, b'+' | b'-') => Some(ExpSign),
-                    (Exp | ExpSign | ExpDigits, b'0'..=b'9') => Some(ExpDigits),
-                    _ => None,
-                };
-                match next {
+                match n.next(b, false) {
                     Some(s) => {
                         self.expect = Expect::Number(s);
                         true

@@ -5,6 +5,7 @@
 pub mod choice_constraint;
 pub mod constraint;
 pub mod json_constraint;
+pub mod json_number;
 pub mod json_schema;
 pub mod schema_constraint;
 pub mod stop;

@@ -10,6 +10,7 @@
 
 use std::sync::Arc;
 
+use super::json_number::NumState;
 use super::json_schema::{Node, NodeId, Schema, ANY};
 
 /// Longest run of insignificant whitespace allowed: stops a model from padding forever.
@@ -32,49 +33,6 @@ enum LitSrc {
     Key { obj: NodeId, prop: u16 },
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Num {
-    Minus,
-    Zero,
-    Int,
-    Dot,
-    Frac,
-    Exp,
-    ExpSign,
-    ExpDigits,
-}
-
-impl Num {
-    fn can_end(self) -> bool {
-        matches!(self, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits)
-    }
-
-    /// The state after `b`, if `b` continues the number.
-    fn next(self, b: u8, integer: bool) -> Option<Num> {
-        let digit = b.is_ascii_digit();
-        Some(match (self, b) {
-            (Num::Minus, b'0') => Num::Zero,
-            (Num::Minus, _) if digit => Num::Int,
-            (Num::Int, _) if digit => Num::Int,
-            (Num::Zero | Num::Int, b'.') if !integer => Num::Dot,
-            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') if !integer => Num::Exp,
-            (Num::Dot | Num::Frac, _) if digit => Num::Frac,
-            (Num::Exp, b'+' | b'-') => Num::ExpSign,
-            (Num::Exp | Num::ExpSign | Num::ExpDigits, _) if digit => Num::ExpDigits,
-            _ => return None,
-        })
-    }
-
-    fn start(b: u8) -> Option<Num> {
-        match b {
-            b'-' => Some(Num::Minus),
-            b'0' => Some(Num::Zero),
-            b'1'..=b'9' => Some(Num::Int),
-            _ => None,
-        }
-    }
-}
-
 /// What remains to be matched, one step of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Task {
@@ -87,7 +45,7 @@ enum Task {
     /// Inside a string: `count` characters so far; `esc` 0 = none, 1 = after `\`, 2..=5 = that
     /// many minus one hex digits of `\u` left.
     Str { min: u32, max: u32, count: u32, esc: u8 },
-    Num { state: Num, integer: bool },
+    Num { state: NumState, integer: bool },
     /// After `{` of object node `obj` (or after a property): the next property may be `next`
     /// or any later one past optional ones; `first` means no property was written yet.
     Obj { obj: NodeId, next: u16, first: bool },
@@ -227,7 +185,7 @@ fn step(schema: &Schema, mut path: Path, b: u8, out: &mut Vec<Path>, expansions:
                 b'f' => done(path, &[Task::Lit { src: LitSrc::Static(b"false"), pos: 1 }], out),
                 b'n' => done(path, &[Task::Lit { src: LitSrc::Static(b"null"), pos: 1 }], out),
                 _ => {
-                    if let Some(state) = Num::start(b) {
+                    if let Some(state) = NumState::start(b) {
                         done(path, &[Task::Num { state, integer: false }], out);
                     }
                 }
@@ -238,7 +196,7 @@ fn step(schema: &Schema, mut path: Path, b: u8, out: &mut Vec<Path>, expansions:
                 }
             }
             &Node::Num { integer } => {
-                if let Some(state) = Num::start(b) {
+                if let Some(state) = NumState::start(b) {
                     done(path, &[Task::Num { state, integer }], out);
                 }
             }

@@ -151,6 +151,20 @@ impl SamplingFields {
         self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
     }
 
+    /// Applies `truncate_prompt_tokens` (checked by `to_engine_request`): the prompt's last
+    /// `k` tokens, as vLLM keeps them. `-1` keeps what leaves room for one generated token in
+    /// `max_model_len` (the engine refuses a prompt that fills the context).
+    pub fn truncate_prompt(&self, ids: &mut Vec<u32>, max_model_len: usize) {
+        let keep = match self.truncate_prompt_tokens {
+            None => return,
+            Some(-1) => max_model_len.saturating_sub(1),
+            Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
+        };
+        if ids.len() > keep {
+            ids.drain(..ids.len() - keep);
+        }
+    }
+
     /// The engine request for one prompt, minus the prompt ids and logprobs.
     pub fn to_engine_request(&self, max_tokens: usize) -> Result<EngineRequest, ApiError> {
         if self.stream_options.is_some() && !self.is_stream() {
@@ -234,22 +248,6 @@ impl SamplingFields {
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             ..Default::default()
         })
-    }
-}
-
-impl SamplingFields {
-    /// Applies `truncate_prompt_tokens` (checked by `to_engine_request`): the prompt's last
-    /// `k` tokens, as vLLM keeps them. `-1` keeps what leaves room for one generated token in
-    /// `max_model_len` (the engine refuses a prompt that fills the context).
-    pub fn truncate_prompt(&self, ids: &mut Vec<u32>, max_model_len: usize) {
-        let keep = match self.truncate_prompt_tokens {
-            None => return,
-            Some(-1) => max_model_len.saturating_sub(1),
-            Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
-        };
-        if ids.len() > keep {
-            ids.drain(..ids.len() - keep);
-        }
     }
 }
 
