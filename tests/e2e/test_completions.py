@@ -158,9 +158,50 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(client, http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
 
 
+def test_vllm_prompt_logprobs_rank_the_prompt_like_transformers(client, http):
+    # vLLM's prompt_logprobs: null for the first token, then {token id: {logprob, rank,
+    # decoded_token}} holding the prompt token first and the k best. Ranks are checked against
+    # transformers' logits where the neighbours are not too close to call; logprobs against
+    # the echo scores (themselves checked against transformers above).
+    fx = json.loads((ROOT / "tests/reference/smollm2/fixtures.json").read_text())["prompts"][0]
+    ids = fx["ids"]
+    piece = lambda t: http.post("/detokenize", json={"tokens": [t]}).json()["prompt"]
+    body = dict(model=MODEL_NAME, prompt=ids, max_tokens=1, temperature=0)
+    r = http.post("/v1/completions", json={**body, "prompt_logprobs": 3})
+    assert r.status_code == 200, r.text
+    pl = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    echo = client.completions.create(**body, echo=True, logprobs=3).choices[0].logprobs
+    checked_ranks = 0
+    for j in range(1, len(ids)):
+        row, own = pl[j], str(ids[j])
+        assert list(row)[0] == own and len(row) in (3, 4), (j, row)
+        assert abs(row[own]["logprob"] - echo.token_logprobs[j]) < 1e-4, j
+        assert row[own]["decoded_token"] == piece(ids[j])
+        assert sorted(v["rank"] for v in row.values() if v["rank"] <= 3) == [1, 2, 3], (j, row)
+        assert {piece(int(k)) for k, v in row.items() if v["rank"] <= 3} == set(echo.top_logprobs[j]), j
+        ref = fx["logits_top"][j - 1]
+        pos = [t for t, _ in ref].index(ids[j]) if ids[j] in [t for t, _ in ref] else None
+        if pos is not None and all(abs(ref[pos][1] - l) > 0.05 for t, l in ref if t != ids[j]):
+            assert row[own]["rank"] == pos + 1, (j, row[own], pos)
+            checked_ranks += 1
+    assert checked_ranks >= 5
+    # Chat puts them beside the choices; together with echo + logprobs each keeps its own width.
+    r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "n": 2, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    chat = r.json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(row) == 1 for row in chat["prompt_logprobs"][1:])
+    both = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1, "prompt_logprobs": 4}).json()["choices"][0]
+    assert all(len(t) == 1 for t in both["logprobs"]["top_logprobs"][1:])
+    assert all(len(row) >= 4 for row in both["prompt_logprobs"][1:])
+    # Streaming has no place for them; over the logprobs cap (and -1, the whole vocabulary) is refused.
+    for extra in ({"stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": -2}):
+        r = http.post("/v1/completions", json={**body, "prompt_logprobs": 1, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", (extra, r.text)
+
+
 def test_known_fields_that_cannot_be_honoured_are_refused(http):
-    r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     r = http.post("/v1/chat/completions", json={**chat, "chat_template": "{{ messages[0].content }}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text

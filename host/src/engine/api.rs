@@ -78,8 +78,21 @@ impl Default for EngineRequest {
 pub struct TokenLogprob {
     pub token: u32,
     pub logprob: f32,
+    /// 1 + how many tokens the distribution ranks strictly above `token` (vLLM's `rank`).
+    pub rank: u32,
     /// Best alternatives, best first (`logprobs = Some(k)`, k entries).
     pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    /// `token`'s logprob, rank and the `k` best alternatives under the raw `logits`, with one
+    /// log-sum-exp shared by all of them.
+    pub fn score(logits: &[f32], token: u32, k: usize) -> Self {
+        let lse = crate::sampling::log_sum_exp(logits);
+        let own = logits[token as usize];
+        let rank = 1 + logits.iter().filter(|&&l| l > own).count() as u32;
+        TokenLogprob { token, logprob: own - lse, rank, top: crate::sampling::top_logprobs(logits, k, lse) }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -128,4 +141,25 @@ pub struct EngineStats {
     /// Steps that panicked (a bug); the requests in flight got an error and the engine went on.
     pub step_panics_total: u64,
     pub steps_total: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenLogprob;
+
+    #[test]
+    fn score_gives_logprob_rank_and_best_alternatives_of_the_raw_distribution() {
+        let logits = [1.0f32, 3.0, 2.0, f32::NEG_INFINITY, 3.0];
+        let lse = logits.iter().map(|l| l.exp()).sum::<f32>().ln();
+        let s = TokenLogprob::score(&logits, 2, 2);
+        assert!((s.logprob - (2.0 - lse)).abs() < 1e-6);
+        // Two tokens rank strictly above token 2; ties share the better rank.
+        assert_eq!(s.rank, 3);
+        assert_eq!(s.top.len(), 2);
+        assert!(s.top.iter().all(|&(t, l)| (t == 1 || t == 4) && (l - (3.0 - lse)).abs() < 1e-6));
+        assert_eq!(TokenLogprob::score(&logits, 4, 0).rank, 1);
+        let impossible = TokenLogprob::score(&logits, 3, 0);
+        assert_eq!((impossible.rank, impossible.logprob), (5, f32::NEG_INFINITY));
+        assert!(impossible.top.is_empty());
+    }
 }

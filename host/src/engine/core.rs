@@ -23,7 +23,7 @@ use crate::model::kv::BatchRow;
 use crate::model::LoadedModel;
 use crate::sampling::constraint::{Constraint, ConstraintSpec};
 use crate::sampling::stop::{StopChecker, StopOutcome};
-use crate::sampling::{top_logprobs, Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::incremental::IncrementalDecoder;
 
 #[derive(Clone, Debug)]
@@ -116,8 +116,10 @@ pub fn validate_request(model: &LoadedModel, max_model_len: usize, cfg: &EngineC
     if req.n == 0 || req.n > cfg.max_n {
         return Err(SubmitError::InvalidParam { param: "n", message: format!("'n' must be between 1 and {}, got {}", cfg.max_n, req.n) });
     }
-    if req.logprobs.into_iter().chain(req.prompt_logprobs).any(|k| k > cfg.max_logprobs) {
-        return Err(SubmitError::InvalidParam { param: "top_logprobs", message: format!("'top_logprobs' must be at most {}", cfg.max_logprobs) });
+    for (param, k) in [("top_logprobs", req.logprobs), ("prompt_logprobs", req.prompt_logprobs)] {
+        if k.is_some_and(|k| k > cfg.max_logprobs) {
+            return Err(SubmitError::InvalidParam { param, message: format!("'{param}' must be at most {}", cfg.max_logprobs) });
+        }
     }
     check_list_sizes(req)?;
     if req.min_tokens > req.max_tokens {
@@ -581,8 +583,7 @@ impl EngineCore {
             let s = &mut self.running[i];
             let k = s.prompt_logprobs.unwrap_or(0);
             let token = s.tokens[pos + 1];
-            let lse = crate::sampling::log_sum_exp(l);
-            s.prompt_lp.push(TokenLogprob { token, logprob: l[token as usize] - lse, top: top_logprobs(l, k) });
+            s.prompt_lp.push(TokenLogprob::score(l, token, k));
         }
         // A one-token prompt has no rows to score and is complete when it samples.
         for i in rows.iter().map(|r| r.0).chain(sampled.iter().copied()) {
@@ -647,9 +648,8 @@ impl EngineCore {
         let s = &mut self.running[i];
         let Some(state) = self.requests.get_mut(&s.request) else { return true };
         let tok = &self.model.tokenizer;
-        let logprob_request = state.req.logprobs;
-        let raw_top = logprob_request.map(|k| (top_logprobs(&logits, k), crate::sampling::log_sum_exp(&logits)));
-        let raw_logits_for_chosen = logprob_request.map(|_| logits.clone());
+        // Logprobs are of the raw distribution, before the masks and penalties below.
+        let raw_for_logprobs = state.req.logprobs.map(|k| (k, logits.clone()));
         // `min_tokens`: the ending tokens are masked after the logprobs are taken (vLLM reports
         // logprobs of the raw distribution too).
         let before_min = s.generated() < state.req.min_tokens;
@@ -688,10 +688,7 @@ impl EngineCore {
             tracing::debug!(tenant = %s.tenant, queued_ms = queued, ttft_ms = s.submitted.elapsed().as_secs_f64() * 1e3, "first token");
         }
         self.stats.generation_tokens_total += 1;
-        let logprob = match (raw_top, raw_logits_for_chosen) {
-            (Some((top, lse)), Some(raw)) => Some(TokenLogprob { token: next, logprob: raw[next as usize] - lse, top }),
-            _ => None,
-        };
+        let logprob = raw_for_logprobs.map(|(k, raw)| TokenLogprob::score(&raw, next, k));
         let is_eos = (!state.req.ignore_eos && tok.is_eos(next)) || state.req.stop_token_ids.contains(&next);
         let mut reason = None;
         let mut text = String::new();

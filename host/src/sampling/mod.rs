@@ -257,9 +257,9 @@ pub fn log_sum_exp(x: &[f32]) -> f32 {
     max + x.iter().map(|&v| (v - max).exp()).sum::<f32>().ln()
 }
 
-/// The `n` most likely tokens of `logits` with their log-probabilities, best first.
-pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
-    let lse = log_sum_exp(logits);
+/// The `n` most likely tokens of `logits` with their log-probabilities (`lse`: the logits'
+/// [`log_sum_exp`], which the caller has for its own token), best first.
+pub fn top_logprobs(logits: &[f32], n: usize, lse: f32) -> Vec<(u32, f32)> {
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
     let n = n.min(idx.len());
     if n == 0 {

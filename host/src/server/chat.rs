@@ -11,7 +11,7 @@ use super::error::{ApiError, ApiResult};
 use crate::plugins::chat::{api_error as plugin_api_error, ChatParsers, StreamParsers};
 use super::extract::OpenAiJson;
 use super::generation::{collect, GenEvent, Generation, Usage};
-use super::logprobs::chat_entry;
+use super::logprobs::{chat_entry, vllm_prompt_logprobs};
 use super::openai::ChatCompletionRequest;
 use super::sse::{stream_response, ChunkFormatter};
 use super::tool_choice::{forced_constraint, tool_call_json};
@@ -259,6 +259,7 @@ pub async fn handler(
         None => None,
     };
     let prompt_len = ereq.prompt_ids.len();
+    let vllm_prompt_k = ereq.prompt_logprobs;
     let admission = tenancy::admit(&state, &caller, "/v1/chat/completions", started, std::slice::from_mut(&mut ereq))?;
     let mut gen = Generation::submit(&state, in_flight, started, vec![ereq])
         .map_err(|e| match e.code {
@@ -292,6 +293,11 @@ pub async fn handler(
         return Ok(resp);
     }
     let (choices, usage) = collect(gen).await?;
+    // vLLM puts the (one) prompt's logprobs beside the choices.
+    let prompt_logprobs = match (vllm_prompt_k, choices.first().and_then(|c| c.prompt_logprobs.as_deref())) {
+        (Some(k), Some(scored)) => Some(vllm_prompt_logprobs(&state.model.tokenizer, scored, k)),
+        _ => None,
+    };
     if let Some(p) = &policies {
         let reason = choices.first().and_then(|c| c.finish_reason).map_or("error", |r| r.as_str());
         p.observe(usage.prompt_tokens, usage.completion_tokens, reason);
@@ -323,15 +329,18 @@ pub async fn handler(
             }))
         })
         .collect::<ApiResult<_>>()?;
-    let mut resp = axum::Json(json!({
+    let mut body = json!({
         "id": id,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "choices": choices,
         "usage": usage.to_json(),
-    }))
-    .into_response();
+    });
+    if let Some(p) = prompt_logprobs {
+        body["prompt_logprobs"] = p;
+    }
+    let mut resp = axum::Json(body).into_response();
     tenancy::add_headers(&mut resp, &rate_headers);
     Ok(resp)
 }

@@ -10,10 +10,11 @@ use serde_json::{json, Value};
 use super::error::{ApiError, ApiResult};
 use super::extract::OpenAiJson;
 use super::generation::{collect, GenEvent, Generation, Usage};
-use super::logprobs::LegacyLogprobs;
+use super::logprobs::{vllm_prompt_logprobs, LegacyLogprobs};
 use super::openai::{parse_prompts, CompletionRequest, PromptInput};
 use super::sse::{stream_response, ChunkFormatter};
 use super::state::{unix_now, AppState};
+use crate::engine::TokenLogprob;
 use crate::model::LoadedModel;
 use crate::tenancy::http::{self as tenancy, CallerExt};
 
@@ -65,6 +66,7 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     .await??;
     let max_tokens = req.max_tokens.map_or(DEFAULT_MAX_TOKENS, |m| m.min(usize::MAX as u64) as usize);
     let mut base = req.sampling.to_engine_request(max_tokens)?;
+    let vllm_prompt_k = base.prompt_logprobs;
     base.constraint = super::structured::from_sampling_fields(&req.sampling)?;
     let n = base.n;
     let mut echoes = Vec::new();
@@ -80,7 +82,11 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
             let mut r = base.clone();
             r.prompt_ids = ids;
             r.logprobs = req.logprobs.map(|k| k as usize);
-            r.prompt_logprobs = if score_prompt { r.logprobs } else { None };
+            // One scoring pass serves the echo's logprobs and vLLM's `prompt_logprobs`: the
+            // wider of the two, each cut to its own width below.
+            if score_prompt {
+                r.prompt_logprobs = r.prompt_logprobs.max(r.logprobs);
+            }
             r
         })
         .collect();
@@ -116,7 +122,10 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
                 let mut l = LegacyLogprobs::default();
                 if let (true, Some(Some(first))) = (score_prompt, first_tokens.get(i / n)) {
                     l.push_unscored(tok, *first);
-                    c.prompt_logprobs.iter().flatten().for_each(|x| l.push(tok, x));
+                    let k = req.logprobs.unwrap_or(0) as usize;
+                    for x in c.prompt_logprobs.iter().flatten() {
+                        l.push(tok, &TokenLogprob { top: x.top[..k.min(x.top.len())].to_vec(), ..x.clone() });
+                    }
                 }
                 c.logprobs.iter().for_each(|x| l.push(tok, x));
                 l.take()
@@ -124,7 +133,11 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
                 Value::Null
             };
             let text = if echo { echo_of(i) + &c.text } else { c.text };
-            json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason.map(|r| r.as_str())})
+            let mut choice = json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason.map(|r| r.as_str())});
+            if let (Some(k), Some(scored)) = (vllm_prompt_k, &c.prompt_logprobs) {
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tok, scored, k);
+            }
+            choice
         })
         .collect();
     let mut resp = axum::Json(json!({

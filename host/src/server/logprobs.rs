@@ -1,6 +1,6 @@
 //! Logprobs in the two shapes OpenAI uses: chat's `content[{token, logprob, bytes,
 //! top_logprobs}]` and the legacy completions' `{tokens, token_logprobs, top_logprobs,
-//! text_offset}`.
+//! text_offset}`; and vLLM's `prompt_logprobs`.
 
 use serde_json::{json, Map, Value};
 
@@ -37,6 +37,22 @@ pub fn chat_entry(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
         })
         .collect();
     json!({"token": s, "logprob": l, "bytes": bytes, "top_logprobs": top})
+}
+
+/// vLLM's `prompt_logprobs`: `null` for the first prompt token (nothing comes before it), then
+/// for each later one a map from token id to `{logprob, rank, decoded_token}` holding the prompt
+/// token first and then the `k` best (the prompt token once, if it is among them).
+pub fn vllm_prompt_logprobs(tok: &Tokenizer, scored: &[TokenLogprob], k: usize) -> Value {
+    let entry = |id: u32, l: f32, rank: usize| json!({"logprob": finite(l), "rank": rank, "decoded_token": piece(tok, id)});
+    let rows = scored.iter().map(|lp| {
+        let mut m = Map::new();
+        m.insert(lp.token.to_string(), entry(lp.token, lp.logprob, lp.rank as usize));
+        for (i, &(id, l)) in lp.top.iter().take(k).enumerate() {
+            m.entry(id.to_string()).or_insert_with(|| entry(id, l, i + 1));
+        }
+        Value::Object(m)
+    });
+    Value::Array(std::iter::once(Value::Null).chain(rows).collect())
 }
 
 /// Accumulates the legacy completions logprobs of one choice.

@@ -50,8 +50,9 @@ pub struct SamplingFields {
     pub include_stop_str_in_output: Option<bool>,
     /// vLLM's: keep only the prompt's last this many tokens (-1: as many as the context holds).
     pub truncate_prompt_tokens: Option<i64>,
-    /// vLLM's prompt logprobs: not computed here (refused, not dropped).
-    pub prompt_logprobs: Option<Value>,
+    /// vLLM's prompt logprobs: the k best alternatives at each prompt position (-1: the whole
+    /// vocabulary, which `max_logprobs` then refuses, as vLLM's default does).
+    pub prompt_logprobs: Option<i64>,
     /// vLLM's structured outputs (`{"choice": [...]}` or `{"json": schema}`) and their older
     /// spellings (see `structured.rs`).
     pub structured_outputs: Option<Value>,
@@ -219,8 +220,16 @@ impl SamplingFields {
             Some(StopField::Many(v)) => v.clone(),
         };
         let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
-        if self.prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(ApiError::not_supported("prompt_logprobs", "'prompt_logprobs' is not supported; text completions score the prompt with 'echo' and 'logprobs'"));
+        let prompt_logprobs = match self.prompt_logprobs {
+            None => None,
+            Some(-1) => Some(usize::MAX),
+            Some(k) if k >= 0 => Some(k.min(usize::MAX as i64) as usize),
+            Some(k) => return Err(ApiError::invalid_param("prompt_logprobs", format!("'prompt_logprobs' must be -1 or at least 0, got {k}"))),
+        };
+        // As in vLLM: the scores exist only once the whole prompt is computed, and a stream has
+        // no place for them.
+        if prompt_logprobs.is_some() && self.is_stream() {
+            return Err(ApiError::not_supported("prompt_logprobs", "'prompt_logprobs' is not supported when streaming"));
         }
         if let Some(t) = self.truncate_prompt_tokens {
             if t == 0 || t < -1 {
@@ -245,6 +254,7 @@ impl SamplingFields {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             n: n.min(usize::MAX as u64) as usize,
             logprobs: None,
+            prompt_logprobs,
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             ..Default::default()
         })
