@@ -154,8 +154,33 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(client, http):
     assert [len(c.logprobs.tokens) for c in r.choices] == [7, 7, 2, 2]
     assert max(abs(a - b) for a, b in zip(r.choices[1].logprobs.token_logprobs[1:6], lp.token_logprobs[1:6])) < 1e-4
     assert r.choices[2].logprobs.token_logprobs[0] is None
-    r = http.post("/v1/completions", json={**body, "stream": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    # Streamed, the echo waits for its scores and carries them; offsets run on into the answer.
+    whole = client.completions.create(**body).choices[0]
+    text, tokens, lps, offsets = "", [], [], []
+    for ch in client.completions.create(**body, stream=True):
+        for c in ch.choices:
+            text += c.text
+            if c.logprobs:
+                tokens, lps, offsets = tokens + c.logprobs.tokens, lps + c.logprobs.token_logprobs, offsets + c.logprobs.text_offset
+    assert text == whole.text and tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert lps[0] is None and max(abs(a - b) for a, b in zip(lps[1:], whole.logprobs.token_logprobs[1:])) < 1e-4
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(client, http):
+    # OpenAI's legacy way to score a text (HELM and older harnesses send it): echo, no tokens.
+    ids = json.loads((ROOT / "tests/reference/smollm2/fixtures.json").read_text())["prompts"][0]["ids"]
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    body = dict(model=MODEL_NAME, prompt=ids, echo=True, temperature=0)
+    c = client.completions.create(**body, max_tokens=0, logprobs=2).choices[0]
+    assert c.text == text and c.finish_reason == "length"
+    assert len(c.logprobs.tokens) == len(ids) and c.logprobs.token_logprobs[0] is None
+    one = client.completions.create(**body, max_tokens=1, logprobs=2).choices[0].logprobs
+    assert max(abs(a - b) for a, b in zip(c.logprobs.token_logprobs[1:], one.token_logprobs[1 : len(ids)])) < 1e-4
+    chunks = [ch for ch in client.completions.create(**body, max_tokens=0, stream=True, logprobs=1) if ch.choices]
+    assert "".join(ch.choices[0].text for ch in chunks) == text and chunks[-1].choices[0].finish_reason == "length"
+    assert sum(len(ch.choices[0].logprobs.tokens) for ch in chunks if ch.choices[0].logprobs) == len(ids)
+    r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
 def test_vllm_prompt_logprobs_rank_the_prompt_like_transformers(client, http):
@@ -199,6 +224,9 @@ def test_vllm_prompt_logprobs_rank_the_prompt_like_transformers(client, http):
     for extra in ({"stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": -2}):
         r = http.post("/v1/completions", json={**body, "prompt_logprobs": 1, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", (extra, r.text)
+    # Every choice repeats its prompt's scores: a response of gigabytes is refused up front.
+    r = http.post("/v1/completions", json={**body, "prompt": [100] * 2000, "n": 16, "prompt_logprobs": 20})
+    assert r.status_code == 400 and "logprob entries" in r.json()["error"]["message"], r.text
 
 
 def test_known_fields_that_cannot_be_honoured_are_refused(http):
@@ -230,3 +258,38 @@ def test_legacy_logprobs_stream(client):
             offsets += c.choices[0].logprobs.text_offset
     assert "".join(tokens) == " Paris.\n\n"
     assert offsets == [0, 6, 7, 8]
+
+
+def test_vllm_token_ids_beside_the_text(client, http):
+    # return_token_ids: the prompt's and the answer's ids (streamed: each chunk the ids it
+    # completes, the first one the prompt's); return_tokens_as_token_ids: logprobs name
+    # tokens "token_id:<id>" while text_offset still indexes the text.
+    prompt_ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    body = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, extra_body=extra)
+    c = client.completions.create(**body).choices[0].model_dump()
+    assert c["prompt_token_ids"] == prompt_ids and len(c["token_ids"]) == 4
+    assert http.post("/detokenize", json={"tokens": c["token_ids"]}).json()["prompt"] == c["text"] == " Paris.\n\n"
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert [list(t) for t in c["logprobs"]["top_logprobs"]] == [[f"token_id:{t}"] for t in c["token_ids"]]  # greedy
+    assert c["logprobs"]["text_offset"] == [0, 6, 7, 8]
+    chunks = [ch.choices[0].model_dump() for ch in client.completions.create(**body, stream=True) if ch.choices]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and all(ch.get("prompt_token_ids") is None for ch in chunks[1:])
+    assert sum((ch["token_ids"] for ch in chunks), []) == c["token_ids"]
+    # An echo without generation answers with the prompt alone: no answer ids.
+    e = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True, extra_body=extra).choices[0].model_dump()
+    assert e["token_ids"] == [] and e["prompt_token_ids"] == prompt_ids
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat_body = dict(model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0, logprobs=True, extra_body=extra)
+    r = client.chat.completions.create(**chat_body).model_dump()
+    assert len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"]
+    ids = r["choices"][0]["token_ids"]
+    assert len(ids) == r["usage"]["completion_tokens"] == 5
+    assert [x["token"] for x in r["choices"][0]["logprobs"]["content"]] == [f"token_id:{t}" for t in ids]
+    chunks = [ch.model_dump() for ch in client.chat.completions.create(**chat_body, stream=True)]
+    assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"] and all(ch.get("prompt_token_ids") is None for ch in chunks[1:])
+    assert sum((ch["choices"][0]["token_ids"] for ch in chunks if ch["choices"]), []) == ids
+    # Without the flags, none of it.
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1).choices[0].model_dump()
+    assert plain.get("token_ids") is None and not plain["logprobs"]["tokens"][0].startswith("token_id:")

@@ -11,9 +11,10 @@ use super::error::{ApiError, ApiResult};
 use crate::plugins::chat::{api_error as plugin_api_error, ChatParsers, StreamParsers};
 use super::extract::OpenAiJson;
 use super::generation::{collect, GenEvent, Generation, Usage};
-use super::logprobs::{chat_entry, vllm_prompt_logprobs};
+use super::logprobs::{chat_entry, vllm_prompt_logprobs, TokenNames};
 use super::openai::ChatCompletionRequest;
 use super::sse::{stream_response, ChunkFormatter};
+use super::token_ids::StreamTokenIds;
 use super::tool_choice::{forced_constraint, tool_call_json};
 use super::state::{unix_now, AppState, ServerState};
 use crate::chat::{ChatTemplateInput, RenderError};
@@ -260,6 +261,8 @@ pub async fn handler(
     };
     let prompt_len = ereq.prompt_ids.len();
     let vllm_prompt_k = ereq.prompt_logprobs;
+    let prompt_ids = req.sampling.returns_token_ids().then(|| ereq.prompt_ids.clone());
+    let names = req.sampling.token_names();
     let admission = tenancy::admit(&state, &caller, "/v1/chat/completions", started, std::slice::from_mut(&mut ereq))?;
     let mut gen = Generation::submit(&state, in_flight, started, vec![ereq])
         .map_err(|e| match e.code {
@@ -280,6 +283,7 @@ pub async fn handler(
             model,
             m: state.model.clone(),
             logprobs: want_logprobs,
+            names,
             forced_tool,
             held: Vec::new(),
             parsers,
@@ -288,7 +292,8 @@ pub async fn handler(
             policies: policies.map(|p| (p, prompt_len)),
             counted: (0, 0, 0),
         };
-        let mut resp = stream_response(gen, fmt, req.sampling.include_usage());
+        let token_ids = prompt_ids.map(|p| StreamTokenIds::new(vec![p], 1, true, true));
+        let mut resp = stream_response(gen, fmt, req.sampling.include_usage(), token_ids);
         tenancy::add_headers(&mut resp, &rate_headers);
         return Ok(resp);
     }
@@ -308,7 +313,7 @@ pub async fn handler(
         .enumerate()
         .map(|(i, c)| -> ApiResult<Value> {
             let logprobs = if want_logprobs {
-                json!({"content": c.logprobs.iter().map(|l| chat_entry(tok, l)).collect::<Vec<_>>()})
+                json!({"content": c.logprobs.iter().map(|l| chat_entry(tok, names, l)).collect::<Vec<_>>()})
             } else {
                 Value::Null
             };
@@ -321,12 +326,16 @@ pub async fn handler(
                 }
                 (None, None) => (assistant_message(c.text), c.finish_reason.map(|r| r.as_str())),
             };
-            Ok(json!({
+            let mut choice = json!({
                 "index": i,
                 "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
-            }))
+            });
+            if prompt_ids.is_some() {
+                choice["token_ids"] = json!(c.tokens);
+            }
+            Ok(choice)
         })
         .collect::<ApiResult<_>>()?;
     let mut body = json!({
@@ -339,6 +348,9 @@ pub async fn handler(
     });
     if let Some(p) = prompt_logprobs {
         body["prompt_logprobs"] = p;
+    }
+    if let Some(ids) = prompt_ids {
+        body["prompt_token_ids"] = json!(ids);
     }
     let mut resp = axum::Json(body).into_response();
     tenancy::add_headers(&mut resp, &rate_headers);
@@ -357,6 +369,7 @@ struct ChatChunks {
     model: String,
     m: Arc<LoadedModel>,
     logprobs: bool,
+    names: TokenNames,
     /// A forced tool call is sent whole as a `tool_calls` delta when its choice ends.
     forced_tool: bool,
     held: Vec<String>,
@@ -427,7 +440,7 @@ impl ChunkFormatter for ChatChunks {
         if self.parsers.is_some() {
             let GenEvent::Token { choice, token, text, logprob } = ev else { return None };
             let lp = match logprob {
-                Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, l)]}),
+                Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, self.names, l)]}),
                 _ => Value::Null,
             };
             let delta = self.parse(*choice, text, Some(*token), false);
@@ -437,7 +450,7 @@ impl ChunkFormatter for ChatChunks {
             return Some(self.chunk(json!({"index": choice, "delta": delta.unwrap_or(json!({})), "logprobs": lp, "finish_reason": null})));
         }
         let lp = match logprob {
-            Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, l)]}),
+            Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, self.names, l)]}),
             _ if text.is_empty() => return None,
             _ => Value::Null,
         };

@@ -10,17 +10,22 @@ use serde_json::{json, Value};
 use super::error::{ApiError, ApiResult};
 use super::extract::OpenAiJson;
 use super::generation::{collect, GenEvent, Generation, Usage};
-use super::logprobs::{vllm_prompt_logprobs, LegacyLogprobs};
+use super::logprobs::{vllm_prompt_logprobs, LegacyLogprobs, TokenNames};
 use super::openai::{parse_prompts, CompletionRequest, PromptInput};
 use super::sse::{stream_response, ChunkFormatter};
+use super::token_ids::StreamTokenIds;
 use super::state::{unix_now, AppState};
-use crate::engine::TokenLogprob;
 use crate::model::LoadedModel;
 use crate::tenancy::http::{self as tenancy, CallerExt};
 
 /// Prompts one request may carry, and choices (prompts x n) in all.
 const MAX_PROMPTS: usize = 64;
 const MAX_CHOICES: usize = 256;
+
+/// Prompt-logprob entries (a scored token or one of its alternatives) one response may carry,
+/// summed over its choices: every choice repeats its prompt's scores, so prompts x n x width
+/// would otherwise let one request build a response of gigabytes.
+const MAX_PROMPT_LOGPROB_ENTRIES: usize = 1 << 19;
 
 /// OpenAI's default for this endpoint (chat defaults to the rest of the context).
 const DEFAULT_MAX_TOKENS: usize = 16;
@@ -38,11 +43,8 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     }
     let echo = req.echo.unwrap_or(false);
     // echo + logprobs scores the prompt too (what lm-evaluation-harness's loglikelihood tasks
-    // ask for), returned whole: a stream would have to hold its echo until the scores exist.
+    // ask for); a stream holds each echo back until its prompt's scores are in.
     let score_prompt = echo && req.logprobs.is_some();
-    if score_prompt && req.sampling.is_stream() {
-        return Err(ApiError::not_supported("echo", "'echo' together with 'logprobs' is not supported when streaming"));
-    }
     // Before the tokenizing: a caller at its limits gets its 429 without costing that work.
     tenancy::precheck(&state, &caller)?;
     let in_flight = state.enter()?;
@@ -64,7 +66,15 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
             .collect::<Result<_, _>>()
     })
     .await??;
-    let max_tokens = req.max_tokens.map_or(DEFAULT_MAX_TOKENS, |m| m.min(usize::MAX as u64) as usize);
+    // OpenAI's (and vLLM's) `echo` with `max_tokens: 0`: the prompt alone, with its scores when
+    // `logprobs` asks. The engine samples one token (its forward scores the last prompt
+    // position anyway), which the response leaves out but the usage counts, as vLLM's does.
+    let echo_only = echo && req.max_tokens == Some(0);
+    let max_tokens = match req.max_tokens {
+        _ if echo_only => 1,
+        Some(m) => m.min(usize::MAX as u64) as usize,
+        None => DEFAULT_MAX_TOKENS,
+    };
     let mut base = req.sampling.to_engine_request(max_tokens)?;
     let vllm_prompt_k = base.prompt_logprobs;
     base.constraint = super::structured::from_sampling_fields(&req.sampling)?;
@@ -90,7 +100,21 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
             r
         })
         .collect();
+    let entries_per_token = score_prompt as usize * (1 + req.logprobs.unwrap_or(0) as usize) + vllm_prompt_k.map_or(0, |k| k.saturating_add(1));
+    let entries = reqs.iter().fold(0usize, |sum, r| sum.saturating_add(r.prompt_ids.len().saturating_mul(n).saturating_mul(entries_per_token)));
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES {
+        // A width over the logprobs cap (`-1`: the vocabulary) is that error, not this one.
+        for r in &reqs {
+            state.engine.validate(r).map_err(ApiError::from)?;
+        }
+        let param = if vllm_prompt_k.is_some() { "prompt_logprobs" } else { "logprobs" };
+        return Err(ApiError::invalid_param(
+            param,
+            format!("scoring these prompts would return {entries} logprob entries (prompt tokens x n x alternatives); at most {MAX_PROMPT_LOGPROB_ENTRIES}: ask for fewer prompts, choices or alternatives"),
+        ));
+    }
     let admission = tenancy::admit(&state, &caller, "/v1/completions", started, &mut reqs)?;
+    let prompt_ids: Vec<Vec<u32>> = if req.sampling.returns_token_ids() { reqs.iter().map(|r| r.prompt_ids.clone()).collect() } else { Vec::new() };
     let mut gen = Generation::submit(&state, in_flight, started, reqs)
         .map_err(|e| match e.code {
             Some("context_length_exceeded") => e.with_param("prompt"),
@@ -106,10 +130,13 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     let created = unix_now();
     let model = state.served_model_name.clone();
     let want_logprobs = req.logprobs.is_some();
+    let names = req.sampling.token_names();
     if req.sampling.is_stream() {
         let echoes: Vec<String> = (0..gen.num_choices()).map(echo_of).collect();
-        let fmt = CompletionChunks { id, created, model, m: state.model.clone(), logprobs: Vec::new(), want_logprobs, echoes };
-        let mut resp = stream_response(gen, fmt, req.sampling.include_usage());
+        let scored_echo = score_prompt.then(|| ScoredEcho { first_tokens, k: req.logprobs.unwrap_or(0) as usize, n });
+        let fmt = CompletionChunks { id, created, model, m: state.model.clone(), logprobs: Vec::new(), names, want_logprobs, echoes, echo_only, scored_echo };
+        let token_ids = req.sampling.returns_token_ids().then(|| StreamTokenIds::new(prompt_ids, n, false, !echo_only));
+        let mut resp = stream_response(gen, fmt, req.sampling.include_usage(), token_ids);
         tenancy::add_headers(&mut resp, &rate_headers);
         return Ok(resp);
     }
@@ -119,23 +146,31 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
         .enumerate()
         .map(|(i, c)| {
             let logprobs = if want_logprobs {
-                let mut l = LegacyLogprobs::default();
+                let mut l = LegacyLogprobs::new(names);
                 if let (true, Some(Some(first))) = (score_prompt, first_tokens.get(i / n)) {
-                    l.push_unscored(tok, *first);
-                    let k = req.logprobs.unwrap_or(0) as usize;
-                    for x in c.prompt_logprobs.iter().flatten() {
-                        l.push(tok, &TokenLogprob { top: x.top[..k.min(x.top.len())].to_vec(), ..x.clone() });
-                    }
+                    l.push_prompt(tok, *first, c.prompt_logprobs.as_deref().unwrap_or_default(), req.logprobs.unwrap_or(0) as usize);
                 }
-                c.logprobs.iter().for_each(|x| l.push(tok, x));
+                if !echo_only {
+                    c.logprobs.iter().for_each(|x| l.push(tok, x));
+                }
                 l.take()
             } else {
                 Value::Null
             };
-            let text = if echo { echo_of(i) + &c.text } else { c.text };
-            let mut choice = json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason.map(|r| r.as_str())});
+            let text = match (echo, echo_only) {
+                (true, true) => echo_of(i),
+                (true, false) => echo_of(i) + &c.text,
+                _ => c.text,
+            };
+            // Zero tokens asked, zero given: the length limit ended it, whatever was sampled.
+            let finish_reason = if echo_only { Some("length") } else { c.finish_reason.map(|r| r.as_str()) };
+            let mut choice = json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason});
             if let (Some(k), Some(scored)) = (vllm_prompt_k, &c.prompt_logprobs) {
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(tok, scored, k);
+            }
+            if let Some(ids) = prompt_ids.get(i / n) {
+                choice["token_ids"] = if echo_only { json!([]) } else { json!(c.tokens) };
+                choice["prompt_token_ids"] = json!(ids);
             }
             choice
         })
@@ -160,8 +195,22 @@ struct CompletionChunks {
     m: Arc<LoadedModel>,
     /// Per choice, keeping each choice's running text offset across chunks.
     logprobs: Vec<LegacyLogprobs>,
+    names: TokenNames,
     want_logprobs: bool,
     echoes: Vec<String>,
+    /// `echo` with `max_tokens: 0`: the sampled token is not part of the answer.
+    echo_only: bool,
+    /// `echo` with `logprobs`: each echo waits for its prompt's scores.
+    scored_echo: Option<ScoredEcho>,
+}
+
+struct ScoredEcho {
+    /// Per prompt, its first token (the one with no score).
+    first_tokens: Vec<Option<u32>>,
+    /// Alternatives per token (`logprobs`).
+    k: usize,
+    /// Choices per prompt.
+    n: usize,
 }
 
 impl CompletionChunks {
@@ -172,7 +221,10 @@ impl CompletionChunks {
 
 impl ChunkFormatter for CompletionChunks {
     fn start(&mut self, choices: usize) -> Vec<Value> {
-        self.logprobs = (0..choices).map(|_| LegacyLogprobs::default()).collect();
+        self.logprobs = (0..choices).map(|_| LegacyLogprobs::new(self.names)).collect();
+        if self.scored_echo.is_some() {
+            return Vec::new();
+        }
         let echoes = std::mem::take(&mut self.echoes);
         echoes
             .iter()
@@ -184,6 +236,9 @@ impl ChunkFormatter for CompletionChunks {
 
     fn token(&mut self, ev: &GenEvent) -> Option<Value> {
         let GenEvent::Token { choice, text, logprob, .. } = ev else { return None };
+        if self.echo_only {
+            return None;
+        }
         let lp = match logprob {
             Some(l) if self.want_logprobs => {
                 let acc = &mut self.logprobs[*choice];
@@ -196,9 +251,25 @@ impl ChunkFormatter for CompletionChunks {
         Some(self.chunk(json!({"index": choice, "text": text, "logprobs": lp, "finish_reason": null})))
     }
 
+    fn prompt_logprobs(&mut self, ev: &GenEvent) -> Vec<Value> {
+        let (GenEvent::PromptLogprobs { prompt, logprobs }, Some(se)) = (ev, &self.scored_echo) else { return vec![] };
+        let first = se.first_tokens.get(*prompt).copied().flatten();
+        let (k, choices) = (se.k, *prompt * se.n..(*prompt + 1) * se.n);
+        choices
+            .filter_map(|c| {
+                let acc = self.logprobs.get_mut(c)?;
+                acc.push_prompt(&self.m.tokenizer, first?, logprobs, k);
+                let lp = acc.take();
+                let echo = std::mem::take(self.echoes.get_mut(c)?);
+                Some(self.chunk(json!({"index": c, "text": echo, "logprobs": lp, "finish_reason": null})))
+            })
+            .collect()
+    }
+
     fn finish(&mut self, ev: &GenEvent) -> Vec<Value> {
         let GenEvent::Finished { choice, reason, text } = ev else { return vec![] };
-        vec![self.chunk(json!({"index": choice, "text": text, "logprobs": null, "finish_reason": reason.as_str()}))]
+        let (text, reason) = if self.echo_only { ("", "length") } else { (text.as_str(), reason.as_str()) };
+        vec![self.chunk(json!({"index": choice, "text": text, "logprobs": null, "finish_reason": reason}))]
     }
 
     fn usage(&mut self, usage: &Usage) -> Value {

@@ -21,9 +21,28 @@ pub fn piece(tok: &Tokenizer, id: u32) -> String {
     tok.decode(&[id], false)
 }
 
-pub fn chat_entry(tok: &Tokenizer, lp: &TokenLogprob) -> Value {
+/// How logprobs name their tokens: by text, or as `token_id:<id>` (vLLM's
+/// `return_tokens_as_token_ids`), which still tells apart tokens that are only part of a
+/// character and decode to the same replacement text alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TokenNames {
+    #[default]
+    Text,
+    Ids,
+}
+
+impl TokenNames {
+    pub fn name(self, tok: &Tokenizer, id: u32) -> String {
+        match self {
+            TokenNames::Text => piece(tok, id),
+            TokenNames::Ids => format!("token_id:{id}"),
+        }
+    }
+}
+
+pub fn chat_entry(tok: &Tokenizer, names: TokenNames, lp: &TokenLogprob) -> Value {
     let entry = |id: u32, l: f32| {
-        let s = piece(tok, id);
+        let s = names.name(tok, id);
         let bytes: Vec<u8> = s.as_bytes().to_vec();
         (s, bytes, finite(l))
     };
@@ -58,6 +77,7 @@ pub fn vllm_prompt_logprobs(tok: &Tokenizer, scored: &[TokenLogprob], k: usize) 
 /// Accumulates the legacy completions logprobs of one choice.
 #[derive(Default)]
 pub struct LegacyLogprobs {
+    names: TokenNames,
     tokens: Vec<Value>,
     token_logprobs: Vec<Value>,
     top_logprobs: Vec<Value>,
@@ -67,31 +87,43 @@ pub struct LegacyLogprobs {
 }
 
 impl LegacyLogprobs {
-    pub fn starting_at(offset: usize) -> Self {
-        Self { offset, ..Default::default() }
+    pub fn new(names: TokenNames) -> Self {
+        Self { names, ..Default::default() }
     }
 
     pub fn push(&mut self, tok: &Tokenizer, lp: &TokenLogprob) {
-        let s = piece(tok, lp.token);
-        self.text_offset.push(self.offset);
-        self.offset += s.len();
-        self.tokens.push(s.into());
-        self.token_logprobs.push(finite(lp.logprob).into());
+        self.push_row(tok, lp.token, lp.logprob, &lp.top);
+    }
+
+    /// `text_offset` advances by the token's text even when it is named by id: offsets index
+    /// the choice's text.
+    fn push_row(&mut self, tok: &Tokenizer, token: u32, logprob: f32, alternatives: &[(u32, f32)]) {
+        self.push_token(tok, token);
+        self.token_logprobs.push(finite(logprob).into());
         let mut top = Map::new();
-        for &(id, l) in &lp.top {
-            top.insert(piece(tok, id), finite(l).into());
+        for &(id, l) in alternatives {
+            top.insert(self.names.name(tok, id), finite(l).into());
         }
         self.top_logprobs.push(Value::Object(top));
     }
 
-    /// The first prompt token of an echo, which has no logprob (nothing comes before it).
-    pub fn push_unscored(&mut self, tok: &Tokenizer, token: u32) {
+    fn push_token(&mut self, tok: &Tokenizer, token: u32) {
         let s = piece(tok, token);
         self.text_offset.push(self.offset);
         self.offset += s.len();
-        self.tokens.push(s.into());
+        self.tokens.push(self.names.name(tok, token).into());
+    }
+
+    /// An echoed prompt: its first token, which has no logprob (nothing comes before it), then
+    /// each scored one with its `k` best alternatives (the scoring may have kept more for
+    /// `prompt_logprobs`).
+    pub fn push_prompt(&mut self, tok: &Tokenizer, first: u32, scored: &[TokenLogprob], k: usize) {
+        self.push_token(tok, first);
         self.token_logprobs.push(Value::Null);
         self.top_logprobs.push(Value::Null);
+        for lp in scored {
+            self.push_row(tok, lp.token, lp.logprob, &lp.top[..k.min(lp.top.len())]);
+        }
     }
 
     pub fn is_empty(&self) -> bool {

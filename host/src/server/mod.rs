@@ -16,6 +16,7 @@ pub mod routes;
 pub mod sse;
 pub mod state;
 mod structured;
+mod token_ids;
 mod tool_choice;
 
 use std::net::SocketAddr;

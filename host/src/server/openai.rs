@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 
 use super::error::ApiError;
 use super::extract::{from_value, JsonBody};
+use super::logprobs::TokenNames;
 use crate::engine::EngineRequest;
 use crate::sampling::SamplingParams;
 
@@ -56,6 +57,11 @@ pub struct SamplingFields {
     /// vLLM's structured outputs (`{"choice": [...]}` or `{"json": schema}`) and their older
     /// spellings (see `structured.rs`).
     pub structured_outputs: Option<Value>,
+    /// vLLM's: the prompt's and the answer's token ids beside the text (`token_ids`,
+    /// `prompt_token_ids`).
+    pub return_token_ids: Option<bool>,
+    /// vLLM's: logprobs name tokens `token_id:<id>` rather than by their text.
+    pub return_tokens_as_token_ids: Option<bool>,
     pub guided_choice: Option<Value>,
     pub guided_json: Option<Value>,
 }
@@ -148,6 +154,18 @@ impl SamplingFields {
         self.stream.unwrap_or(false)
     }
 
+    pub fn returns_token_ids(&self) -> bool {
+        self.return_token_ids.unwrap_or(false)
+    }
+
+    pub fn token_names(&self) -> TokenNames {
+        if self.return_tokens_as_token_ids.unwrap_or(false) {
+            TokenNames::Ids
+        } else {
+            TokenNames::Text
+        }
+    }
+
     pub fn include_usage(&self) -> bool {
         self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
     }
@@ -223,7 +241,7 @@ impl SamplingFields {
         let prompt_logprobs = match self.prompt_logprobs {
             None => None,
             Some(-1) => Some(usize::MAX),
-            Some(k) if k >= 0 => Some(k.min(usize::MAX as i64) as usize),
+            Some(k) if k >= 0 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
             Some(k) => return Err(ApiError::invalid_param("prompt_logprobs", format!("'prompt_logprobs' must be -1 or at least 0, got {k}"))),
         };
         // As in vLLM: the scores exist only once the whole prompt is computed, and a stream has

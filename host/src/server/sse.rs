@@ -21,6 +21,7 @@ use tokio::sync::mpsc::error::SendTimeoutError;
 
 use super::error::ApiError;
 use super::generation::{GenEvent, Generation, Usage};
+use super::token_ids::StreamTokenIds;
 
 /// Turns generation events into the endpoint's chunk objects.
 pub trait ChunkFormatter: Send + 'static {
@@ -30,6 +31,11 @@ pub trait ChunkFormatter: Send + 'static {
     }
     /// The chunk for one token, or none (nothing to show: text held back, no logprobs).
     fn token(&mut self, ev: &GenEvent) -> Option<Value>;
+    /// The chunks a prompt's scores complete (`GenEvent::PromptLogprobs`: an echo held back
+    /// for them); only requests that score the prompt get the event.
+    fn prompt_logprobs(&mut self, _ev: &GenEvent) -> Vec<Value> {
+        Vec::new()
+    }
     /// The chunk(s) ending a choice (`GenEvent::Finished`).
     fn finish(&mut self, ev: &GenEvent) -> Vec<Value>;
     /// The final usage-only chunk (`stream_options.include_usage`).
@@ -43,8 +49,24 @@ pub trait ChunkFormatter: Send + 'static {
 struct StreamState<F> {
     gen: Option<Generation>,
     fmt: F,
-    include_usage: bool,
+    out: Outbox,
+}
+
+/// Events ready to go out, and what every chunk gets on its way there.
+struct Outbox {
     pending: VecDeque<Event>,
+    include_usage: bool,
+    /// `return_token_ids`: adds the ids to each chunk.
+    token_ids: Option<StreamTokenIds>,
+}
+
+impl Outbox {
+    fn push_chunk(&mut self, mut chunk: Value) {
+        if let Some(ids) = &mut self.token_ids {
+            ids.annotate(&mut chunk);
+        }
+        self.pending.push_back(data(chunk, self.include_usage));
+    }
 }
 
 fn data(mut v: Value, include_usage: bool) -> Event {
@@ -61,10 +83,10 @@ fn data(mut v: Value, include_usage: bool) -> Event {
 /// absorb bursts, and a full queue is what reveals a client that stopped reading.
 const QUEUE_EVENTS: usize = 16;
 
-pub fn stream_response<F: ChunkFormatter>(gen: Generation, fmt: F, include_usage: bool) -> Response {
+pub fn stream_response<F: ChunkFormatter>(gen: Generation, fmt: F, include_usage: bool, token_ids: Option<StreamTokenIds>) -> Response {
     let state = gen.state().clone();
     let stall = state.stream_stall_timeout;
-    let events = chunk_events(gen, fmt, include_usage);
+    let events = chunk_events(gen, fmt, include_usage, token_ids);
     let (tx, rx) = mpsc::channel(QUEUE_EVENTS);
     tokio::spawn(async move {
         if pump(events, tx, stall).await == PumpEnd::Stalled {
@@ -112,65 +134,71 @@ async fn pump<S: Stream<Item = Event>>(events: S, tx: mpsc::Sender<Event>, stall
 
 /// The response's events, in order: the formatter's start chunks, a chunk per token, the finish
 /// chunks, an error event if the request failed, the usage chunk and `[DONE]`.
-fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_usage: bool) -> impl Stream<Item = Event> + Send {
-    let mut pending: VecDeque<Event> = VecDeque::new();
-    for c in fmt.start(gen.num_choices()) {
-        pending.push_back(data(c, include_usage));
+fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_usage: bool, token_ids: Option<StreamTokenIds>) -> impl Stream<Item = Event> + Send {
+    let start = fmt.start(gen.num_choices());
+    let mut st = StreamState { gen: Some(gen), fmt, out: Outbox { pending: VecDeque::new(), include_usage, token_ids } };
+    for c in start {
+        st.out.push_chunk(c);
     }
-    let st = StreamState { gen: Some(gen), fmt, include_usage, pending };
     stream::unfold(st, |mut st| async move {
         loop {
-            if let Some(e) = st.pending.pop_front() {
+            if let Some(e) = st.out.pending.pop_front() {
                 return Some((e, st));
             }
             let gen = st.gen.as_mut()?;
             match gen.next().await {
                 Some(ev @ GenEvent::Token { .. }) => {
+                    if let (Some(ids), GenEvent::Token { choice, token, .. }) = (&mut st.out.token_ids, &ev) {
+                        ids.token(*choice, *token);
+                    }
                     if let Some(c) = st.fmt.token(&ev) {
-                        st.pending.push_back(data(c, st.include_usage));
+                        st.out.push_chunk(c);
                     }
                     if let Some(err) = st.fmt.take_error() {
                         // Dropping the generation aborts the engine request.
                         tracing::warn!(message = %err.message, "stream failed");
-                        st.pending.push_back(Event::default().data(err.body().to_string()));
+                        st.out.pending.push_back(Event::default().data(err.body().to_string()));
                         let _ = gen.settle().await;
-                        st.pending.push_back(Event::default().data("[DONE]"));
+                        st.out.pending.push_back(Event::default().data("[DONE]"));
                         st.gen = None;
                     }
                 }
                 Some(ev @ GenEvent::Finished { .. }) => {
                     for c in st.fmt.finish(&ev) {
-                        st.pending.push_back(data(c, st.include_usage));
+                        st.out.push_chunk(c);
                     }
                     if let Some(err) = st.fmt.take_error() {
                         tracing::warn!(message = %err.message, "stream failed");
-                        st.pending.push_back(Event::default().data(err.body().to_string()));
+                        st.out.pending.push_back(Event::default().data(err.body().to_string()));
                         let _ = gen.settle().await;
-                        st.pending.push_back(Event::default().data("[DONE]"));
+                        st.out.pending.push_back(Event::default().data("[DONE]"));
                         st.gen = None;
                     }
                 }
-                // Streams never ask for prompt logprobs (completions refuses echo + logprobs + stream).
-                Some(GenEvent::PromptLogprobs { .. }) => {}
+                Some(ev @ GenEvent::PromptLogprobs { .. }) => {
+                    for c in st.fmt.prompt_logprobs(&ev) {
+                        st.out.push_chunk(c);
+                    }
+                }
                 Some(GenEvent::Error(msg)) => {
                     let err = ApiError::internal(format!("generation failed: {msg}"));
                     tracing::warn!(message = %err.message, "stream failed");
-                    st.pending.push_back(Event::default().data(err.body().to_string()));
+                    st.out.pending.push_back(Event::default().data(err.body().to_string()));
                     let _ = gen.settle().await;
-                    st.pending.push_back(Event::default().data("[DONE]"));
+                    st.out.pending.push_back(Event::default().data("[DONE]"));
                     st.gen = None;
                 }
                 None => {
                     // The usage row is committed before the stream ends.
                     if let Err(e) = gen.settle().await {
                         tracing::warn!(message = %e.message, "stream failed");
-                        st.pending.push_back(Event::default().data(e.body().to_string()));
+                        st.out.pending.push_back(Event::default().data(e.body().to_string()));
                     }
-                    if st.include_usage {
+                    if st.out.include_usage {
                         let u = st.fmt.usage(&gen.usage());
-                        st.pending.push_back(Event::default().data(u.to_string()));
+                        st.out.pending.push_back(Event::default().data(u.to_string()));
                     }
-                    st.pending.push_back(Event::default().data("[DONE]"));
+                    st.out.pending.push_back(Event::default().data("[DONE]"));
                     st.gen = None;
                 }
             }
