@@ -216,7 +216,7 @@ fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec, dense:
             presence_penalty: a.presence_penalty,
             frequency_penalty: a.frequency_penalty,
             seed: a.seed,
-            logit_bias: Default::default(),
+            ..Default::default()
         },
         max_tokens: a.max_tokens,
         stop: a.stop,

@@ -346,3 +346,35 @@ def test_response_format_json_schema_is_enforced(client):
         extra_body={"structured_outputs": {"json": CAT_SCHEMA}},
     )
     check_cat("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+
+
+def test_allowed_token_ids_limit_what_is_sampled(client, http):
+    allowed = [tokenize(http, prompt=w, add_special_tokens=False)["tokens"][0] for w in (" Lyon", " Nice", " banana")]
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=capital_messages(), max_tokens=6, temperature=1.0, seed=3, extra_body={"allowed_token_ids": allowed, "return_token_ids": True}
+    )
+    ids = r.choices[0].model_dump()["token_ids"]
+    assert len(ids) == 6 and set(ids) <= set(allowed), ids
+    # Greedy text completion: not the model's favourite (" Paris"), but one of the allowed.
+    r = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=1, temperature=0, extra_body={"allowed_token_ids": allowed})
+    assert r.choices[0].text in {http.post("/detokenize", json={"tokens": [t]}).json()["prompt"] for t in allowed}, r.choices[0].text
+    for bad in ([], [10**7]):
+        r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": capital_messages(), "max_tokens": 2, "allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
+def test_continue_final_message_prefills_the_answer(client, http):
+    messages = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "The capital of France is"}]
+    open_ = tokenize(http, messages=messages, continue_final_message=True)
+    assert http.post("/detokenize", json={"tokens": open_["tokens"]}).json()["prompt"].endswith("<|im_start|>assistant\nThe capital of France is")
+    closed = tokenize(http, messages=messages, add_generation_prompt=False)
+    assert closed["tokens"][: open_["count"]] == open_["tokens"] and closed["count"] > open_["count"]  # the end of turn is gone
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0, extra_body={"continue_final_message": True})
+    assert r.usage.prompt_tokens == open_["count"] and r.choices[0].message.content.startswith(" Paris"), r.choices[0].message.content
+    raw = client.completions.create(model=MODEL_NAME, prompt=open_["tokens"], max_tokens=3, temperature=0)
+    assert r.choices[0].message.content == raw.choices[0].text
+    both = {"continue_final_message": True, "add_generation_prompt": True}
+    blank = messages[:1] + [{"role": "assistant", "content": "  "}]
+    for extra, msgs in ((both, messages), ({"continue_final_message": True}, blank)):
+        r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": msgs, "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text

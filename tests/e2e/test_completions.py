@@ -1,10 +1,12 @@
 """Text completions (the legacy API) through the openai client."""
 
 import json
+import shutil
 
+import httpx
 import pytest
 
-from conftest import MODEL_NAME, ROOT
+from conftest import MODEL_NAME, ROOT, Server
 
 PROMPT = "The capital of France is"
 
@@ -293,3 +295,33 @@ def test_vllm_token_ids_beside_the_text(client, http):
     # Without the flags, none of it.
     plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1).choices[0].model_dump()
     assert plain.get("token_ids") is None and not plain["logprobs"]["tokens"][0].startswith("token_id:")
+
+
+def test_add_special_tokens_decides_whether_the_tokenizer_adds_its_bos(tmp_path):
+    # SmolLM2's tokenizer adds nothing, so this serves the tiny Llama with a tokenizer that
+    # prepends a BOS (id 0): text prompts get it by default, chats (whose template writes their
+    # own special tokens) only when asked.
+    model = tmp_path / "tiny-llama-bos"
+    shutil.copytree(ROOT / "tests" / "reference" / "tiny_llama", model)
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
+    }
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    s = Server("tiny-bos")
+    s.args[s.args.index("--model") + 1] = str(model)
+    s.start()
+    try:
+        post = lambda path, body: httpx.post(s.url + path, json={"max_tokens": 1, "return_token_ids": True, **body}, timeout=60).json()
+        with_bos = post("/v1/completions", {"prompt": "hello world"})["choices"][0]["prompt_token_ids"]
+        without = post("/v1/completions", {"prompt": "hello world", "add_special_tokens": False})["choices"][0]["prompt_token_ids"]
+        assert with_bos[0] == 0 and with_bos[1:] == without and without[0] != 0, (with_bos, without)
+        messages = [{"role": "user", "content": "hello"}]
+        chat = post("/v1/chat/completions", {"messages": messages})["prompt_token_ids"]
+        chat_bos = post("/v1/chat/completions", {"messages": messages, "add_special_tokens": True})["prompt_token_ids"]
+        assert chat[0] == 1 and chat_bos == [0] + chat, (chat, chat_bos)
+    finally:
+        s.stop()

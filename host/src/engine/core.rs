@@ -128,6 +128,12 @@ pub fn validate_request(model: &LoadedModel, max_model_len: usize, cfg: &EngineC
             message: format!("'min_tokens' must be at most 'max_tokens' ({}), got {}", req.max_tokens, req.min_tokens),
         });
     }
+    if req.sampling.allowed_token_ids.as_ref().is_some_and(|a| a.len() > vocab) {
+        return Err(SubmitError::InvalidParam { param: "allowed_token_ids", message: format!("'allowed_token_ids' may list at most the vocabulary's {vocab} ids") });
+    }
+    if let Some(&t) = req.sampling.allowed_token_ids.iter().flatten().find(|&&t| t as usize >= vocab) {
+        return Err(SubmitError::InvalidParam { param: "allowed_token_ids", message: format!("allowed_token_ids token id {t} is outside the vocabulary") });
+    }
     if let Some(&t) = req.sampling.logit_bias.keys().find(|&&t| t as usize >= vocab) {
         return Err(SubmitError::InvalidParam { param: "logit_bias", message: format!("logit_bias token id {t} is outside the vocabulary") });
     }

@@ -30,6 +30,9 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     pub seed: Option<u64>,
     pub logit_bias: HashMap<u32, f32>,
+    /// vLLM's `allowed_token_ids`: only these tokens may be sampled (EOS too only if listed).
+    #[serde(default)]
+    pub allowed_token_ids: Option<Vec<u32>>,
 }
 
 impl Default for SamplingParams {
@@ -44,6 +47,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: None,
             logit_bias: HashMap::new(),
+            allowed_token_ids: None,
         }
     }
 }
@@ -138,6 +142,14 @@ impl Sampler {
         for (&t, &b) in &p.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += b;
+            }
+        }
+        if let Some(allowed) = &p.allowed_token_ids {
+            // Keep the listed logits, clear the rest: O(vocab + list) whatever the list's size.
+            let kept: Vec<(usize, f32)> = allowed.iter().filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l))).collect();
+            logits.fill(f32::NEG_INFINITY);
+            for (t, l) in kept {
+                logits[t] = l;
             }
         }
     }
@@ -274,6 +286,17 @@ pub fn top_logprobs(logits: &[f32], n: usize, lse: f32) -> Vec<(u32, f32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn allowed_token_ids_limit_every_draw_to_the_list() {
+        let logits: Vec<f32> = (0..100).map(|i| i as f32 / 10.0).collect();
+        let mut s = Sampler::new(SamplingParams { allowed_token_ids: Some(vec![3, 40, 7]), seed: Some(5), ..Default::default() }, &[]);
+        for _ in 0..50 {
+            assert!([3, 40, 7].contains(&s.sample(&mut logits.clone()).token));
+        }
+        let mut g = Sampler::new(SamplingParams { allowed_token_ids: Some(vec![3, 40, 7]), ..SamplingParams::greedy() }, &[]);
+        assert_eq!(g.sample(&mut logits.clone()).token, 40);
+    }
 
     #[test]
     fn sample_allowed_takes_the_best_allowed_token_lazily_or_by_mask() {

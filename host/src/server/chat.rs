@@ -109,9 +109,33 @@ pub fn validate_tools(tools: &[Value]) -> ApiResult<()> {
 /// [`render_chat`] on tokio's blocking pool: rendering (a template plugin, too) and tokenizing a
 /// prompt of megabytes takes long enough to stall every other connection on an async worker
 /// (`/health` included).
-pub async fn render_chat_off_runtime(state: &AppState, input: ChatTemplateInput) -> ApiResult<(String, Vec<u32>)> {
+pub async fn render_chat_off_runtime(state: &AppState, input: ChatTemplateInput, opts: PromptOptions) -> ApiResult<(String, Vec<u32>)> {
     let state = state.clone();
-    off_runtime(move || render_chat(&state, &input)).await?
+    off_runtime(move || render_chat(&state, &input, opts)).await?
+}
+
+/// How a rendered chat becomes the prompt, beyond what the template itself is given.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PromptOptions {
+    /// vLLM's `continue_final_message`: the prompt ends inside the final message, which the
+    /// model then continues (an assistant prefill), instead of after its end of turn.
+    pub continue_final_message: bool,
+    /// vLLM's `add_special_tokens`: off by default for chats, whose template writes them.
+    pub add_special_tokens: bool,
+}
+
+/// `continue_final_message`: cuts the rendered chat right after the final message's text,
+/// dropping what the template writes after it (its end-of-turn). The text is matched trimmed,
+/// as templates often trim content (transformers' `apply_chat_template` does the same).
+fn cut_after_final_message(rendered: &str, messages: &[Value]) -> ApiResult<String> {
+    let text = messages.last().and_then(|m| m.get("content")).and_then(Value::as_str).map(str::trim).unwrap_or("");
+    if text.is_empty() {
+        return Err(ApiError::invalid_param("continue_final_message", "'continue_final_message' needs a final message with text to continue"));
+    }
+    let at = rendered.rfind(text).ok_or_else(|| {
+        ApiError::invalid_param("continue_final_message", "the final message's text does not appear in the rendered chat, so it cannot be continued")
+    })?;
+    Ok(rendered[..at + text.len()].to_string())
 }
 
 /// Runs `work` on tokio's blocking pool.
@@ -121,7 +145,7 @@ pub async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 's
 
 /// Renders the chat template and tokenizes the result. Special tokens come from the template
 /// text itself, so none are added (as transformers' `apply_chat_template(tokenize=True)`).
-pub fn render_chat(state: &ServerState, input: &ChatTemplateInput) -> ApiResult<(String, Vec<u32>)> {
+pub fn render_chat(state: &ServerState, input: &ChatTemplateInput, opts: PromptOptions) -> ApiResult<(String, Vec<u32>)> {
     let tmpl = state.template.as_ref().ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions"))?;
     let prompt = tmpl.render(input).map_err(|e| match e {
         RenderError::Input(m) => ApiError::invalid_param("messages", m),
@@ -130,8 +154,19 @@ pub fn render_chat(state: &ServerState, input: &ChatTemplateInput) -> ApiResult<
             ApiError::new(status, "server_error", message).with_code(code)
         }
     })?;
-    let ids = state.model.tokenizer.encode(&prompt, false).map_err(ApiError::internal)?;
+    let prompt = if opts.continue_final_message { cut_after_final_message(&prompt, &input.messages)? } else { prompt };
+    let ids = state.model.tokenizer.encode(&prompt, opts.add_special_tokens).map_err(ApiError::internal)?;
     Ok((prompt, ids))
+}
+
+/// The request's prompt options; a final message cannot both be continued and followed by the
+/// assistant's new turn (`add_generation_prompt`, which then defaults to false).
+pub fn prompt_options(continue_final_message: Option<bool>, add_generation_prompt: Option<bool>, add_special_tokens: Option<bool>) -> ApiResult<PromptOptions> {
+    let continue_final_message = continue_final_message.unwrap_or(false);
+    if continue_final_message && add_generation_prompt == Some(true) {
+        return Err(ApiError::invalid_param("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both be true"));
+    }
+    Ok(PromptOptions { continue_final_message, add_special_tokens: add_special_tokens.unwrap_or(false) })
 }
 
 /// Template variables beyond messages and tools: `reasoning_effort` and `chat_template_kwargs`.
@@ -193,6 +228,7 @@ pub async fn handler(
     state.check_model(req.model.as_deref())?;
     tenancy::check_model(&caller, &state.served_model_name)?;
     check_unsupported(&req)?;
+    let opts = prompt_options(req.continue_final_message, req.add_generation_prompt, req.add_special_tokens)?;
     // Before the tokenizing: a caller at its limits gets its 429 without costing that work.
     tenancy::precheck(&state, &caller)?;
     let in_flight = state.enter()?;
@@ -209,10 +245,10 @@ pub async fn handler(
     let input = ChatTemplateInput {
         messages,
         tools,
-        add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+        add_generation_prompt: req.add_generation_prompt.unwrap_or(!opts.continue_final_message),
         extra: template_extra(req.reasoning_effort.as_deref(), req.chat_template_kwargs.as_ref()),
     };
-    let (_, prompt_ids) = render_chat_off_runtime(&state, input).await?;
+    let (_, prompt_ids) = render_chat_off_runtime(&state, input, opts).await?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens).map_or(usize::MAX, |m| m.min(usize::MAX as u64) as usize);
     let mut ereq = req.sampling.to_engine_request(max_tokens).map_err(|e| {
         if e.param.as_deref() == Some("max_tokens") && req.max_completion_tokens.is_some() {

@@ -55,12 +55,12 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
         return Err(ApiError::invalid_param("prompt", format!("at most {MAX_PROMPTS} prompts and {MAX_CHOICES} choices (prompts x n) per request, got {} x {n}", prompts.len())));
     }
     // Tokenized on the blocking pool (see chat::render_chat_off_runtime).
-    let st = state.clone();
+    let (st, add_special_tokens) = (state.clone(), req.add_special_tokens.unwrap_or(true));
     let prompts: Vec<Vec<u32>> = super::chat::off_runtime(move || {
         prompts
             .into_iter()
             .map(|p| match p {
-                PromptInput::Text(t) => st.model.tokenizer.encode(&t, true).map_err(ApiError::internal),
+                PromptInput::Text(t) => st.model.tokenizer.encode(&t, add_special_tokens).map_err(ApiError::internal),
                 PromptInput::Ids(ids) => Ok(ids),
             })
             .collect::<Result<_, _>>()

@@ -41,6 +41,8 @@ pub struct SamplingFields {
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub logit_bias: Option<HashMap<String, f32>>,
+    /// vLLM's: only these token ids may be sampled.
+    pub allowed_token_ids: Option<Vec<u32>>,
     pub user: Option<String>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
@@ -84,6 +86,10 @@ pub struct ChatCompletionRequest {
     /// too refuses one unless started with --trust-request-chat-template).
     pub chat_template: Option<Value>,
     pub add_generation_prompt: Option<bool>,
+    /// vLLM's: the model continues the final message instead of starting a new one.
+    pub continue_final_message: Option<bool>,
+    /// vLLM's: whether the tokenizer adds its special tokens (BOS) to the rendered chat.
+    pub add_special_tokens: Option<bool>,
     /// Read from the same object by `JsonBody::from_json`.
     #[serde(skip)]
     pub sampling: SamplingFields,
@@ -98,6 +104,8 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub best_of: Option<u64>,
+    /// vLLM's: whether the tokenizer adds its special tokens (BOS) to a text prompt.
+    pub add_special_tokens: Option<bool>,
     /// Read from the same object by `JsonBody::from_json`.
     #[serde(skip)]
     pub sampling: SamplingFields,
@@ -110,6 +118,7 @@ pub struct TokenizeRequest {
     pub messages: Option<Vec<Value>>,
     pub add_special_tokens: Option<bool>,
     pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
     pub tools: Option<Vec<Value>>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub return_token_strs: Option<bool>,
@@ -227,6 +236,12 @@ impl SamplingFields {
                 }
                 sampling.logit_bias.insert(id, v);
             }
+        }
+        if let Some(ids) = &self.allowed_token_ids {
+            if ids.is_empty() {
+                return Err(ApiError::invalid_param("allowed_token_ids", "'allowed_token_ids' must list at least one token id"));
+            }
+            sampling.allowed_token_ids = Some(ids.clone());
         }
         sampling.validate().map_err(|m| {
             let param = m.split('\'').nth(1).unwrap_or("").to_string();

@@ -8,7 +8,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use super::chat::{normalize_messages, off_runtime, render_chat_off_runtime, template_extra, validate_tools};
+use super::chat::{normalize_messages, off_runtime, prompt_options, render_chat_off_runtime, template_extra, validate_tools};
 use super::error::{ApiError, ApiResult};
 use super::extract::OpenAiJson;
 use super::logprobs::piece;
@@ -133,13 +133,14 @@ async fn tokenize_call(state: &AppState, caller: &CallerExt, req: TokenizeReques
             if let Some(t) = &req.tools {
                 validate_tools(t)?;
             }
+            let opts = prompt_options(req.continue_final_message, req.add_generation_prompt, req.add_special_tokens)?;
             let input = ChatTemplateInput {
                 messages: normalize_messages(messages)?,
                 tools: req.tools.filter(|t| !t.is_empty()),
-                add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+                add_generation_prompt: req.add_generation_prompt.unwrap_or(!opts.continue_final_message),
                 extra: template_extra(None, req.chat_template_kwargs.as_ref()),
             };
-            render_chat_off_runtime(state, input).await?.1
+            render_chat_off_runtime(state, input, opts).await?.1
         }
         _ => return Err(ApiError::bad_request("give exactly one of 'prompt' or 'messages'")),
     };
