@@ -378,3 +378,19 @@ def test_continue_final_message_prefills_the_answer(client, http):
     for extra, msgs in ((both, messages), ({"continue_final_message": True}, blank)):
         r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": msgs, "max_tokens": 2, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, http):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = [c.model_dump() for c in client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), max_tokens=5, temperature=0, stream=True, stream_options=opts)]
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    assert len({u["prompt_tokens"] for u in usages}) == 1
+    done = [u["completion_tokens"] for u in usages]
+    assert done == sorted(done) and done[0] == 0 and done[-1] == 5, done
+    # Each content chunk counts at least the tokens whose text it carries.
+    texts = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert all(c["usage"]["completion_tokens"] >= i + 1 for i, c in enumerate(texts))
+    # Plain include_usage: null until the final usage chunk.
+    plain = [c.usage for c in client.chat.completions.create(model=MODEL_NAME, messages=capital_messages(), max_tokens=3, stream=True, stream_options={"include_usage": True})]
+    assert all(u is None for u in plain[:-1]) and plain[-1].completion_tokens == 3

@@ -329,7 +329,7 @@ pub async fn handler(
             counted: (0, 0, 0),
         };
         let token_ids = prompt_ids.map(|p| StreamTokenIds::new(vec![p], 1, true, true));
-        let mut resp = stream_response(gen, fmt, req.sampling.include_usage(), token_ids);
+        let mut resp = stream_response(gen, fmt, req.sampling.stream_settings(token_ids));
         tenancy::add_headers(&mut resp, &rate_headers);
         return Ok(resp);
     }

@@ -136,7 +136,7 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
         let scored_echo = score_prompt.then(|| ScoredEcho { first_tokens, k: req.logprobs.unwrap_or(0) as usize, n });
         let fmt = CompletionChunks { id, created, model, m: state.model.clone(), logprobs: Vec::new(), names, want_logprobs, echoes, echo_only, scored_echo };
         let token_ids = req.sampling.returns_token_ids().then(|| StreamTokenIds::new(prompt_ids, n, false, !echo_only));
-        let mut resp = stream_response(gen, fmt, req.sampling.include_usage(), token_ids);
+        let mut resp = stream_response(gen, fmt, req.sampling.stream_settings(token_ids));
         tenancy::add_headers(&mut resp, &rate_headers);
         return Ok(resp);
     }

@@ -50,7 +50,11 @@ pub struct Generation {
     finished: usize,
     /// Per prompt: (prompt tokens, cached tokens), known once a choice of it finishes.
     prompts: Vec<Option<(usize, usize)>>,
+    /// Tokens submitted per prompt, for the usage so far while it runs.
+    prompt_lens: Vec<usize>,
     completion_tokens: usize,
+    /// Tokens streamed so far, over all choices.
+    streamed_tokens: usize,
     started: Instant,
     first_token: Option<Instant>,
     last_token: Vec<Option<Instant>>,
@@ -66,6 +70,7 @@ impl Generation {
     pub fn submit(state: &AppState, in_flight: InFlight, started: Instant, reqs: Vec<EngineRequest>) -> Result<Self, ApiError> {
         let n = reqs.first().map_or(1, |r| r.n);
         let num_prompts = reqs.len();
+        let prompt_lens = reqs.iter().map(|r| r.prompt_ids.len()).collect();
         let mut streams: Vec<RequestStream> = Vec::with_capacity(num_prompts);
         for req in reqs {
             match state.engine.submit(req) {
@@ -85,7 +90,9 @@ impl Generation {
             total_choices: n * num_prompts,
             finished: 0,
             prompts: vec![None; num_prompts],
+            prompt_lens,
             completion_tokens: 0,
+            streamed_tokens: 0,
             started,
             first_token: None,
             last_token: vec![None; n * num_prompts],
@@ -133,6 +140,17 @@ impl Generation {
         Usage { prompt_tokens: p, completion_tokens: self.completion_tokens, cached_tokens: c }
     }
 
+    /// The usage while the request runs (vLLM's `continuous_usage_stats`): the prompts as
+    /// submitted and the tokens streamed so far; `usage` once it ended.
+    pub fn usage_so_far(&self) -> Usage {
+        if self.is_done() {
+            return self.usage();
+        }
+        let prompt_tokens = self.prompt_lens.iter().sum();
+        let cached_tokens = self.prompts.iter().flatten().map(|&(_, c)| c).sum();
+        Usage { prompt_tokens, completion_tokens: self.streamed_tokens, cached_tokens }
+    }
+
     pub fn is_done(&self) -> bool {
         self.failed || self.finished == self.total_choices
     }
@@ -152,6 +170,7 @@ impl Generation {
         Some(match ev {
             EngineEvent::Token { index, token, text, logprob } => {
                 let choice = p * self.n + index;
+                self.streamed_tokens += 1;
                 if self.first_token.is_none() {
                     self.first_token = Some(now);
                     m.ttft.observe_duration(now - self.started);

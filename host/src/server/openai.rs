@@ -11,6 +11,8 @@ use serde_json::{Map, Value};
 use super::error::ApiError;
 use super::extract::{from_value, JsonBody};
 use super::logprobs::TokenNames;
+use super::sse::StreamSettings;
+use super::token_ids::StreamTokenIds;
 use crate::engine::EngineRequest;
 use crate::sampling::SamplingParams;
 
@@ -25,6 +27,9 @@ pub enum StopField {
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
+    /// vLLM's: with `include_usage`, every chunk carries the usage so far (not only the last).
+    #[serde(default)]
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// Sampling and stopping fields shared by chat and text completions (plus vLLM's extensions).
@@ -177,6 +182,15 @@ impl SamplingFields {
 
     pub fn include_usage(&self) -> bool {
         self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
+    }
+
+    fn continuous_usage(&self) -> bool {
+        self.include_usage() && self.stream_options.as_ref().and_then(|o| o.continuous_usage_stats).unwrap_or(false)
+    }
+
+    /// How the stream's chunks are dressed: usage (final or on every chunk) and token ids.
+    pub fn stream_settings(&self, token_ids: Option<StreamTokenIds>) -> StreamSettings {
+        StreamSettings { include_usage: self.include_usage(), continuous_usage: self.continuous_usage(), token_ids }
     }
 
     /// Applies `truncate_prompt_tokens` (checked by `to_engine_request`): the prompt's last

@@ -52,20 +52,32 @@ struct StreamState<F> {
     out: Outbox,
 }
 
+/// What a stream adds to its chunks beyond the endpoint's own fields.
+pub struct StreamSettings {
+    /// `stream_options.include_usage`: a final usage chunk (and `"usage": null` on the others).
+    pub include_usage: bool,
+    /// vLLM's `continuous_usage_stats`: the usage so far on every chunk instead of null.
+    pub continuous_usage: bool,
+    /// `return_token_ids`: adds the ids to each chunk.
+    pub token_ids: Option<StreamTokenIds>,
+}
+
 /// Events ready to go out, and what every chunk gets on its way there.
 struct Outbox {
     pending: VecDeque<Event>,
-    include_usage: bool,
-    /// `return_token_ids`: adds the ids to each chunk.
-    token_ids: Option<StreamTokenIds>,
+    settings: StreamSettings,
 }
 
 impl Outbox {
-    fn push_chunk(&mut self, mut chunk: Value) {
-        if let Some(ids) = &mut self.token_ids {
+    /// Queues a chunk; `usage` is the generation's so far (for continuous usage stats).
+    fn push_chunk(&mut self, mut chunk: Value, usage: &Usage) {
+        if let Some(ids) = &mut self.settings.token_ids {
             ids.annotate(&mut chunk);
         }
-        self.pending.push_back(data(chunk, self.include_usage));
+        if self.settings.continuous_usage {
+            chunk["usage"] = usage.to_json();
+        }
+        self.pending.push_back(data(chunk, self.settings.include_usage));
     }
 }
 
@@ -83,10 +95,10 @@ fn data(mut v: Value, include_usage: bool) -> Event {
 /// absorb bursts, and a full queue is what reveals a client that stopped reading.
 const QUEUE_EVENTS: usize = 16;
 
-pub fn stream_response<F: ChunkFormatter>(gen: Generation, fmt: F, include_usage: bool, token_ids: Option<StreamTokenIds>) -> Response {
+pub fn stream_response<F: ChunkFormatter>(gen: Generation, fmt: F, settings: StreamSettings) -> Response {
     let state = gen.state().clone();
     let stall = state.stream_stall_timeout;
-    let events = chunk_events(gen, fmt, include_usage, token_ids);
+    let events = chunk_events(gen, fmt, settings);
     let (tx, rx) = mpsc::channel(QUEUE_EVENTS);
     tokio::spawn(async move {
         if pump(events, tx, stall).await == PumpEnd::Stalled {
@@ -134,11 +146,12 @@ async fn pump<S: Stream<Item = Event>>(events: S, tx: mpsc::Sender<Event>, stall
 
 /// The response's events, in order: the formatter's start chunks, a chunk per token, the finish
 /// chunks, an error event if the request failed, the usage chunk and `[DONE]`.
-fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_usage: bool, token_ids: Option<StreamTokenIds>) -> impl Stream<Item = Event> + Send {
+fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, settings: StreamSettings) -> impl Stream<Item = Event> + Send {
     let start = fmt.start(gen.num_choices());
-    let mut st = StreamState { gen: Some(gen), fmt, out: Outbox { pending: VecDeque::new(), include_usage, token_ids } };
+    let usage = gen.usage_so_far();
+    let mut st = StreamState { gen: Some(gen), fmt, out: Outbox { pending: VecDeque::new(), settings } };
     for c in start {
-        st.out.push_chunk(c);
+        st.out.push_chunk(c, &usage);
     }
     stream::unfold(st, |mut st| async move {
         loop {
@@ -148,11 +161,11 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_usage: b
             let gen = st.gen.as_mut()?;
             match gen.next().await {
                 Some(ev @ GenEvent::Token { .. }) => {
-                    if let (Some(ids), GenEvent::Token { choice, token, .. }) = (&mut st.out.token_ids, &ev) {
+                    if let (Some(ids), GenEvent::Token { choice, token, .. }) = (&mut st.out.settings.token_ids, &ev) {
                         ids.token(*choice, *token);
                     }
                     if let Some(c) = st.fmt.token(&ev) {
-                        st.out.push_chunk(c);
+                        st.out.push_chunk(c, &gen.usage_so_far());
                     }
                     if let Some(err) = st.fmt.take_error() {
                         // Dropping the generation aborts the engine request.
@@ -165,7 +178,7 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_usage: b
                 }
                 Some(ev @ GenEvent::Finished { .. }) => {
                     for c in st.fmt.finish(&ev) {
-                        st.out.push_chunk(c);
+                        st.out.push_chunk(c, &gen.usage_so_far());
                     }
                     if let Some(err) = st.fmt.take_error() {
                         tracing::warn!(message = %err.message, "stream failed");
@@ -177,7 +190,7 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_usage: b
                 }
                 Some(ev @ GenEvent::PromptLogprobs { .. }) => {
                     for c in st.fmt.prompt_logprobs(&ev) {
-                        st.out.push_chunk(c);
+                        st.out.push_chunk(c, &gen.usage_so_far());
                     }
                 }
                 Some(GenEvent::Error(msg)) => {
@@ -194,7 +207,7 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, include_usage: b
                         tracing::warn!(message = %e.message, "stream failed");
                         st.out.pending.push_back(Event::default().data(e.body().to_string()));
                     }
-                    if st.out.include_usage {
+                    if st.out.settings.include_usage {
                         let u = st.fmt.usage(&gen.usage());
                         st.out.pending.push_back(Event::default().data(u.to_string()));
                     }
