@@ -114,9 +114,11 @@ pub async fn render_chat_off_runtime(state: &AppState, input: ChatTemplateInput,
     off_runtime(move || render_chat(&state, &input, opts)).await?
 }
 
-/// How a rendered chat becomes the prompt, beyond what the template itself is given.
+/// How a chat is rendered and becomes the prompt, beyond its messages and tools.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PromptOptions {
+    /// The template's `add_generation_prompt`: true unless the final message is continued.
+    pub add_generation_prompt: bool,
     /// vLLM's `continue_final_message`: the prompt ends inside the final message, which the
     /// model then continues (an assistant prefill), instead of after its end of turn.
     pub continue_final_message: bool,
@@ -144,7 +146,7 @@ pub async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 's
 }
 
 /// Renders the chat template and tokenizes the result. Special tokens come from the template
-/// text itself, so none are added (as transformers' `apply_chat_template(tokenize=True)`).
+/// text itself, so by default none are added (as transformers' `apply_chat_template(tokenize=True)`).
 pub fn render_chat(state: &ServerState, input: &ChatTemplateInput, opts: PromptOptions) -> ApiResult<(String, Vec<u32>)> {
     let tmpl = state.template.as_ref().ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions"))?;
     let prompt = tmpl.render(input).map_err(|e| match e {
@@ -166,7 +168,11 @@ pub fn prompt_options(continue_final_message: Option<bool>, add_generation_promp
     if continue_final_message && add_generation_prompt == Some(true) {
         return Err(ApiError::invalid_param("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both be true"));
     }
-    Ok(PromptOptions { continue_final_message, add_special_tokens: add_special_tokens.unwrap_or(false) })
+    Ok(PromptOptions {
+        add_generation_prompt: add_generation_prompt.unwrap_or(!continue_final_message),
+        continue_final_message,
+        add_special_tokens: add_special_tokens.unwrap_or(false),
+    })
 }
 
 /// Template variables beyond messages and tools: `reasoning_effort` and `chat_template_kwargs`.
@@ -245,7 +251,7 @@ pub async fn handler(
     let input = ChatTemplateInput {
         messages,
         tools,
-        add_generation_prompt: req.add_generation_prompt.unwrap_or(!opts.continue_final_message),
+        add_generation_prompt: opts.add_generation_prompt,
         extra: template_extra(req.reasoning_effort.as_deref(), req.chat_template_kwargs.as_ref()),
     };
     let (_, prompt_ids) = render_chat_off_runtime(&state, input, opts).await?;

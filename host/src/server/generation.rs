@@ -3,6 +3,7 @@
 //! on the way. Dropping a `Generation` drops the engine streams, which aborts the requests.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -226,8 +227,8 @@ pub struct Collected {
     pub tokens: Vec<u32>,
     pub logprobs: Vec<TokenLogprob>,
     pub finish_reason: Option<FinishReason>,
-    /// The choice's prompt's logprobs, when asked for.
-    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
+    /// The choice's prompt's logprobs, when asked for (shared by the prompt's `n` choices).
+    pub prompt_logprobs: Option<Arc<[TokenLogprob]>>,
 }
 
 pub async fn collect(mut g: Generation) -> Result<(Vec<Collected>, Usage), ApiError> {
@@ -246,8 +247,9 @@ pub async fn collect(mut g: Generation) -> Result<(Vec<Collected>, Usage), ApiEr
             }
             GenEvent::PromptLogprobs { prompt, logprobs } => {
                 let n = g.n;
+                let shared: Arc<[TokenLogprob]> = logprobs.into();
                 for c in &mut out[prompt * n..(prompt + 1) * n] {
-                    c.prompt_logprobs = Some(logprobs.clone());
+                    c.prompt_logprobs = Some(shared.clone());
                 }
             }
             GenEvent::Error(msg) => {

@@ -137,7 +137,7 @@ async fn tokenize_call(state: &AppState, caller: &CallerExt, req: TokenizeReques
             let input = ChatTemplateInput {
                 messages: normalize_messages(messages)?,
                 tools: req.tools.filter(|t| !t.is_empty()),
-                add_generation_prompt: req.add_generation_prompt.unwrap_or(!opts.continue_final_message),
+                add_generation_prompt: opts.add_generation_prompt,
                 extra: template_extra(None, req.chat_template_kwargs.as_ref()),
             };
             render_chat_off_runtime(state, input, opts).await?.1

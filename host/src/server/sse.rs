@@ -69,13 +69,13 @@ struct Outbox {
 }
 
 impl Outbox {
-    /// Queues a chunk; `usage` is the generation's so far (for continuous usage stats).
-    fn push_chunk(&mut self, mut chunk: Value, usage: &Usage) {
+    /// Queues a chunk of `gen` (whose usage so far continuous usage stats report).
+    fn push_chunk(&mut self, mut chunk: Value, gen: &Generation) {
         if let Some(ids) = &mut self.settings.token_ids {
             ids.annotate(&mut chunk);
         }
         if self.settings.continuous_usage {
-            chunk["usage"] = usage.to_json();
+            chunk["usage"] = gen.usage_so_far().to_json();
         }
         self.pending.push_back(data(chunk, self.settings.include_usage));
     }
@@ -147,12 +147,11 @@ async fn pump<S: Stream<Item = Event>>(events: S, tx: mpsc::Sender<Event>, stall
 /// The response's events, in order: the formatter's start chunks, a chunk per token, the finish
 /// chunks, an error event if the request failed, the usage chunk and `[DONE]`.
 fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, settings: StreamSettings) -> impl Stream<Item = Event> + Send {
-    let start = fmt.start(gen.num_choices());
-    let usage = gen.usage_so_far();
-    let mut st = StreamState { gen: Some(gen), fmt, out: Outbox { pending: VecDeque::new(), settings } };
-    for c in start {
-        st.out.push_chunk(c, &usage);
+    let mut out = Outbox { pending: VecDeque::new(), settings };
+    for c in fmt.start(gen.num_choices()) {
+        out.push_chunk(c, &gen);
     }
+    let st = StreamState { gen: Some(gen), fmt, out };
     stream::unfold(st, |mut st| async move {
         loop {
             if let Some(e) = st.out.pending.pop_front() {
@@ -165,7 +164,7 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, settings: Stream
                         ids.token(*choice, *token);
                     }
                     if let Some(c) = st.fmt.token(&ev) {
-                        st.out.push_chunk(c, &gen.usage_so_far());
+                        st.out.push_chunk(c, gen);
                     }
                     if let Some(err) = st.fmt.take_error() {
                         // Dropping the generation aborts the engine request.
@@ -178,7 +177,7 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, settings: Stream
                 }
                 Some(ev @ GenEvent::Finished { .. }) => {
                     for c in st.fmt.finish(&ev) {
-                        st.out.push_chunk(c, &gen.usage_so_far());
+                        st.out.push_chunk(c, gen);
                     }
                     if let Some(err) = st.fmt.take_error() {
                         tracing::warn!(message = %err.message, "stream failed");
@@ -190,7 +189,7 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, settings: Stream
                 }
                 Some(ev @ GenEvent::PromptLogprobs { .. }) => {
                     for c in st.fmt.prompt_logprobs(&ev) {
-                        st.out.push_chunk(c, &gen.usage_so_far());
+                        st.out.push_chunk(c, gen);
                     }
                 }
                 Some(GenEvent::Error(msg)) => {
