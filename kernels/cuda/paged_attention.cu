@@ -512,25 +512,30 @@ __device__ void latent_heads(const float* q_lat, const float* q_rope, S c, S kr,
 // MLA prefill on tensor cores: absorbed attention for the rows of prompt chunks (tiles as for
 // paged_flash_prefill_*, with MLA's single latent "kv head": a tile's vectors are its (row, head)
 // pairs). The key of a position is c ‖ kr (lora + rope wide) and its value c (lora), both far
-// wider than one warp's registers hold for 16 query rows, so a block of 8 warps works on 32
-// vectors as two row groups of 16, and the 4 warps of a row group split the work: for S = Q·Kᵀ
-// each takes every 4th 16-wide chunk of the key (its Q fragments in registers) and the partial
-// scores are summed through shared memory; every warp of the group then runs the same online
-// softmax on the full scores and multiplies P by its quarter of the latent (O's columns split 4
-// ways). Staged keys are bf16 pairs along the key width, zero-padded to whole chunks: the latent
-// to a multiple of 32 (4 quarters of whole 8-wide MMA tiles), the rotary part to a multiple of 16;
-// P·V reads a position pair of one latent column as two halves of those words. lora <= 512,
-// rope <= 64 (DeepSeek-V3, Kimi); Q and P rounded to bf16, f32 accumulation; rows staged exactly
-// (FP8: the codes; a warp keeps its latent and rotary partial scores apart, as they take
-// different row scales, and P carries the latent's scale into P·V).
-#define FM_WARPS 8
+// wider than one warp's registers hold for 16 query rows, so a block of 16 warps works on 32
+// vectors as two row groups of 16, and the FM_SPLIT = 8 warps of a row group split the work: for
+// S = Q·Kᵀ each takes every 8th 16-wide chunk of the key (its Q fragments in registers) and the
+// partial scores are summed through shared memory; every warp of the group then runs the same
+// online softmax on the full scores and multiplies P by its eighth of the latent (O's columns
+// split 8 ways). Why 8 and not 4: a warp then holds 5 Q fragments and 8 O tiles for DeepSeek-V3's
+// 576 / 512 (not 9 and 16), which keeps the kernel within 128 registers, so its 16 warps fit an
+// SM's 64K registers: twice the warps per SM of 8 warps at 177 registers (one block per SM), with
+// each warp's MMA chain per stage halved. Staged keys are bf16 pairs along the key width,
+// zero-padded to whole chunks: the latent to a multiple of 64 (8 eighths of whole 8-wide MMA
+// tiles), the rotary part to a multiple of 16; P·V reads a position pair of one latent column as
+// two halves of those words. lora <= 512, rope <= 64 (DeepSeek-V3, Kimi); Q and P rounded to
+// bf16, f32 accumulation; rows staged exactly (FP8: the codes; a warp keeps its latent and rotary
+// partial scores apart, as they take different row scales, and P carries the latent's scale into
+// P·V).
+#define FM_SPLIT 8 // warps per row group
+#define FM_WARPS (2 * FM_SPLIT)
 #define FM_VECS 32 // 2 row groups of 16
 #define FM_KEYS 16
 #define FM_MAX_LORA 512
 #define FM_MAX_ROPE 64
 #define FM_MAX_W (FM_MAX_LORA + FM_MAX_ROPE)
-#define FM_QC (FM_MAX_W / 16 / 4)    // key chunks per warp
-#define FM_ON (FM_MAX_LORA / 4 / 8)  // 8-wide O tiles per warp
+#define FM_QC ((FM_MAX_W / 16 + FM_SPLIT - 1) / FM_SPLIT) // key chunks per warp
+#define FM_ON (FM_MAX_LORA / FM_SPLIT / 8)                // 8-wide O tiles per warp
 template <typename S>
 __device__ void mla_flash_prefill_tile(const float* q_lat, const float* q_rope, S c, S kr, const int* block_tables, const int* lens,
                                        const int* tiles, float* ctx, int heads, int lora, int rope, int block_size, int max_blocks,
@@ -539,12 +544,12 @@ __device__ void mla_flash_prefill_tile(const float* q_lat, const float* q_rope, 
     __shared__ float part[FM_WARPS][2][4][WARP]; // each warp's partial score fragments
     __shared__ float csc[FM_KEYS], rsc[FM_KEYS]; // the staged rows' latent and rotary scales
     int first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
-    int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, rg = w / 4, quarter = w % 4;
+    int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, rg = w / FM_SPLIT, share = w % FM_SPLIT;
     int gid = lane / 4, tig = lane % 4;
     int v0 = blockIdx.z * FM_VECS;
     if (v0 >= rows * heads) return; // the whole block: no barrier is missed
-    int lora_pad = (lora + 31) / 32 * 32, rope_pad = (rope + 15) / 16 * 16, width = lora_pad + rope_pad;
-    int chunks = width / 16, slice = lora_pad / 4; // slice: this warp's O columns, a multiple of 8
+    int lora_pad = (lora + 8 * FM_SPLIT - 1) / (8 * FM_SPLIT) * (8 * FM_SPLIT), rope_pad = (rope + 15) / 16 * 16;
+    int width = lora_pad + rope_pad, chunks = width / 16, slice = lora_pad / FM_SPLIT; // slice: this warp's O columns, a multiple of 8
     int last = first + rows - 1, max_len = lens[last];
     const int* table = block_tables + (long)last * max_blocks;
     long th[2];
@@ -555,12 +560,12 @@ __device__ void mla_flash_prefill_tile(const float* q_lat, const float* q_rope, 
         th[s] = act ? (long)(first + vec / heads) * heads + vec % heads : 0;
         len[s] = act ? lens[first + vec / heads] : 0;
     }
-    int group_len = (int)warp_max((float)max(len[0], len[1])); // the same in the row group's 4 warps
+    int group_len = (int)warp_max((float)max(len[0], len[1])); // the same in the row group's warps
     // Element d of the padded query (scaled): q_lat below lora_pad, q_rope after it, zeros between.
     u32 qa[FM_QC][4];
 #pragma unroll
     for (int j = 0; j < FM_QC; j++) {
-        int ch = quarter + 4 * j;
+        int ch = share + FM_SPLIT * j;
         for (int r = 0; r < 4; r++) {
             int s = r & 1;
             float x[2] = {0.0f, 0.0f};
@@ -613,7 +618,7 @@ __device__ void mla_flash_prefill_tile(const float* q_lat, const float* q_rope, 
                 float lat[4] = {0.0f, 0.0f, 0.0f, 0.0f}, rot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int j = 0; j < FM_QC; j++) {
-                    int ch = quarter + 4 * j;
+                    int ch = share + FM_SPLIT * j;
                     if (ch >= chunks) break;
                     u32 b[2] = {kp[n * 8 + gid][ch * 8 + tig], kp[n * 8 + gid][ch * 8 + 4 + tig]};
                     if (ch * 16 < lora_pad) mma_bf16_16816(lat, qa[j], b); // warp-uniform
@@ -627,12 +632,12 @@ __device__ void mla_flash_prefill_tile(const float* q_lat, const float* q_rope, 
         }
         __syncthreads();
         if (live) {
-            // The row group's full scores: the sum of its 4 warps' partials (same fragment slots).
+            // The row group's full scores: the sum of its warps' partials (same fragment slots).
 #pragma unroll
             for (int n = 0; n < FM_KEYS / 8; n++)
                 for (int e = 0; e < 4; e++) {
                     float v = 0.0f;
-                    for (int q = 0; q < 4; q++) v += part[rg * 4 + q][n][e][lane];
+                    for (int q = 0; q < FM_SPLIT; q++) v += part[rg * FM_SPLIT + q][n][e][lane];
                     int s = e >> 1, pos = p0 + n * 8 + tig * 2 + (e & 1);
                     sc[n][e] = pos < len[s] ? v : __int_as_float(0xff800000);
                 }
@@ -641,12 +646,12 @@ __device__ void mla_flash_prefill_tile(const float* q_lat, const float* q_rope, 
 #pragma unroll
             for (int n = 0; n < FM_KEYS / 8; n++)
                 for (int e = 0; e < 4; e++) sc[n][e] *= csc[n * 8 + tig * 2 + (e & 1)];
-            // O[:, this quarter] += P · C[:, this quarter] (FM_KEYS = 16: one k step).
+            // O[:, this eighth] += P · C[:, this eighth] (FM_KEYS = 16: one k step).
             u32 pa[4] = {pack_bf16(sc[0][0], sc[0][1]), pack_bf16(sc[0][2], sc[0][3]), pack_bf16(sc[1][0], sc[1][1]), pack_bf16(sc[1][2], sc[1][3])};
 #pragma unroll
             for (int n = 0; n < FM_ON; n++) {
                 if (n * 8 >= slice) break;
-                int col = quarter * slice + n * 8 + gid, word = col / 2, shift = (col & 1) * 16;
+                int col = share * slice + n * 8 + gid, word = col / 2, shift = (col & 1) * 16;
                 u32 b[2];
                 for (int r = 0; r < 2; r++) {
                     int k0 = tig * 2 + r * 8; // positions k0, k0 + 1 of the stage
@@ -665,19 +670,19 @@ __device__ void mla_flash_prefill_tile(const float* q_lat, const float* q_rope, 
     for (int n = 0; n < FM_ON; n++) {
         if (n * 8 >= slice) break;
         for (int e = 0; e < 4; e++) {
-            int s = e >> 1, col = quarter * slice + n * 8 + tig * 2 + (e & 1);
+            int s = e >> 1, col = share * slice + n * 8 + tig * 2 + (e & 1);
             if (len[s] > 0 && col < lora) ctx[th[s] * lora + col] = o[n][e] / l[s];
         }
     }
 }
 
-extern "C" __global__ void mla_flash_prefill_bf16(const float* q_lat, const float* q_rope, const u16* c, const u16* kr,
+extern "C" __launch_bounds__(FM_WARPS * WARP) __global__ void mla_flash_prefill_bf16(const float* q_lat, const float* q_rope, const u16* c, const u16* kr,
                                                   const int* block_tables, const int* lens, const int* tiles, float* ctx, int heads,
                                                   int lora, int rope, int block_size, int max_blocks, float softmax_scale) {
     mla_flash_prefill_tile(q_lat, q_rope, Bf16Rows{c}, Bf16Rows{kr}, block_tables, lens, tiles, ctx, heads, lora, rope, block_size,
                            max_blocks, softmax_scale);
 }
-extern "C" __global__ void mla_flash_prefill_fp8(const float* q_lat, const float* q_rope, const u8* c, const u8* kr,
+extern "C" __launch_bounds__(FM_WARPS * WARP) __global__ void mla_flash_prefill_fp8(const float* q_lat, const float* q_rope, const u8* c, const u8* kr,
                                                  const float* c_scales, const float* kr_scales, const int* block_tables,
                                                  const int* lens, const int* tiles, float* ctx, int heads, int lora, int rope,
                                                  int block_size, int max_blocks, float softmax_scale) {

@@ -177,14 +177,65 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// `ptxas -arch=<arch>` on one source's PTX; a failure shows the assembler's log.
+    /// `ptxas -arch=<arch> -v` on one source's PTX; a failure shows the assembler's log. Every
+    /// kernel must assemble without register spills: a spill is local-memory traffic in the
+    /// inner loops, which only a GPU profile would otherwise reveal (the heaviest kernels are
+    /// sized to their `__launch_bounds__`, and a change that no longer fits must say so here).
     fn assemble(ptxas: &Path, dir: &Path, name: &str, arch: &str, ptx: &str) {
         std::fs::create_dir_all(dir).unwrap();
         let file = dir.join(format!("{}-{arch}.ptx", name.trim_end_matches(".cu")));
         std::fs::write(&file, ptx).unwrap();
-        let out = std::process::Command::new(ptxas).arg(format!("-arch={arch}")).arg(&file).arg("-o").arg(file.with_extension("cubin")).output();
+        let out = std::process::Command::new(ptxas).arg(format!("-arch={arch}")).arg("-v").arg(&file).arg("-o").arg(file.with_extension("cubin")).output();
         let out = out.unwrap_or_else(|e| panic!("run {}: {e}", ptxas.display()));
-        assert!(out.status.success(), "ptxas {name} for {arch}:\n{}", String::from_utf8_lossy(&out.stderr));
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "ptxas {name} for {arch}:\n{log}");
+        for usage in register_usage(&log) {
+            assert_eq!(usage.spill_bytes, 0, "{} on {arch} spills {} bytes of registers:\n{log}", usage.kernel, usage.spill_bytes);
+            if arch == "sm_90" && usage.registers > 96 {
+                eprintln!("{arch} {}: {} registers", usage.kernel, usage.registers);
+            }
+        }
+    }
+
+    struct RegisterUsage {
+        kernel: String,
+        registers: u32,
+        spill_bytes: u32,
+    }
+
+    /// Per kernel of a `ptxas -v` log: registers used and spill stores + loads in bytes.
+    fn register_usage(log: &str) -> Vec<RegisterUsage> {
+        let number_before = |line: &str, label: &str| -> Option<u32> { line.split(label).next()?.split_whitespace().last()?.parse().ok() };
+        let mut found: Vec<RegisterUsage> = Vec::new();
+        for line in log.lines() {
+            if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+                let kernel = rest.split('\'').next().unwrap_or_default().to_string();
+                found.push(RegisterUsage { kernel, registers: 0, spill_bytes: 0 });
+            } else if let Some(last) = found.last_mut() {
+                if line.contains("spill stores") {
+                    last.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0) + number_before(line, "bytes spill loads").unwrap_or(0);
+                } else if let Some(rest) = line.split("Used ").nth(1) {
+                    last.registers = number_before(&format!(" {rest}"), "registers").unwrap_or(0);
+                }
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn register_usage_reads_ptxas_verbose_output() {
+        let log = "ptxas info    : Compiling entry function 'a' for 'sm_90'
+ptxas info    : Function properties for a
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 127 registers, used 1 barriers, 35200 bytes smem
+ptxas info    : Compiling entry function 'b' for 'sm_90'
+ptxas info    : Function properties for b
+    40 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 255 registers, 380 bytes cmem[0]";
+        let usage = register_usage(log);
+        assert_eq!(usage.len(), 2);
+        assert_eq!((usage[0].kernel.as_str(), usage[0].registers, usage[0].spill_bytes), ("a", 127, 0));
+        assert_eq!((usage[1].kernel.as_str(), usage[1].registers, usage[1].spill_bytes), ("b", 255, 40));
     }
 
     #[test]

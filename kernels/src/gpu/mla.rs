@@ -35,6 +35,9 @@ pub fn mla_splits(blocks: usize, max_len: usize) -> usize {
 /// groups of 16 MMA rows) and the widest latent and rotary key it takes (`FM_MAX_LORA`,
 /// `FM_MAX_ROPE`).
 pub const MLA_FLASH_VECS: usize = 32;
+/// Warps per row group of `mla_flash_prefill_*` (`FM_SPLIT`): a block is
+/// `MLA_FLASH_VECS / 16 * MLA_FLASH_SPLIT` warps (16, the kernel's `__launch_bounds__`).
+const MLA_FLASH_SPLIT: usize = 8;
 pub const MLA_FLASH_MAX_LORA: usize = 512;
 pub const MLA_FLASH_MAX_ROPE: usize = 64;
 
@@ -182,7 +185,7 @@ impl<R: Runtime> Kernels<R> {
         let mut args: Vec<A<'_, R>> = vec![A::F32s(q_lat), A::F32s(q_rope)];
         args.extend(cache);
         args.extend([A::I32s(tables), A::I32s(lens), A::I32s(tiles), A::F32s(ctx), A::I32(heads as i32), A::I32(lora as i32), A::I32(rope as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)]);
-        self.go(name, Dims::new((num_tiles as u32, 1, z as u32), (MLA_FLASH_VECS / 16 * 4 * 32) as u32), &args)
+        self.go(name, Dims::new((num_tiles as u32, 1, z as u32), (MLA_FLASH_VECS / 16 * MLA_FLASH_SPLIT * 32) as u32), &args)
     }
 
     /// Size checks and launch of the three storage variants; `cache` is the kernel's cache
