@@ -1,7 +1,8 @@
-//! `wasmserve bench decode`: single-stream greedy decode speed of several checkpoints of the same
-//! model (e.g. bf16 → dense f32, INT4, Cubic), measured side by side in one run. Rounds go over
-//! the models in turn and each model's fastest round is kept, so every model sees the same
-//! machine load (the machine may be shared); ratios are against the first model.
+//! `wasmserve bench decode`: single-stream greedy decode speed (and the prompt's prefill speed) of
+//! several checkpoints of the same model (e.g. bf16 → dense f32, INT4, Cubic), measured side by
+//! side in one run. Rounds go over the models in turn and each model's fastest round is kept, so
+//! every model sees the same machine load (the machine may be shared); ratios are against the
+//! first model. `bench/cpu-vs-llama-cpp.sh` runs it beside llama.cpp's `llama-bench`.
 
 use std::time::Instant;
 
@@ -23,12 +24,20 @@ pub struct DecodeBenchArgs {
     pub rounds: usize,
 }
 
-/// Decodes `steps` greedy tokens after `prompt`; returns the decode time in seconds (prefill
-/// excluded) and the tokens, so the caller can check every model ran a real continuation.
-pub fn timed_decode(m: &LoadedModel, prompt: &[u32], steps: usize) -> (f64, Vec<u32>) {
+/// Seconds spent on one run's prompt (one forward over all its tokens) and on its decode steps.
+pub struct Timings {
+    pub prefill: f64,
+    pub decode: f64,
+}
+
+/// Prefills `prompt` and decodes `steps` greedy tokens after it; returns both times and the
+/// tokens, so the caller can check every model ran a real continuation.
+pub fn timed_decode(m: &LoadedModel, prompt: &[u32], steps: usize) -> (Timings, Vec<u32>) {
     let mut kv = m.model.contiguous_cache(1);
     let rows: Vec<BatchRow> = (0..prompt.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+    let started = Instant::now();
     let mut logits = m.model.forward(prompt, &rows, &mut kv, &[prompt.len() - 1]);
+    let prefill = started.elapsed().as_secs_f64();
     let mut out = Vec::with_capacity(steps);
     let started = Instant::now();
     for i in 0..steps {
@@ -36,7 +45,7 @@ pub fn timed_decode(m: &LoadedModel, prompt: &[u32], steps: usize) -> (f64, Vec<
         out.push(next);
         logits = m.model.forward(&[next], &[BatchRow { seq: 0, pos: prompt.len() + i }], &mut kv, &[0]);
     }
-    (started.elapsed().as_secs_f64(), out)
+    (Timings { prefill, decode: started.elapsed().as_secs_f64() }, out)
 }
 
 fn argmax(v: &[f32]) -> u32 {
@@ -48,19 +57,34 @@ pub fn run(a: DecodeBenchArgs) -> anyhow::Result<()> {
     let models = a.models.iter().map(|p| Ok(crate::model::load(p)?)).collect::<anyhow::Result<Vec<_>>>()?;
     let text = "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer \
                 The slings and arrows of outrageous fortune, Or to take arms against a sea of troubles";
-    let mut best = vec![f64::MAX; models.len()];
+    let (mut best_decode, mut best_prefill) = (vec![f64::MAX; models.len()], vec![f64::MAX; models.len()]);
     for round in 0..a.rounds {
         for (i, m) in models.iter().enumerate() {
             let mut prompt = m.tokenizer.encode(text, false).map_err(anyhow::Error::msg)?;
             prompt.resize(a.prompt_tokens, prompt[prompt.len() - 1]);
             let (t, _) = timed_decode(m, &prompt, a.steps);
-            best[i] = best[i].min(t);
-            eprintln!("round {}/{}: {} {:.1} tok/s", round + 1, a.rounds, a.models[i].display(), a.steps as f64 / t);
+            best_decode[i] = best_decode[i].min(t.decode);
+            best_prefill[i] = best_prefill[i].min(t.prefill);
+            eprintln!(
+                "round {}/{}: {} prefill {:.1} tok/s, decode {:.1} tok/s",
+                round + 1,
+                a.rounds,
+                a.models[i].display(),
+                a.prompt_tokens as f64 / t.prefill,
+                a.steps as f64 / t.decode
+            );
         }
     }
-    println!("{:<48} {:>10} {:>9}", "model", "decode tok/s", "vs first");
+    println!("{:<48} {:>12} {:>9} {:>13} {:>9}", "model", "decode tok/s", "vs first", "prefill tok/s", "vs first");
     for (i, p) in a.models.iter().enumerate() {
-        println!("{:<48} {:>10.1} {:>8.2}x", p.display(), a.steps as f64 / best[i], best[0] / best[i]);
+        println!(
+            "{:<48} {:>12.1} {:>8.2}x {:>13.1} {:>8.2}x",
+            p.display(),
+            a.steps as f64 / best_decode[i],
+            best_decode[0] / best_decode[i],
+            a.prompt_tokens as f64 / best_prefill[i],
+            best_prefill[0] / best_prefill[i]
+        );
     }
     Ok(())
 }

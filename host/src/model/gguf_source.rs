@@ -4,7 +4,10 @@ use std::path::PathBuf;
 
 use super::error::LoadError;
 use super::ggml::{dequantize, GgmlType};
-use super::gguf::{GgufFile, MetaValue};
+use super::gguf::{GgufFile, MetaValue, GgufTensorInfo};
+use super::gguf_packed::{int_matrix, packable};
+use super::linear::Linear;
+use super::quant::int_linear::IntLinear;
 use super::source::{check_shape, WeightSource};
 use super::tensor::Tensor;
 
@@ -43,19 +46,20 @@ fn gguf_name(hf: &str) -> Option<String> {
 }
 
 /// llama.cpp's converter permutes Q/K rows so RoPE can rotate adjacent pairs; Hugging Face rotates
-/// the two halves of each head. Undo it: GGUF row `h*d + 2i + j` holds HF row `h*d + j*d/2 + i`.
+/// the two halves of each head. Undone by reading HF row `h*d + j*d/2 + i` from GGUF row
+/// `h*d + 2i + j` (`d` the head's rows): this is the GGUF row of HF row `row`.
+fn gguf_row(row: usize, n_heads: usize, rows: usize) -> usize {
+    let d = rows / n_heads;
+    let (h, r) = (row / d, row % d);
+    h * d + 2 * (r % (d / 2)) + r / (d / 2)
+}
+
 fn unpermute_rows(data: &[f32], n_heads: usize, cols: usize) -> Vec<f32> {
     let rows = data.len() / cols;
-    let d = rows / n_heads;
     let mut out = vec![0.0; data.len()];
-    for h in 0..n_heads {
-        for i in 0..d / 2 {
-            for j in 0..2 {
-                let src = h * d + 2 * i + j;
-                let dst = h * d + j * (d / 2) + i;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
-            }
-        }
+    for (dst, row) in out.chunks_exact_mut(cols).enumerate() {
+        let src = gguf_row(dst, n_heads, rows);
+        row.copy_from_slice(&data[src * cols..(src + 1) * cols]);
     }
     out
 }
@@ -67,24 +71,34 @@ impl GgufSource {
         let n_kv_heads = file.meta(&format!("{arch}.attention.head_count_kv")).and_then(MetaValue::as_u64).map(|v| v as usize).unwrap_or(n_heads);
         Self { file, n_heads, n_kv_heads }
     }
-}
 
-impl WeightSource for GgufSource {
-    fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError> {
-        let path = &self.file.path;
-        let gname = gguf_name(name).unwrap_or_else(|| name.to_string());
-        let info = self.file.tensor(&gname).ok_or_else(|| LoadError::MissingTensor { file: path.clone(), tensor: gname.clone() })?;
-        let tshape = info.torch_shape();
-        check_shape(path, &gname, &tshape, shape)?;
-        let bytes = self.file.tensor_bytes(info);
-        let n = info.n_elements() as usize;
-        let permute_heads = if name.ends_with("self_attn.q_proj.weight") {
+    /// The heads whose rows llama.cpp permuted in tensor `name` (HF name): Q and K only.
+    fn permuted_heads(&self, name: &str) -> Option<usize> {
+        if name.ends_with("self_attn.q_proj.weight") {
             Some(self.n_heads)
         } else if name.ends_with("self_attn.k_proj.weight") {
             Some(self.n_kv_heads)
         } else {
             None
-        };
+        }
+    }
+
+    fn info(&self, name: &str) -> Result<(String, &GgufTensorInfo), LoadError> {
+        let gname = gguf_name(name).unwrap_or_else(|| name.to_string());
+        let info = self.file.tensor(&gname).ok_or_else(|| LoadError::MissingTensor { file: self.file.path.clone(), tensor: gname.clone() })?;
+        Ok((gname, info))
+    }
+}
+
+impl WeightSource for GgufSource {
+    fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError> {
+        let path = &self.file.path;
+        let (gname, info) = self.info(name)?;
+        let tshape = info.torch_shape();
+        check_shape(path, &gname, &tshape, shape)?;
+        let bytes = self.file.tensor_bytes(info);
+        let n = info.n_elements() as usize;
+        let permute_heads = self.permuted_heads(name);
         if info.ggml_type == GgmlType::F32 && permute_heads.is_none() {
             if let Some(t) = Tensor::mapped(tshape.clone(), self.file.mmap(), info.offset, n) {
                 return Ok(t);
@@ -96,6 +110,27 @@ impl WeightSource for GgufSource {
             data = unpermute_rows(&data, heads, *tshape.last().unwrap_or(&1));
         }
         Ok(Tensor::owned(tshape, data))
+    }
+
+    /// Q4_0 / Q4_1 / Q8_0 layers stay packed ([`super::gguf_packed`]); others load dense.
+    fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
+        let name = format!("{module}.weight");
+        let (gname, info) = self.info(&name)?;
+        if packable(info.ggml_type) {
+            check_shape(&self.file.path, &gname, &info.torch_shape(), &[rows, cols])?;
+            let heads = self.permuted_heads(&name);
+            let source_row = |r: usize| heads.map_or(r, |h| gguf_row(r, h, rows));
+            let packed = int_matrix(info.ggml_type, self.file.tensor_bytes(info), rows, cols, source_row)
+                .map_err(|detail| LoadError::BadTensor { file: self.file.path.clone(), tensor: gname, detail })?;
+            if let Some(m) = packed {
+                return Ok(Linear::Int(IntLinear::new(m, None)));
+            }
+        }
+        self.load(&name, &[rows, cols]).map(Linear::Dense)
+    }
+
+    fn keeps_packed(&self, name: &str) -> bool {
+        self.info(name).is_ok_and(|(_, info)| packable(info.ggml_type))
     }
 
     fn contains(&self, name: &str) -> bool {

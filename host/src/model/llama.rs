@@ -138,10 +138,15 @@ impl LlamaModel {
             tracing::debug!(layer = i, of = cfg.num_layers(), tp_rank = tp.rank, "loaded layer");
         }
         let norm = src.load("model.norm.weight", &[d])?;
-        let lm_head = if cfg.tie_word_embeddings && !src.contains("lm_head.weight") {
-            None
-        } else {
+        let lm_head = if !cfg.tie_word_embeddings || src.contains("lm_head.weight") {
             Some(linear("lm_head.weight", cfg.vocab_size, d, &Split::Rows(vocab.clone()))?)
+        } else if src.keeps_packed("model.embed_tokens.weight") {
+            // Tied to a quantized embedding (GGUF Q8_0, ...): the logits are multiplied from its
+            // packed codes, as llama.cpp does, rather than from the dense copy the lookups use
+            // (the largest single weight read per token in a small model).
+            Some(linear("model.embed_tokens.weight", cfg.vocab_size, d, &Split::Rows(vocab.clone()))?)
+        } else {
+            None
         };
         let rope = Rope::new(hd, cfg.rope_theta);
         Ok(Self { cfg, tp, heads, kv_heads, vocab, embed, layers, norm, lm_head, rope })

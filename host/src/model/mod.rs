@@ -9,6 +9,7 @@ pub mod device_llama;
 pub mod error;
 pub mod ggml;
 pub mod gguf;
+pub mod gguf_packed;
 pub mod gguf_source;
 pub mod hf_source;
 pub mod kda;

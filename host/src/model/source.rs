@@ -27,6 +27,12 @@ pub trait WeightSource: Send + Sync {
     fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
         self.load(&format!("{module}.weight"), &[rows, cols]).map(Linear::Dense)
     }
+    /// Whether [`Self::linear`] keeps tensor `name` packed (a quantized GGUF embedding, say):
+    /// then a tied output projection is worth multiplying from it instead of from the dense
+    /// embedding.
+    fn keeps_packed(&self, _name: &str) -> bool {
+        false
+    }
     /// The part `split` of `name` (whose full shape is `shape`): what one tensor-parallel rank
     /// holds. The default loads the whole tensor and copies the part out; a source that can
     /// decode just the part overrides it.

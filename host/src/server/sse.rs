@@ -158,7 +158,7 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, settings: Stream
                 return Some((e, st));
             }
             let gen = st.gen.as_mut()?;
-            match gen.next().await {
+            let failure = match gen.next().await {
                 Some(ev @ GenEvent::Token { .. }) => {
                     if let (Some(ids), GenEvent::Token { choice, token, .. }) = (&mut st.out.settings.token_ids, &ev) {
                         ids.token(*choice, *token);
@@ -166,40 +166,21 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, settings: Stream
                     if let Some(c) = st.fmt.token(&ev) {
                         st.out.push_chunk(c, gen);
                     }
-                    if let Some(err) = st.fmt.take_error() {
-                        // Dropping the generation aborts the engine request.
-                        tracing::warn!(message = %err.message, "stream failed");
-                        st.out.pending.push_back(Event::default().data(err.body().to_string()));
-                        let _ = gen.settle().await;
-                        st.out.pending.push_back(Event::default().data("[DONE]"));
-                        st.gen = None;
-                    }
+                    st.fmt.take_error()
                 }
                 Some(ev @ GenEvent::Finished { .. }) => {
                     for c in st.fmt.finish(&ev) {
                         st.out.push_chunk(c, gen);
                     }
-                    if let Some(err) = st.fmt.take_error() {
-                        tracing::warn!(message = %err.message, "stream failed");
-                        st.out.pending.push_back(Event::default().data(err.body().to_string()));
-                        let _ = gen.settle().await;
-                        st.out.pending.push_back(Event::default().data("[DONE]"));
-                        st.gen = None;
-                    }
+                    st.fmt.take_error()
                 }
                 Some(ev @ GenEvent::PromptLogprobs { .. }) => {
                     for c in st.fmt.prompt_logprobs(&ev) {
                         st.out.push_chunk(c, gen);
                     }
+                    None
                 }
-                Some(GenEvent::Error(msg)) => {
-                    let err = ApiError::internal(format!("generation failed: {msg}"));
-                    tracing::warn!(message = %err.message, "stream failed");
-                    st.out.pending.push_back(Event::default().data(err.body().to_string()));
-                    let _ = gen.settle().await;
-                    st.out.pending.push_back(Event::default().data("[DONE]"));
-                    st.gen = None;
-                }
+                Some(GenEvent::Error(msg)) => Some(ApiError::internal(format!("generation failed: {msg}"))),
                 None => {
                     // The usage row is committed before the stream ends.
                     if let Err(e) = gen.settle().await {
@@ -212,7 +193,17 @@ fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, settings: Stream
                     }
                     st.out.pending.push_back(Event::default().data("[DONE]"));
                     st.gen = None;
+                    continue;
                 }
+            };
+            if let Some(err) = failure {
+                // The error event, the request settled (its usage row committed), `[DONE]`;
+                // dropping the generation then aborts the engine request.
+                tracing::warn!(message = %err.message, "stream failed");
+                st.out.pending.push_back(Event::default().data(err.body().to_string()));
+                let _ = gen.settle().await;
+                st.out.pending.push_back(Event::default().data("[DONE]"));
+                st.gen = None;
             }
         }
     })

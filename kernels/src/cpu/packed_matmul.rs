@@ -418,16 +418,18 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; 
     let mut acc = [[[_mm256_setzero_ps(); 2]; C]; R];
     let mut j = 0;
     while j < full {
-        let mut wv = [[_mm256_setzero_ps(); 2]; C];
-        for c in 0..C {
-            wv[c] = [_mm256_loadu_ps(w[c].as_ptr().add(j)), _mm256_loadu_ps(w[c].as_ptr().add(j + 8))];
-        }
-        for r in 0..R {
-            let xl = _mm256_loadu_ps(x[r].as_ptr().add(j));
-            let xh = _mm256_loadu_ps(x[r].as_ptr().add(j + 8));
+        // Lanes 0-7, then 8-15: C weight registers and one activation register live at a time
+        // beside the 2·R·C accumulators, so a 3×2 tile (12 accumulators) fits AVX2's 16.
+        for (half, at) in [j, j + 8].into_iter().enumerate() {
+            let mut wv = [_mm256_setzero_ps(); C];
             for c in 0..C {
-                acc[r][c][0] = _mm256_fmadd_ps(xl, wv[c][0], acc[r][c][0]);
-                acc[r][c][1] = _mm256_fmadd_ps(xh, wv[c][1], acc[r][c][1]);
+                wv[c] = _mm256_loadu_ps(w[c].as_ptr().add(at));
+            }
+            for r in 0..R {
+                let xv = _mm256_loadu_ps(x[r].as_ptr().add(at));
+                for c in 0..C {
+                    acc[r][c][half] = _mm256_fmadd_ps(xv, wv[c], acc[r][c][half]);
+                }
             }
         }
         j += LANES;
@@ -501,7 +503,7 @@ fn run_tile<const R: usize, const C: usize>(isa: Isa, x: &[f32], strip: &[f32], 
 /// Multiplies every activation row with a decoded strip of `cols` weight rows, in register tiles
 /// of up to 4×4 (AVX-512) or 2×2 (AVX2: a 16-lane accumulator takes two of its 16 registers).
 fn run_strip(isa: Isa, x: &[f32], n: usize, k: usize, m: usize, strip: &[f32], cols: usize, o0: usize, out: OutPtr) {
-    let (th, tw) = if isa == Isa::Avx2 { (2, 2) } else { (4, 4) };
+    let (th, tw) = if isa == Isa::Avx2 { (3, 2) } else { (4, 4) };
     let mut c0 = 0;
     while c0 < cols {
         let cw = tw.min(cols - c0);
