@@ -201,13 +201,15 @@ impl LanguageModel for DeepseekV3Model {
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         // Checked up front: with split heads alone the result would be silently partial.
         assert_eq!(self.ep.size, 1, "a sharded DeepSeek rank runs through forward_rank with its group, not alone");
-        let out: Result<Vec<f32>, std::convert::Infallible> = self.run(
-            tokens,
-            rows,
-            logit_rows,
-            |li, attn, normed| Ok(attn.forward(normed, rows, &mut *kv, li)),
-            |_, _, _| panic!("an expert-parallel DeepSeek rank runs through forward_rank with its group, not alone"),
-        );
+        let out: Result<Vec<f32>, std::convert::Infallible> = super::on_compute_pool(|| {
+            self.run(
+                tokens,
+                rows,
+                logit_rows,
+                |li, attn, normed| Ok(attn.forward(normed, rows, &mut *kv, li)),
+                |_, _, _| panic!("an expert-parallel DeepSeek rank runs through forward_rank with its group, not alone"),
+            )
+        });
         match out {
             Ok(v) => v,
             Err(never) => match never {},

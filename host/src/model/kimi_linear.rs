@@ -231,13 +231,15 @@ impl LanguageModel for KimiLinearModel {
     /// so it is only driven through `forward_rank`.
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         assert_eq!(self.ep.size, 1, "an expert-parallel Kimi-Linear rank runs through forward_rank with its group, not alone");
-        let out: Result<Vec<f32>, std::convert::Infallible> = self.run(
-            tokens,
-            rows,
-            logit_rows,
-            |li, mixer, normed| Ok(mix(mixer, normed, rows, &mut *kv, li, |ordinal| ordinal)),
-            |_, _, _| panic!("an expert-parallel Kimi-Linear rank runs through forward_rank with its group, not alone"),
-        );
+        let out: Result<Vec<f32>, std::convert::Infallible> = super::on_compute_pool(|| {
+            self.run(
+                tokens,
+                rows,
+                logit_rows,
+                |li, mixer, normed| Ok(mix(mixer, normed, rows, &mut *kv, li, |ordinal| ordinal)),
+                |_, _, _| panic!("an expert-parallel Kimi-Linear rank runs through forward_rank with its group, not alone"),
+            )
+        });
         match out {
             Ok(v) => v,
             Err(never) => match never {},

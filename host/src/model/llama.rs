@@ -187,8 +187,10 @@ impl LanguageModel for LlamaModel {
 
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         assert_eq!(self.tp.size, 1, "LlamaModel::forward on one tensor-parallel rank; use mesh::TensorParallel");
-        let comm = LocalCollective::group(1).pop().expect("one rank");
-        self.forward_rank(tokens, rows, &RwLock::new(kv), logit_rows, &comm).expect("a one-rank group has no peer to fail")
+        super::on_compute_pool(|| {
+            let comm = LocalCollective::group(1).pop().expect("one rank");
+            self.forward_rank(tokens, rows, &RwLock::new(kv), logit_rows, &comm).expect("a one-rank group has no peer to fail")
+        })
     }
 }
 

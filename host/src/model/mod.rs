@@ -34,6 +34,15 @@ use source::WeightSource;
 
 use crate::tokenizer::Tokenizer;
 
+/// Runs a single-device CPU forward pass on one of rayon's worker threads and waits for it. Its
+/// parallel matmuls (seven per Llama layer per step) then fork inside the pool; started from
+/// outside it, each one is injected and waited for on a futex, which cost a quarter of SmolLM2's
+/// single-stream decode step on 2 cores (docs/engine-benchmarks.md). Not for tensor- or
+/// expert-parallel ranks: they block on each other, which pool threads must not do.
+pub(crate) fn on_compute_pool<R: Send>(forward: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| forward())
+}
+
 /// What the engine, generation and benchmarks need from an architecture: its configuration, what
 /// it caches per token and per sequence, and one batched forward pass.
 pub trait LanguageModel: Send + Sync {
