@@ -134,7 +134,7 @@ impl WeightSource for GgufSource {
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.file.tensor(&gguf_name(name).unwrap_or_else(|| name.to_string())).is_some()
+        self.info(name).is_ok()
     }
 
     fn file_of(&self, _name: &str) -> PathBuf {

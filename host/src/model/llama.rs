@@ -143,8 +143,12 @@ impl LlamaModel {
         } else if src.keeps_packed("model.embed_tokens.weight") {
             // Tied to a quantized embedding (GGUF Q8_0, ...): the logits are multiplied from its
             // packed codes, as llama.cpp does, rather than from the dense copy the lookups use
-            // (the largest single weight read per token in a small model).
-            Some(linear("model.embed_tokens.weight", cfg.vocab_size, d, &Split::Rows(vocab.clone()))?)
+            // (the largest single weight read per token in a small model). A tensor that could
+            // not stay packed after all would only be a second dense copy: the embedding serves.
+            match linear("model.embed_tokens.weight", cfg.vocab_size, d, &Split::Rows(vocab.clone()))? {
+                Linear::Dense(_) => None,
+                packed => Some(packed),
+            }
         } else {
             None
         };

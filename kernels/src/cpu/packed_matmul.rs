@@ -501,7 +501,7 @@ fn run_tile<const R: usize, const C: usize>(isa: Isa, x: &[f32], strip: &[f32], 
 }
 
 /// Multiplies every activation row with a decoded strip of `cols` weight rows, in register tiles
-/// of up to 4×4 (AVX-512) or 2×2 (AVX2: a 16-lane accumulator takes two of its 16 registers).
+/// of up to 4×4 (AVX-512) or 3×2 (AVX2: a 16-lane accumulator takes two of its 16 registers).
 fn run_strip(isa: Isa, x: &[f32], n: usize, k: usize, m: usize, strip: &[f32], cols: usize, o0: usize, out: OutPtr) {
     let (th, tw) = if isa == Isa::Avx2 { (3, 2) } else { (4, 4) };
     let mut c0 = 0;

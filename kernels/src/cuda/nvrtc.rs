@@ -214,8 +214,8 @@ mod tests {
             } else if let Some(last) = found.last_mut() {
                 if line.contains("spill stores") {
                     last.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0) + number_before(line, "bytes spill loads").unwrap_or(0);
-                } else if let Some(rest) = line.split("Used ").nth(1) {
-                    last.registers = number_before(&format!(" {rest}"), "registers").unwrap_or(0);
+                } else if line.contains("Used ") {
+                    last.registers = number_before(line, "registers").unwrap_or(0);
                 }
             }
         }
