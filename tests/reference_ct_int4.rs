@@ -23,6 +23,8 @@ const EXACT_TOLERANCE: f32 = 2e-4;
 /// weight rounded to 8 significant bits, while we keep the exact products. On its compressed-module
 /// path (f32 scales in an f32 model) it computes the exact products too and EXACT_TOLERANCE holds.
 const BF16_LOAD_TOLERANCE: f32 = 0.05;
+/// Max |ours − exact-weight transformers| with `--cpu-activations int8` (see its test).
+const INT8_TOLERANCE: f32 = 0.3;
 
 fn dir(name: &str) -> PathBuf {
     common::repo_root().join("tests/reference/ct").join(name)
@@ -214,4 +216,36 @@ fn activation_order_g_idx() {
     let mut kv = ContiguousKvCache::new(m.config().num_layers(), m.config().kv_width(), 1);
     let logits = m.model.forward(&[5, 6], &[BatchRow { seq: 0, pos: 0 }, BatchRow { seq: 0, pos: 1 }], &mut kv, &[1]);
     assert!(logits.iter().all(|v| v.is_finite()));
+}
+
+/// `--cpu-activations int8` on compressed-tensors checkpoints: the 4- and 8-bit layers (group
+/// 128, group 64, per-channel, asymmetric) take 8-bit inputs, whole or split over
+/// tensor-parallel ranks. The logits move (the inputs are rounded) but stay within a bound a few
+/// times the measured error of the exact-weight reference.
+#[test]
+fn int8_activations_apply_to_compressed_tensors_layers() {
+    use wasmserve::model::activations::CpuActivations;
+    use wasmserve::model::LoadOptions;
+    for name in ["ct_int4_sym", "ct_int4_asym", "ct_mixed"] {
+        let reference = Reference::open(name);
+        for tp in [1, 2] {
+            let load = |act| wasmserve::model::load_with_options(&dir(name), &LoadOptions { tensor_parallel: tp, cpu_activations: act, ..Default::default() }).unwrap();
+            let (exact_acts, int8_acts) = (load(CpuActivations::F32), load(CpuActivations::Int8));
+            let (mut d_int8, mut scale, mut moved) = (0.0f32, 0.0f32, false);
+            for (i, case) in reference.meta["cases"].as_array().unwrap().iter().enumerate() {
+                let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+                let rows: Vec<BatchRow> = (0..ids.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+                let all: Vec<usize> = (0..ids.len()).collect();
+                let run = |m: &wasmserve::model::LoadedModel| m.model.forward(&ids, &rows, &mut m.model.contiguous_cache(1), &all);
+                let (a, b) = (run(&exact_acts), run(&int8_acts));
+                moved |= a != b;
+                let want = reference.f32s(&format!("logits.exact.{i}"));
+                d_int8 = d_int8.max(kernels::compare::max_abs_error(&b, &want));
+                scale = scale.max(want.iter().fold(0.0f32, |m, v| m.max(v.abs())));
+            }
+            eprintln!("{name} (tp={tp}): int8 activations max |logit diff| {d_int8:.3e} (logits up to {scale:.2})");
+            assert!(moved, "{name} tp={tp}: --cpu-activations int8 changed no logit");
+            assert!(d_int8 <= INT8_TOLERANCE, "{name} tp={tp}: {d_int8} with int8 activations");
+        }
+    }
 }

@@ -16,6 +16,8 @@ use wasmserve::sampling::SamplingParams;
 /// Max |ours - transformers| over every checked logit. Both run f32 on the same dequantised
 /// weights (our Q4_1/Q8_0 decoding is bit-exact with gguf-py's); the rest is summation order.
 const LOGIT_TOLERANCE: f32 = 5e-4;
+/// Max |ours - transformers| with `--cpu-activations int8` (see its test).
+const INT8_LOGIT_BOUND: f32 = 3.0;
 
 fn fixtures() -> Value {
     let p = common::repo_root().join("tests/reference/smollm2/fixtures.json");
@@ -155,4 +157,47 @@ fn fp8_kv_cache_accuracy_on_fixtures() {
     assert_eq!(f32_same, total, "the paged engine in f32 reproduces transformers exactly");
     assert!(bf16_same * 3 >= total * 2, "bf16 KV diverges too early: {bf16_same}/{total}");
     assert!(fp8_same * 3 >= total, "fp8 KV diverges too early: {fp8_same}/{total}");
+}
+
+/// The accuracy cost of `--cpu-activations int8` (8-bit inputs to the Q4_1/Q8_0 layers, as
+/// llama.cpp computes), measured against transformers on the fixtures: the largest logit error
+/// and how many greedy tokens survive before the first divergence. The bounds are a few times
+/// the measured values (docs/engine-benchmarks.md), to catch a broken kernel, not to pin noise.
+#[test]
+fn int8_activation_accuracy_on_fixtures() {
+    use wasmserve::model::activations::CpuActivations;
+    use wasmserve::model::LoadOptions;
+    let f = fixtures();
+    let opts = LoadOptions { cpu_activations: CpuActivations::Int8, ..Default::default() };
+    let m = wasmserve::model::load_with_options(&common::default_model_path(), &opts).unwrap();
+    let cfg = m.config();
+    let (mut worst, mut argmax_same, mut positions, mut greedy_same, mut greedy_total) = (0.0f32, 0, 0, 0, 0);
+    let mut differs_from_f32 = false;
+    for p in f["prompts"].as_array().unwrap() {
+        let prompt = ids(&p["ids"]);
+        let rows: Vec<BatchRow> = (0..prompt.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+        let all: Vec<usize> = (0..prompt.len()).collect();
+        let mut kv = ContiguousKvCache::new(cfg.num_layers(), cfg.kv_width(), 1);
+        let flat = m.model.forward(&prompt, &rows, &mut kv, &all);
+        let ours: Vec<&[f32]> = flat.chunks(cfg.vocab_size).collect();
+        differs_from_f32 |= prefill_logits(&prompt).iter().zip(&ours).any(|(a, b)| a.as_slice() != *b);
+        for (pos, top) in p["logits_top"].as_array().unwrap().iter().enumerate() {
+            for pair in top.as_array().unwrap() {
+                let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap() as f32);
+                worst = worst.max((ours[pos][id] - want).abs());
+            }
+            positions += 1;
+            argmax_same += usize::from(wasmserve::sampling::argmax(ours[pos]) == top[0][0].as_u64().unwrap() as u32);
+        }
+        let want = ids(&p["greedy_ids"]);
+        let req = GenerateRequest { prompt_ids: prompt, sampling: SamplingParams::greedy(), max_tokens: want.len(), stop: vec![], ignore_eos: true, kv_dtype: KvDtype::F32 };
+        let got = generate(&m, &req, |_| {}).unwrap().tokens;
+        greedy_total += want.len();
+        greedy_same += got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+    }
+    eprintln!("int8 activations vs transformers: max |logit diff| {worst:.4} on the top-5 logits, argmax {argmax_same}/{positions} prompt positions, greedy {greedy_same}/{greedy_total} before the first divergence");
+    assert!(differs_from_f32, "--cpu-activations int8 changed nothing: the int8 kernel is not in use");
+    assert!(worst < INT8_LOGIT_BOUND, "int8 activations: logit error {worst} >= {INT8_LOGIT_BOUND}");
+    assert!(argmax_same * 10 >= positions * 9, "int8 activations: argmax agrees at only {argmax_same}/{positions} positions");
+    assert!(greedy_same * 3 >= greedy_total, "int8 activations diverge too early: {greedy_same}/{greedy_total}");
 }

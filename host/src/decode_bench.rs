@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+use crate::model::activations::CpuActivations;
 use crate::model::kv::BatchRow;
 use crate::model::LoadedModel;
 
@@ -22,6 +23,10 @@ pub struct DecodeBenchArgs {
     pub steps: usize,
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// CPU activation precisions to run each checkpoint with (`f32`, `int8`, or both:
+    /// `f32,int8`); each checkpoint × precision is one row of the table.
+    #[arg(long, value_delimiter = ',', default_value = "f32")]
+    pub cpu_activations: Vec<CpuActivations>,
 }
 
 /// Seconds spent on one run's prompt (one forward over all its tokens) and on its decode steps.
@@ -54,7 +59,16 @@ fn argmax(v: &[f32]) -> u32 {
 
 pub fn run(a: DecodeBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.prompt_tokens > 0 && a.steps > 0 && a.rounds > 0, "--prompt-tokens, --steps and --rounds must be positive");
-    let models = a.models.iter().map(|p| Ok(crate::model::load(p)?)).collect::<anyhow::Result<Vec<_>>>()?;
+    anyhow::ensure!(!a.cpu_activations.is_empty(), "--cpu-activations needs at least one precision");
+    let mut labels = Vec::new();
+    let mut models = Vec::new();
+    for p in &a.models {
+        for &act in &a.cpu_activations {
+            let opts = crate::model::LoadOptions { cpu_activations: act, ..Default::default() };
+            models.push(crate::model::load_with_options(p, &opts)?);
+            labels.push(if a.cpu_activations.len() > 1 { format!("{} ({act})", p.display()) } else { p.display().to_string() });
+        }
+    }
     let text = "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer \
                 The slings and arrows of outrageous fortune, Or to take arms against a sea of troubles";
     let (mut best_decode, mut best_prefill) = (vec![f64::MAX; models.len()], vec![f64::MAX; models.len()]);
@@ -69,17 +83,17 @@ pub fn run(a: DecodeBenchArgs) -> anyhow::Result<()> {
                 "round {}/{}: {} prefill {:.1} tok/s, decode {:.1} tok/s",
                 round + 1,
                 a.rounds,
-                a.models[i].display(),
+                labels[i],
                 a.prompt_tokens as f64 / t.prefill,
                 a.steps as f64 / t.decode
             );
         }
     }
     println!("{:<48} {:>12} {:>9} {:>13} {:>9}", "model", "decode tok/s", "vs first", "prefill tok/s", "vs first");
-    for (i, p) in a.models.iter().enumerate() {
+    for (i, label) in labels.iter().enumerate() {
         println!(
             "{:<48} {:>12.1} {:>8.2}x {:>13.1} {:>8.2}x",
-            p.display(),
+            label,
             a.steps as f64 / best_decode[i],
             best_decode[0] / best_decode[i],
             a.prompt_tokens as f64 / best_prefill[i],

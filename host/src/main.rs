@@ -91,16 +91,18 @@ struct ModelArgs {
     /// each with `--device cuda:0,1,..`, else simulated devices (threads).
     #[arg(long, default_value_t = 1)]
     expert_parallel_size: usize,
+    /// How the CPU forward feeds 4- and 8-bit INT layers (GGUF Q4_0/Q4_1/Q8_0, compressed-tensors
+    /// INT4/INT8): `f32` (exact to the dequantised weights) or `int8` (inputs quantised per 32
+    /// values, integer dot products as llama.cpp: faster decode, slightly less accurate).
+    #[arg(long, env = "WASMSERVE_CPU_ACTIVATIONS", default_value = "f32")]
+    cpu_activations: wasmserve::model::activations::CpuActivations,
 }
 
 impl ModelArgs {
     /// Loads the model with the requested sharding (TP and EP together are not implemented yet).
     fn load(&self) -> Result<wasmserve::model::LoadedModel> {
-        match (self.tensor_parallel_size, self.expert_parallel_size) {
-            (tp, 1) => Ok(wasmserve::model::load_tp(&self.model, tp)?),
-            (1, ep) => Ok(wasmserve::model::load_ep(&self.model, ep)?),
-            (tp, ep) => bail!("--tensor-parallel-size {tp} with --expert-parallel-size {ep}: combining both is not implemented yet"),
-        }
+        let opts = wasmserve::model::LoadOptions { tensor_parallel: self.tensor_parallel_size, expert_parallel: self.expert_parallel_size, cpu_activations: self.cpu_activations };
+        Ok(wasmserve::model::load_with_options(&self.model, &opts)?)
     }
 }
 

@@ -53,17 +53,20 @@ pub struct PerplexityArgs {
     /// Windows evaluated (from the start of the text).
     #[arg(long, default_value_t = 32)]
     pub windows: usize,
+    /// As `serve --cpu-activations`: `f32` or `int8`.
+    #[arg(long, default_value = "f32")]
+    pub cpu_activations: crate::model::activations::CpuActivations,
 }
 
 /// `wasmserve bench perplexity`: prints `model  tokens  ppl` on stdout.
 pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
-    let m = crate::model::load(&a.model)?;
+    let m = crate::model::load_with_options(&a.model, &crate::model::LoadOptions { cpu_activations: a.cpu_activations, ..Default::default() })?;
     let text = std::fs::read_to_string(&a.text)?;
     let tokens = m.tokenizer.encode(&text, false).map_err(anyhow::Error::msg)?;
     anyhow::ensure!(tokens.len() >= a.ctx, "{} has only {} tokens", a.text.display(), tokens.len());
     let started = std::time::Instant::now();
     let r = perplexity(&m, &tokens, a.ctx, a.windows, |w, p| eprint!("\rwindow {w}/{}: ppl {p:.3}   ", a.windows));
     eprintln!();
-    println!("{}\t{} tokens\tppl {:.4}\t({:.0} tok/s)", a.model.display(), r.predicted, r.value(), (r.windows * a.ctx) as f64 / started.elapsed().as_secs_f64());
+    println!("{} ({})\t{} tokens\tppl {:.4}\t({:.0} tok/s)", a.model.display(), a.cpu_activations, r.predicted, r.value(), (r.windows * a.ctx) as f64 / started.elapsed().as_secs_f64());
     Ok(())
 }

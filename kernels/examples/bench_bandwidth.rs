@@ -5,7 +5,8 @@
 //! (defaults 1024 MiB, 32768 x 16384: 256 MiB of INT4 codes, several times the 105 MiB L3 here).
 //!
 //! Bytes per GEMV = packed codes + per-group parameters actually read (the 2 f32 per group the
-//! kernel keeps in memory; the activation vector, 64 KiB, stays in cache and is not counted).
+//! f32-activation kernel keeps in memory, the 2 f16 the 8-bit-activation one reads; the
+//! activation vector, 64 KiB, stays in cache and is not counted).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -14,6 +15,7 @@ use rayon::prelude::*;
 
 use kernels::cpu::bitpack::PackedRows;
 use kernels::cpu::cubic::AnyCubic;
+use kernels::cpu::int8_matmul::int8_matmul_t_isa;
 use kernels::cpu::mxfp4::Mxfp4Matrix;
 use kernels::cpu::packed_matmul::{packed_matmul_t_isa, Isa};
 use kernels::cpu::quant_int::IntMatrix;
@@ -71,6 +73,22 @@ fn main() {
         let w = IntMatrix::new(PackedRows::from_codes(4, m, k, &c4), 128, &vec![0.01; g], &vec![8.0; g]);
         let bytes = w.bytes();
         cases.push(Case { name: "int4 g128".into(), bytes, run: Box::new(move |x, o| packed_matmul_t_isa(isa, &w, x, o, 1)), best: f64::MAX });
+    }
+    {
+        // GGUF Q4_0's layout (groups of 32, zero 8, an f16-exact scale), with f32 activations and
+        // with 8-bit ones (`--cpu-activations int8`: codes plus the f16 `[s, s·(c − z)]` it reads).
+        let c4: Vec<u8> = codes.iter().map(|&v| v & 15).collect();
+        let g = m * k.div_ceil(32);
+        let scale = 1.0 / 128.0;
+        let w = IntMatrix::new(PackedRows::from_codes(4, m, k, &c4), 32, &vec![scale; g], &vec![8.0; g]);
+        let bytes = w.bytes();
+        cases.push(Case { name: "int4 g32".into(), bytes, run: Box::new(move |x, o| packed_matmul_t_isa(isa, &w, x, o, 1)), best: f64::MAX });
+        for gs in [32usize, 128] {
+            let g = m * k.div_ceil(gs);
+            let w = IntMatrix::new(PackedRows::from_codes(4, m, k, &c4), gs, &vec![scale; g], &vec![8.0; g]).with_int8_activations().unwrap();
+            let bytes = w.parts().0.packed_bytes() + g * 4;
+            cases.push(Case { name: format!("int4 g{gs} i8act"), bytes, run: Box::new(move |x, o| int8_matmul_t_isa(isa, &w, x, o, 1)), best: f64::MAX });
+        }
     }
     for b in [4u32, 3, 2] {
         let c: Vec<u8> = codes.iter().map(|&v| v % (1 << b)).collect();

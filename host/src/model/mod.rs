@@ -1,5 +1,6 @@
 //! Model loading: checkpoint formats, the architecture registry and the forward pass.
 
+pub mod activations;
 pub mod config;
 pub mod decoder;
 pub mod deepseek;
@@ -187,18 +188,59 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
 
 /// [`load`] with the model split over `tp` tensor-parallel ranks ([`build_tp`]).
 pub fn load_tp(path: &Path, tp: usize) -> Result<LoadedModel, LoadError> {
-    load_with(path, &|cfg, src| build_tp(cfg, src, tp), ("tp", tp))
+    load_with_options(path, &LoadOptions { tensor_parallel: tp, ..Default::default() })
 }
 
 /// [`load`] with the routed experts split over `ep` expert-parallel ranks ([`build_ep`]).
 pub fn load_ep(path: &Path, ep: usize) -> Result<LoadedModel, LoadError> {
-    load_with(path, &|cfg, src| build_ep(cfg, src, ep), ("ep", ep))
+    load_with_options(path, &LoadOptions { expert_parallel: ep, ..Default::default() })
+}
+
+/// How [`load_with_options`] builds a model.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadOptions {
+    /// Tensor-parallel ranks ([`build_tp`]).
+    pub tensor_parallel: usize,
+    /// Expert-parallel ranks ([`build_ep`]); used when `tensor_parallel` is 1.
+    pub expert_parallel: usize,
+    /// How the CPU forward feeds packed integer layers ([`activations`]).
+    pub cpu_activations: activations::CpuActivations,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self { tensor_parallel: 1, expert_parallel: 1, cpu_activations: activations::CpuActivations::F32 }
+    }
+}
+
+/// [`load`] with sharding and the CPU activation precision chosen (the command line's loader).
+pub fn load_with_options(path: &Path, opts: &LoadOptions) -> Result<LoadedModel, LoadError> {
+    if opts.tensor_parallel > 1 && opts.expert_parallel > 1 {
+        let detail = format!("tensor parallelism ({}) with expert parallelism ({}): combining both is not implemented yet", opts.tensor_parallel, opts.expert_parallel);
+        return Err(LoadError::Config { file: path.to_path_buf(), detail });
+    }
+    let int8 = opts.cpu_activations == activations::CpuActivations::Int8;
+    let build = |cfg: ModelConfig, src: &dyn WeightSource| {
+        let wrapped;
+        let src: &dyn WeightSource = if int8 {
+            wrapped = activations::Int8ActivationSource::new(src);
+            &wrapped
+        } else {
+            src
+        };
+        match opts.tensor_parallel {
+            1 => build_ep(cfg, src, opts.expert_parallel),
+            tp => build_tp(cfg, src, tp),
+        }
+    };
+    let sharding = if opts.tensor_parallel == 1 && opts.expert_parallel != 1 { ("ep", opts.expert_parallel) } else { ("tp", opts.tensor_parallel) };
+    load_with(path, &build, sharding, opts.cpu_activations)
 }
 
 type Builder<'a> = &'a dyn Fn(ModelConfig, &dyn WeightSource) -> Result<Box<dyn LanguageModel>, LoadError>;
 
 /// Opens the checkpoint at `path` and builds the model with `build`; `sharding` is logged.
-fn load_with(path: &Path, build: Builder<'_>, sharding: (&str, usize)) -> Result<LoadedModel, LoadError> {
+fn load_with(path: &Path, build: Builder<'_>, sharding: (&str, usize), cpu_activations: activations::CpuActivations) -> Result<LoadedModel, LoadError> {
     let started = Instant::now();
     let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let (model, tokenizer) = if path.is_dir() {
@@ -225,8 +267,24 @@ fn load_with(path: &Path, build: Builder<'_>, sharding: (&str, usize)) -> Result
         vocab = cfg.vocab_size,
         sharding = sharding.0,
         ranks = sharding.1,
+        cpu_activations = %cpu_activations,
         secs = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );
     Ok(LoadedModel { name, path: path.to_path_buf(), model, tokenizer })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_and_expert_parallelism_together_are_refused_before_loading() {
+        let opts = LoadOptions { tensor_parallel: 2, expert_parallel: 2, ..Default::default() };
+        match load_with_options(Path::new("/nonexistent/model.gguf"), &opts) {
+            Err(LoadError::Config { detail, .. }) => assert!(detail.contains("not implemented"), "{detail}"),
+            Err(other) => panic!("expected a configuration error, got {other}"),
+            Ok(_) => panic!("loaded"),
+        }
+    }
 }

@@ -80,6 +80,11 @@ pub struct ServeArgs {
     /// must divide (KV heads may instead be a divisor of it, then replicated).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// How the CPU forward feeds 4- and 8-bit INT layers (GGUF Q4_0/Q4_1/Q8_0, compressed-tensors
+    /// INT4/INT8): `f32` (exact to the dequantised weights) or `int8` (inputs quantised per 32
+    /// values, integer dot products as llama.cpp: faster decode, slightly less accurate).
+    #[arg(long, env = "WASMSERVE_CPU_ACTIVATIONS", default_value = "f32")]
+    pub cpu_activations: crate::model::activations::CpuActivations,
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 256)]
@@ -175,7 +180,8 @@ pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec, dense: crate
         Some(path) => Some(crate::tenancy::Tenancy::open(path, args.admin_key.as_deref(), args.key_secret.as_deref())?),
         None => None,
     };
-    let model = crate::model::load_tp(&args.model, args.tensor_parallel_size).with_context(|| format!("loading {}", args.model.display()))?;
+    let opts = crate::model::LoadOptions { tensor_parallel: args.tensor_parallel_size, cpu_activations: args.cpu_activations, ..Default::default() };
+    let model = crate::model::load_with_options(&args.model, &opts).with_context(|| format!("loading {}", args.model.display()))?;
     let model = Arc::new(crate::backend::place_model(model, device, dense).map_err(anyhow::Error::msg)?);
     let template: Option<Arc<dyn ChatTemplate>> = match model.tokenizer.chat_template.as_deref() {
         None => {

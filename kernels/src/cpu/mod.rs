@@ -10,6 +10,7 @@ pub mod fp8;
 pub mod bitpack;
 pub mod packed_matmul;
 pub mod quant_int;
+pub mod int8_matmul;
 pub mod mxfp4;
 pub mod cubic;
 pub mod dequant;

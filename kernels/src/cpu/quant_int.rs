@@ -18,6 +18,10 @@ pub struct IntMatrix {
     groups_per_row: usize,
     /// `[scale, zero]` per (row, group), row-major.
     params: Vec<[f32; 2]>,
+    /// Set when inputs are multiplied as 8-bit activations ([`super::int8_matmul`]): the
+    /// parameters that arithmetic reads, per (row, group).
+    /// (Boxed: most matrices never switch, and every Linear carries this field.)
+    int8: Option<Box<super::int8_matmul::Int8Params>>,
 }
 
 impl IntMatrix {
@@ -29,7 +33,39 @@ impl IntMatrix {
         assert_eq!(scale.len(), n, "IntMatrix: {} scales for {n} groups", scale.len());
         assert_eq!(zero.len(), n, "IntMatrix: {} zero points for {n} groups", zero.len());
         let params = scale.iter().zip(zero).map(|(&s, &z)| [s, z]).collect();
-        Self { packed, group_size, groups_per_row, params }
+        Self { packed, group_size, groups_per_row, params, int8: None }
+    }
+
+    /// This matrix multiplied with its inputs quantised to 8 bits per 32 values and integer dot
+    /// products (llama.cpp's arithmetic: faster decode, docs/engine-benchmarks.md, at a relative
+    /// input rounding of up to 1/254 per block). `Err` with the reason when the layout does not
+    /// allow it ([`super::int8_matmul::eligible`]).
+    pub fn with_int8_activations(mut self) -> Result<Self, String> {
+        if !super::int8_matmul::eligible(&self) {
+            return Err(format!(
+                "8-bit activations need 4- or 8-bit codes in rows and groups of whole {}-value blocks; this matrix has {}-bit codes, {} columns, groups of {}",
+                super::int8_matmul::BLOCK,
+                self.bits(),
+                self.cols(),
+                self.group_size
+            ));
+        }
+        self.int8 = Some(Box::new(super::int8_matmul::Int8Params::new(self.bits(), &self.params)));
+        Ok(self)
+    }
+
+    pub fn int8_activations(&self) -> bool {
+        self.int8.is_some()
+    }
+
+    pub(crate) fn int8_params(&self) -> Option<&super::int8_matmul::Int8Params> {
+        self.int8.as_deref()
+    }
+
+    /// `[scale, zero]` of group `group` of row `row`.
+    #[inline(always)]
+    pub fn group_params(&self, row: usize, group: usize) -> [f32; 2] {
+        self.params[row * self.groups_per_row + group]
     }
 
     pub fn rows(&self) -> usize {
@@ -55,11 +91,14 @@ impl IntMatrix {
 
     /// Bytes held: packed codes plus per-group parameters.
     pub fn bytes(&self) -> usize {
-        self.packed.packed_bytes() + self.params.len() * 8
+        self.packed.packed_bytes() + self.params.len() * 8 + self.int8.as_ref().map_or(0, |p| p.bytes())
     }
 
     /// `out[n, rows] = x[n, cols] · Wᵀ`.
     pub fn matmul_t(&self, x: &[f32], out: &mut [f32], n: usize) {
+        if self.int8.is_some() {
+            return super::int8_matmul::int8_matmul_t(self, x, out, n);
+        }
         packed_matmul_t(self, x, out, n)
     }
 }
@@ -94,12 +133,12 @@ impl Codec for IntMatrix {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::super::packed_matmul::{dot_canonical, packed_matmul_t_isa};
     use super::*;
 
     /// Deterministic pseudo-random stream (tests must not depend on a crate's RNG).
-    fn lcg(seed: u64) -> impl FnMut() -> u32 {
+    pub(crate) fn lcg(seed: u64) -> impl FnMut() -> u32 {
         let mut s = seed;
         move || {
             s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -116,7 +155,8 @@ mod tests {
         IntMatrix::new(PackedRows::from_codes(bits, rows, cols, &codes), gs, &scale, &zero)
     }
 
-    fn activations(n: usize, k: usize, seed: u64) -> Vec<f32> {
+    /// `n × k` activations uniform in [-1, 1].
+    pub(crate) fn activations(n: usize, k: usize, seed: u64) -> Vec<f32> {
         let mut r = lcg(seed);
         (0..n * k).map(|_| (r() % 2001) as f32 / 1000.0 - 1.0).collect()
     }

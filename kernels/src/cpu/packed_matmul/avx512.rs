@@ -164,6 +164,7 @@ macro_rules! avx512_kernels {
                     }
                     let mut j = lo;
                     while j < hi {
+                        super::super::prefetch_rows(&rows, j, bits, p.stride());
                         let mut xv = [_mm512_setzero_ps(); R];
                         for r in 0..R {
                             xv[r] = _mm512_loadu_ps(x[r].as_ptr().add(j));
