@@ -41,6 +41,7 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec, dense: DenseWeights) -> Re
     match onto_cuda(m, &ordinals, dense) {
         Placed::Moved(m) => {
             tracing::info!(?ordinals, "the model's forward runs on the CUDA device(s)");
+            note_cpu_activations(&m);
             Ok(m)
         }
         Placed::Failed(e) => Err(format!("--device {spec}: {e}")),
@@ -58,7 +59,21 @@ fn onto_sim(m: LoadedModel, ranks: usize, dense: DenseWeights) -> Result<LoadedM
     let gpus = (0..ranks).map(|_| kernels::sim::SimGpu::sim()).collect::<Result<Vec<_>, _>>().map_err(|e| format!("--device sim: {e}"))?;
     let group: Box<dyn DeviceGroup<_>> = if ranks == 1 { Box::new(SoleRank) } else { Box::new(LocalDeviceGroup { world: ranks }) };
     tracing::warn!(ranks, "--device sim: the model's forward runs on the CUDA-kernel simulator (a development/test device, far slower than --device cpu)");
-    place_on_devices(m, gpus, group, dense).map_err(|e| format!("--device sim: {e}"))
+    let m = place_on_devices(m, gpus, group, dense).map_err(|e| format!("--device sim: {e}"))?;
+    note_cpu_activations(&m);
+    Ok(m)
+}
+
+/// `--cpu-activations int8` changes only the CPU forward; says so once the forward has moved to
+/// a device (which runs its own kernels on the same packed codes, with its own activations).
+fn note_cpu_activations(m: &LoadedModel) {
+    if let Some(note) = cpu_activations_note(m) {
+        tracing::warn!("{note}");
+    }
+}
+
+fn cpu_activations_note(m: &LoadedModel) -> Option<&'static str> {
+    (m.cpu_activations == crate::model::activations::CpuActivations::Int8).then_some("--cpu-activations int8 applies to the CPU forward only; the device forward ignores it")
 }
 
 // Without the `cuda` feature only `Unavailable` is ever built.
@@ -128,5 +143,17 @@ mod tests {
         let m = place_model(tiny_tp(2), &DeviceSpec::Sim, DenseWeights::Bf16).unwrap();
         assert!(m.model.device_kv().is_some(), "the forward runs on the (simulated) devices");
         assert_eq!(m.model.cache_layout().layers.len(), 4, "2 layers x 2 ranks");
+        assert_eq!(cpu_activations_note(&m), None);
+    }
+
+    /// A model loaded with `--cpu-activations int8` and then moved to a device keeps the setting,
+    /// so placement can say that the device forward does not use it.
+    #[test]
+    fn int8_cpu_activations_are_noted_as_cpu_only() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
+        let opts = crate::model::LoadOptions { cpu_activations: crate::model::activations::CpuActivations::Int8, ..Default::default() };
+        let m = crate::model::load_with_options(&dir, &opts).unwrap();
+        assert!(cpu_activations_note(&m).is_some_and(|n| n.contains("CPU forward only")));
+        assert_eq!(cpu_activations_note(&tiny_tp(1)), None);
     }
 }

@@ -173,6 +173,8 @@ pub struct LoadedModel {
     pub path: PathBuf,
     pub model: Box<dyn LanguageModel>,
     pub tokenizer: Tokenizer,
+    /// How its CPU forward feeds packed integer layers (`--cpu-activations`).
+    pub cpu_activations: activations::CpuActivations,
 }
 
 impl LoadedModel {
@@ -271,7 +273,7 @@ fn load_with(path: &Path, build: Builder<'_>, sharding: (&str, usize), cpu_activ
         secs = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );
-    Ok(LoadedModel { name, path: path.to_path_buf(), model, tokenizer })
+    Ok(LoadedModel { name, path: path.to_path_buf(), model, tokenizer, cpu_activations })
 }
 
 #[cfg(test)]
