@@ -211,38 +211,17 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { tensor_parallel: 1, expert_parallel: 1, cpu_activations: activations::CpuActivations::F32 }
+        Self { tensor_parallel: 1, expert_parallel: 1, cpu_activations: activations::CpuActivations::default() }
     }
 }
 
-/// [`load`] with sharding and the CPU activation precision chosen (the command line's loader).
+/// [`load`] with sharding and the CPU activation precision chosen (the command line's loader):
+/// opens a `.gguf` file or a Hugging Face directory and builds the model from it.
 pub fn load_with_options(path: &Path, opts: &LoadOptions) -> Result<LoadedModel, LoadError> {
     if opts.tensor_parallel > 1 && opts.expert_parallel > 1 {
         let detail = format!("tensor parallelism ({}) with expert parallelism ({}): combining both is not implemented yet", opts.tensor_parallel, opts.expert_parallel);
         return Err(LoadError::Config { file: path.to_path_buf(), detail });
     }
-    let int8 = opts.cpu_activations == activations::CpuActivations::Int8;
-    let build = |cfg: ModelConfig, src: &dyn WeightSource| {
-        let wrapped;
-        let src: &dyn WeightSource = if int8 {
-            wrapped = activations::Int8ActivationSource::new(src);
-            &wrapped
-        } else {
-            src
-        };
-        match opts.tensor_parallel {
-            1 => build_ep(cfg, src, opts.expert_parallel),
-            tp => build_tp(cfg, src, tp),
-        }
-    };
-    let sharding = if opts.tensor_parallel == 1 && opts.expert_parallel != 1 { ("ep", opts.expert_parallel) } else { ("tp", opts.tensor_parallel) };
-    load_with(path, &build, sharding, opts.cpu_activations)
-}
-
-type Builder<'a> = &'a dyn Fn(ModelConfig, &dyn WeightSource) -> Result<Box<dyn LanguageModel>, LoadError>;
-
-/// Opens the checkpoint at `path` and builds the model with `build`; `sharding` is logged.
-fn load_with(path: &Path, build: Builder<'_>, sharding: (&str, usize), cpu_activations: activations::CpuActivations) -> Result<LoadedModel, LoadError> {
     let started = Instant::now();
     let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let (model, tokenizer) = if path.is_dir() {
@@ -253,27 +232,44 @@ fn load_with(path: &Path, build: Builder<'_>, sharding: (&str, usize), cpu_activ
         let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
         let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
         let tokenizer = Tokenizer::from_hf_dir(path, &raw)?;
-        (build(cfg, src.as_ref())?, tokenizer)
+        (build_with_options(cfg, src.as_ref(), opts)?, tokenizer)
     } else {
         let file = gguf::GgufFile::open(path)?;
         let cfg = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let src = gguf_source::GgufSource::new(file);
-        (build(cfg, &src)?, tokenizer)
+        (build_with_options(cfg, &src, opts)?, tokenizer)
     };
     let cfg = model.config();
+    let (sharding, ranks) = if opts.tensor_parallel == 1 && opts.expert_parallel != 1 { ("ep", opts.expert_parallel) } else { ("tp", opts.tensor_parallel) };
     tracing::info!(
         model = %path.display(),
         layers = cfg.num_layers(),
         hidden = cfg.hidden_size,
         vocab = cfg.vocab_size,
-        sharding = sharding.0,
-        ranks = sharding.1,
-        cpu_activations = %cpu_activations,
+        sharding,
+        ranks,
+        cpu_activations = %opts.cpu_activations,
         secs = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );
-    Ok(LoadedModel { name, path: path.to_path_buf(), model, tokenizer, cpu_activations })
+    Ok(LoadedModel { name, path: path.to_path_buf(), model, tokenizer, cpu_activations: opts.cpu_activations })
+}
+
+/// [`build_tp`] or [`build_ep`] as `opts` asks, from `src` wrapped for 8-bit activations when
+/// `opts.cpu_activations` is `int8`.
+fn build_with_options(cfg: ModelConfig, src: &dyn WeightSource, opts: &LoadOptions) -> Result<Box<dyn LanguageModel>, LoadError> {
+    let wrapped;
+    let src: &dyn WeightSource = if opts.cpu_activations == activations::CpuActivations::Int8 {
+        wrapped = activations::Int8ActivationSource::new(src);
+        &wrapped
+    } else {
+        src
+    };
+    match opts.tensor_parallel {
+        1 => build_ep(cfg, src, opts.expert_parallel),
+        tp => build_tp(cfg, src, tp),
+    }
 }
 
 #[cfg(test)]

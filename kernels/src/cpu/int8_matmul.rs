@@ -31,7 +31,9 @@ use std::arch::x86_64::*;
 
 use rayon::prelude::*;
 
-use super::packed_matmul::{reduce_halving, Isa, PREFETCH_BYTES, PREFETCH_MAX_ROW_BYTES};
+#[cfg(target_arch = "x86_64")]
+use super::packed_matmul::{prefetch_rows, reduce8_avx};
+use super::packed_matmul::{reduce_halving, Isa, OutPtr};
 use super::quant_int::IntMatrix;
 
 /// Activations quantised together (one scale per block).
@@ -206,7 +208,6 @@ unsafe fn tile_avx2<const BITS: u32, const R: usize, const C: usize>(w: &IntMatr
     let nb = a.blocks_per_row();
     let per_group = (gs / BLOCK).min(nb);
     let groups = nb.div_ceil(per_group);
-    let prefetch = packed.stride() < PREFETCH_MAX_ROW_BYTES;
     let mut rows = [std::ptr::null::<u8>(); C];
     for (c, row) in rows.iter_mut().enumerate() {
         *row = packed.row_tail(o0 + c).as_ptr();
@@ -239,13 +240,9 @@ unsafe fn tile_avx2<const BITS: u32, const R: usize, const C: usize>(w: &IntMatr
             let mut wv = [_mm256_setzero_si256(); C];
             // 8-bit: |u − 128| is the unsigned operand and its sign moves onto the activations.
             let mut wabs = [_mm256_setzero_si256(); C];
-            // Software prefetch, as the f32 direct path (packed_matmul::prefetch_rows): without
-            // it this kernel decoded SmolLM2 no faster than the f32 one (both waiting on loads).
-            if prefetch && (b * BITS as usize * 4).is_multiple_of(64) {
-                for c in 0..C {
-                    _mm_prefetch::<_MM_HINT_T0>(rows[c].wrapping_add(b * BITS as usize * 4 + PREFETCH_BYTES) as *const i8);
-                }
-            }
+            // Without it this kernel decoded SmolLM2 no faster than the f32 one (both waiting on
+            // loads).
+            prefetch_rows(&rows, b * BLOCK, BITS, packed.stride());
             for c in 0..C {
                 wv[c] = block_bytes::<BITS>(rows[c], b);
                 if BITS == 8 {
@@ -268,20 +265,11 @@ unsafe fn tile_avx2<const BITS: u32, const R: usize, const C: usize>(w: &IntMatr
     let mut out = [[0.0f32; C]; R];
     for r in 0..R {
         for c in 0..C {
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            out[r][c] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) + zacc[r][c];
+            out[r][c] = reduce8_avx(acc[r][c]) + zacc[r][c];
         }
     }
     out
 }
-
-/// Pointer wrapper so parallel tasks can write disjoint columns of the output.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes only the output columns of its own weight rows.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 /// One call's operands: the weights and their parameters, the quantised activations, and the
 /// output (`m` columns) the tiles are stored into.

@@ -357,7 +357,14 @@ fn finish(mut acc: [f32; LANES], x_tail: &[f32], w_tail: &[f32]) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn reduce16_avx(lo: __m256, hi: __m256) -> f32 {
-    let s8 = _mm256_add_ps(lo, hi);
+    reduce8_avx(_mm256_add_ps(lo, hi))
+}
+
+/// `reduce_halving` of 8 lanes (`a[i] += a[i+w]`, `w = 4, 2, 1`), in registers.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn reduce8_avx(s8: __m256) -> f32 {
     let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
@@ -480,7 +487,7 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]
 
 /// Pointer wrapper so parallel tasks can write disjoint columns of the output.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: every task writes only the output columns of its own weight rows.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
@@ -536,11 +543,11 @@ fn run_strip(isa: Isa, x: &[f32], n: usize, k: usize, m: usize, strip: &[f32], c
 // Direct path: small batches, weights decoded in registers.
 
 /// How far ahead of its reads a weight row stream prefetches (bytes).
-pub(crate) const PREFETCH_BYTES: usize = 2048;
+const PREFETCH_BYTES: usize = 2048;
 /// Rows of at least this many packed bytes are not prefetched: the hardware prefetcher follows a
 /// long row well, and the extra requests cost a little there (`bench_bandwidth` 16384 columns:
 /// neutral to 5% slower; 576 to 4096 columns: 1.1-1.6x faster with them).
-pub(crate) const PREFETCH_MAX_ROW_BYTES: usize = 4096;
+const PREFETCH_MAX_ROW_BYTES: usize = 4096;
 
 /// Software prefetch for the direct path's weight rows (`row_bytes` each), at chunk `j` (16
 /// codes): a decode step streams every weight once from memory, and on short rows the hardware

@@ -62,12 +62,6 @@ impl IntMatrix {
         self.int8.as_deref()
     }
 
-    /// `[scale, zero]` of group `group` of row `row`.
-    #[inline(always)]
-    pub fn group_params(&self, row: usize, group: usize) -> [f32; 2] {
-        self.params[row * self.groups_per_row + group]
-    }
-
     pub fn rows(&self) -> usize {
         self.packed.rows()
     }
