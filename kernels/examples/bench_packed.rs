@@ -8,6 +8,7 @@ use kernels::cpu::matmul::matmul_t;
 use kernels::cpu::packed_matmul::{packed_matmul_t_isa, Isa};
 use kernels::cpu::cubic::AnyCubic;
 use kernels::cpu::mxfp4::Mxfp4Matrix;
+use kernels::cpu::int8_matmul::{int8_matmul_t_isa, vnni_usable};
 use kernels::cpu::quant_int::IntMatrix;
 
 /// Fastest single call over about a second: the machine may be shared, and the minimum is the
@@ -46,6 +47,16 @@ fn main() {
                 AnyCubic::new(PackedRows::from_codes(b, m, k, &c), 512, &vec![0.01; g], &vec![0.3; g])
             })
             .collect();
+        // GGUF-like 4- and 8-bit matrices (groups of 32, f16-exact parameters) for the 8-bit
+        // activation kernel (`--cpu-activations int8`).
+        let i8act: Vec<IntMatrix> = [4u32, 8]
+            .iter()
+            .map(|&b| {
+                let c: Vec<u8> = (0..m * k).map(|i| (i * 7 % (1 << b)) as u8).collect();
+                let g = m * k / 32;
+                IntMatrix::new(PackedRows::from_codes(b, m, k, &c), 32, &vec![0.0125; g], &vec![(1 << (b - 1)) as f32; g]).with_int8_activations().unwrap()
+            })
+            .collect();
         let dense: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 * 0.01).collect();
         for &n in &batches {
             let x: Vec<f32> = (0..n * k).map(|i| (i % 7) as f32 * 0.1).collect();
@@ -56,6 +67,16 @@ fn main() {
                 if isa == Isa::Scalar && m * k > 1 << 20 { continue; }
                 let t = time(|| packed_matmul_t_isa(isa, &w, &x, &mut out, n));
                 println!("{m}x{k} n={n:<3} int4 g128 {:<10} {:8.1} us  {:6.2} GB/s packed   {:6.1} GFLOP/s", isa.name(), t * 1e6, w.bytes() as f64 / t / 1e9, 2.0 * (n * m * k) as f64 / t / 1e9);
+            }
+            for wq in &i8act {
+                for isa in Isa::available() {
+                    if isa == Isa::Scalar || isa == Isa::Avx512Vbmi {
+                        continue;
+                    }
+                    let name = if vnni_usable(isa) { "avx512vnni" } else { isa.name() };
+                    let t = time(|| int8_matmul_t_isa(isa, wq, &x, &mut out, n));
+                    println!("{m}x{k} n={n:<3} int{} g32 i8act {:<10} {:5.1} us  {:6.2} GB/s packed   {:6.1} GFLOP/s", wq.bits(), name, t * 1e6, wq.bytes() as f64 / t / 1e9, 2.0 * (n * m * k) as f64 / t / 1e9);
+                }
             }
             let isa = Isa::detect();
             let t = time(|| packed_matmul_t_isa(isa, &mx, &x, &mut out, n));

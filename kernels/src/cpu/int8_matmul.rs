@@ -8,7 +8,9 @@
 //! activations are one `vpmaddubsw` + `vpmaddwd` after two bit operations, about 2.5x fewer
 //! instructions per weight. The price is the activations' rounding: each block of 32 inputs is
 //! `dx · q` with `q` in −127..=127, a relative error of at most `1/254` of the block's largest
-//! magnitude (what llama.cpp serves GGUF checkpoints with).
+//! magnitude (what llama.cpp serves GGUF checkpoints with). With AVX-512 VNNI ([`tile_vnni`]) one
+//! `vpdpbusd` does the 32 products of two weight rows at once, which is what makes the kernel
+//! competitive with the f32 path at batches too (docs/engine-benchmarks.md).
 //!
 //! Definitions. Block `b` of row `i` has `dx = max|x| / 127`, `q = round(x / dx)` (half away from
 //! zero) and `xs = dx · Σq` (f32). Weight `(u − z) · s` with `u` the code, group parameters
@@ -19,7 +21,8 @@
 //! the block's byte positions `4l .. 4l+4`, and `zacc = fma(mz, xs, zacc)` with `s` and
 //! `mz = s·(c − z)` as stored in [`Int8Params`] (f16 where lossless); `reduce8`
 //! halves the lanes pairwise (`a[i] += a[i+w]`, `w = 4, 2, 1`). The integer sums are exact, so
-//! the scalar and AVX2 paths give the same bits, and a row's result does not depend on its batch.
+//! the scalar, AVX2 and VNNI paths give the same bits, and a row's result does not depend on its
+//! batch.
 //!
 //! Byte positions: for 8-bit codes position `p` is element `p` of the block; for 4-bit codes the
 //! 16 packed bytes hold elements `2p` (low nibble) and `2p+1` (high nibble), which AVX2 splits
@@ -198,6 +201,22 @@ unsafe fn block_bytes<const BITS: u32>(row: *const u8, b: usize) -> __m256i {
     }
 }
 
+/// `[s, s·(c − z)]` of parameter entry `i` (row-major (row, group)), f16 ones read with F16C.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_params(params: &Int8Params, i: usize) -> [f32; 2] {
+    match params {
+        Int8Params::F16(v) => {
+            debug_assert!(i < v.len());
+            let bits = (v.as_ptr().add(i) as *const i32).read_unaligned();
+            let f = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+            [_mm_cvtss_f32(f), _mm_cvtss_f32(_mm_movehdup_ps(f))]
+        }
+        Int8Params::F32(v) => v[i],
+    }
+}
+
 /// `R` activation rows from `i0` × weight rows `o0..o0+C`, codes of `BITS` bits. Groups are
 /// the outer loop so each group's parameters are read once for all its blocks.
 #[cfg(target_arch = "x86_64")]
@@ -212,19 +231,7 @@ unsafe fn tile_avx2<const BITS: u32, const R: usize, const C: usize>(w: &IntMatr
     for (c, row) in rows.iter_mut().enumerate() {
         *row = packed.row_tail(o0 + c).as_ptr();
     }
-    // `[s, s·(c − z)]` of row o0+c's group g.
-    let group = |c: usize, g: usize| -> [f32; 2] {
-        let i = (o0 + c) * groups + g;
-        // SAFETY: i < rows × groups (o0 + c is a row of w, g one of its groups).
-        unsafe { match params {
-            Int8Params::F16(v) => {
-                let bits = (v.as_ptr().add(i) as *const i32).read_unaligned();
-                let f = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
-                [_mm_cvtss_f32(f), _mm_cvtss_f32(_mm_movehdup_ps(f))]
-            }
-            Int8Params::F32(v) => *v.as_ptr().add(i),
-        } }
-    };
+    let group = |c: usize, g: usize| group_params(params, (o0 + c) * groups + g);
     let (q, scale, scaled_sum) = (a.q.as_ptr(), a.scale.as_ptr(), a.scaled_sum.as_ptr());
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); C]; R];
@@ -271,11 +278,110 @@ unsafe fn tile_avx2<const BITS: u32, const R: usize, const C: usize>(w: &IntMatr
     out
 }
 
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI.
+
+/// `[s_0, s·(c − z)_0, .., s_7, s·(c − z)_7]` of parameter entries `entries` (8 indices).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn group_params_x8(params: &Int8Params, entries: __m256i) -> __m512 {
+    match params {
+        // An f16 pair is 32 bits.
+        Int8Params::F16(v) => _mm512_cvtph_ps(_mm256_i32gather_epi32::<4>(v.as_ptr() as *const i32, entries)),
+        // An f32 pair is 64 bits.
+        Int8Params::F32(v) => _mm512_castpd_ps(_mm512_i32gather_pd::<8>(entries, v.as_ptr() as *const f64)),
+    }
+}
+
+/// As [`tile_avx2`] for `P` pairs of weight rows from `o0`, both rows of a pair in one 512-bit
+/// register: one `vpdpbusd` gives 16 lanes' exact 4-product sums (the `P[l]` of the definition
+/// for both rows) where AVX2 needs `vpmaddubsw` + `vpmaddwd` per 8 lanes, and the scale and
+/// accumulate steps also cover two rows per instruction. Same integer sums, same f32 operations
+/// per lane in the same order, so the same bits as the reference.
+///
+/// A pair's accumulator lanes: for 8-bit codes `[row 2p: l0..8 | row 2p+1: l0..8]`; for 4-bit
+/// codes (both rows' low nibbles, then both rows' high nibbles, split by one shift)
+/// `[2p: l0..4 | 2p+1: l0..4 | 2p: l4..8 | 2p+1: l4..8]`, put in order at the end. 8-bit codes
+/// go in unsigned (`u`, not `u − 128`) with every lane starting from `−128 · Σq` over its four
+/// positions, which is the same exact integer.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // one index over parallel register arrays reads clearer
+unsafe fn tile_vnni<const BITS: u32, const R: usize, const P: usize>(w: &IntMatrix, params: &Int8Params, a: &Q8Activations, i0: usize, o0: usize) -> [[[f32; 2]; P]; R] {
+    let (packed, gs, _) = w.parts();
+    let nb = a.blocks_per_row();
+    let per_group = (gs / BLOCK).min(nb);
+    let groups = nb.div_ceil(per_group);
+    let rows: [[*const u8; 2]; P] = std::array::from_fn(|p| [packed.row_tail(o0 + 2 * p).as_ptr(), packed.row_tail(o0 + 2 * p + 1).as_ptr()]);
+    let (q, scale, scaled_sum) = (a.q.as_ptr(), a.scale.as_ptr(), a.scaled_sum.as_ptr());
+    let zero = _mm512_setzero_si512();
+    let mut acc = [[_mm512_setzero_ps(); P]; R];
+    // `zacc` of every (activation row, weight row) at once: lane `c` is weight row `o0 + c`.
+    let mut zacc = [_mm256_setzero_ps(); R];
+    // Parameter entry of weight row o0 + c (c < 8; rows past the tile repeat its last row) in
+    // group 0: the tile's rows are `groups` entries apart.
+    let entries = _mm256_mullo_epi32(_mm256_min_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(2 * P as i32 - 1)), _mm256_set1_epi32(groups as i32));
+    let entries = _mm256_add_epi32(entries, _mm256_set1_epi32((o0 * groups) as i32));
+    // Lanes of `[s_0, mz_0, s_1, mz_1, ..]` that a pair's `s` register takes: `s` of its first
+    // row in the first row's lanes, of its second row in the others.
+    let s_lanes = if BITS == 4 { _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2) } else { _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2) };
+    let mz_lanes = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+    for g in 0..groups {
+        // Every row's `[s, s·(c − z)]` in one gather instead of 2 × 2P scalar loads and
+        // broadcasts (with groups of 32 this runs every block).
+        let all = group_params_x8(params, _mm256_add_epi32(entries, _mm256_set1_epi32(g as i32)));
+        let s: [__m512; P] = std::array::from_fn(|p| _mm512_permutexvar_ps(_mm512_add_epi32(s_lanes, _mm512_set1_epi32(4 * p as i32)), all));
+        let mz = _mm512_castps512_ps256(_mm512_permutexvar_ps(mz_lanes, all));
+        for b in g * per_group..((g + 1) * per_group).min(nb) {
+            let mut wv = [zero; P];
+            for p in 0..P {
+                prefetch_rows(&rows[p], b * BLOCK, BITS, packed.stride());
+                let [r0, r1] = rows[p];
+                wv[p] = if BITS == 4 {
+                    let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(r0.add(b * 16) as *const __m128i)), _mm_loadu_si128(r1.add(b * 16) as *const __m128i));
+                    let split = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(both), _mm256_srli_epi16::<4>(both));
+                    _mm512_and_si512(split, _mm512_set1_epi8(0x0F))
+                } else {
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(r0.add(b * 32) as *const __m256i)), _mm256_loadu_si256(r1.add(b * 32) as *const __m256i))
+                };
+            }
+            for r in 0..R {
+                let at = (i0 + r) * nb + b;
+                let x = _mm512_castsi256_si512(_mm256_loadu_si256(q.add(at * BLOCK) as *const __m256i));
+                // Positions facing the weight lanes: [0..16, 0..16, 16..32, 16..32] for 4-bit
+                // codes, [0..32, 0..32] for 8-bit ones.
+                let xv = if BITS == 4 { _mm512_shuffle_i64x2::<0x50>(x, x) } else { _mm512_shuffle_i64x2::<0x44>(x, x) };
+                let start = if BITS == 8 { _mm512_sub_epi32(zero, _mm512_slli_epi32::<7>(_mm512_dpbusd_epi32(zero, _mm512_set1_epi8(1), xv))) } else { zero };
+                let dx = _mm512_set1_ps(*scale.add(at));
+                for p in 0..P {
+                    let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wv[p], xv));
+                    acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(s[p], dx), sums, acc[r][p]);
+                }
+                zacc[r] = _mm256_fmadd_ps(mz, _mm256_set1_ps(*scaled_sum.add(at)), zacc[r]);
+            }
+        }
+    }
+    let in_order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    let mut out = [[[0.0f32; 2]; P]; R];
+    for r in 0..R {
+        let mut z = [0.0f32; 8];
+        _mm256_storeu_ps(z.as_mut_ptr(), zacc[r]);
+        for p in 0..P {
+            let v = if BITS == 4 { _mm512_permutexvar_ps(in_order, acc[r][p]) } else { acc[r][p] };
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+            out[r][p] = [reduce8_avx(_mm512_castps512_ps256(v)) + z[2 * p], reduce8_avx(high) + z[2 * p + 1]];
+        }
+    }
+    out
+}
+
 /// One call's operands: the weights and their parameters, the quantised activations, and the
-/// output (`m` columns) the tiles are stored into.
+/// output (`m` columns) the tiles are stored into; `vnni` when AVX-512 VNNI tiles may be used.
 #[derive(Clone, Copy)]
 struct Job<'a> {
     isa: Isa,
+    vnni: bool,
     w: &'a IntMatrix,
     params: &'a Int8Params,
     a: &'a Q8Activations,
@@ -283,10 +389,19 @@ struct Job<'a> {
     out: OutPtr,
 }
 
+impl Job<'_> {
+    /// Stores result `v` of activation row `i`, weight row `o`.
+    #[inline(always)]
+    fn store(&self, i: usize, o: usize, v: f32) {
+        // SAFETY: (i, o) is inside out; column o belongs to the calling task alone.
+        unsafe { *self.out.0.add(i * self.m + o) = v };
+    }
+}
+
 /// One tile computed and stored into the output.
 #[inline(always)]
 fn run_tile<const R: usize, const C: usize>(job: Job<'_>, i0: usize, o0: usize) {
-    let Job { isa, w, params, a, m, out } = job;
+    let Job { isa, w, params, a, .. } = job;
     let res: [[f32; C]; R] = match isa {
         // SAFETY: every vector Isa implies AVX2 and FMA (Isa::available lists them only then).
         #[cfg(target_arch = "x86_64")]
@@ -297,43 +412,105 @@ fn run_tile<const R: usize, const C: usize>(job: Job<'_>, i0: usize, o0: usize) 
     };
     for (r, row) in res.iter().enumerate() {
         for (c, v) in row.iter().enumerate() {
-            // SAFETY: (i0+r, o0+c) is inside out; column o0+c belongs to the calling task alone.
-            unsafe { *out.0.add((i0 + r) * m + o0 + c) = *v };
+            job.store(i0 + r, o0 + c, *v);
         }
     }
+}
+
+/// One tile of `P` weight-row pairs on AVX-512 VNNI (only when `job.vnni`).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn run_tile_vnni<const R: usize, const P: usize>(job: Job<'_>, i0: usize, o0: usize) {
+    let Job { vnni, w, params, a, .. } = job;
+    assert!(vnni);
+    // SAFETY: job.vnni is set only when the CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
+    let res = unsafe {
+        if w.bits() == 4 {
+            tile_vnni::<4, R, P>(w, params, a, i0, o0)
+        } else {
+            tile_vnni::<8, R, P>(w, params, a, i0, o0)
+        }
+    };
+    for (r, row) in res.iter().enumerate() {
+        for (p, pair) in row.iter().enumerate() {
+            job.store(i0 + r, o0 + 2 * p, pair[0]);
+            job.store(i0 + r, o0 + 2 * p + 1, pair[1]);
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn run_tile_vnni<const R: usize, const P: usize>(_: Job<'_>, _: usize, _: usize) {
+    unreachable!("VNNI tiles exist on x86-64 only")
 }
 
 /// Activation rows per pass over a task's weights: 32 rows of int8 activations stay in L2
 /// (48 KiB for k = 1536) while every weight tile of the task is applied to them.
 const ROWS_PER_PASS: usize = 32;
 
-/// Weight rows `start..end` against every activation row: single rows in tiles of 1×4 (four
-/// independent accumulators), batches in tiles of up to 4 rows × 2 weight rows.
+/// Tile shape (activation rows, weight rows) for a call of `n` activation rows. AVX2: single
+/// rows against 4 weight rows (independent accumulators), batches 4 × 2. VNNI holds two weight
+/// rows per register, so it has the registers for 1 × 8 and 4 × 8 (`bench_packed`: 1 × 8
+/// decodes 4-18% faster than 1 × 4, and 4 × 4 batches 15-20% slower than 4 × 8).
+fn tile_shape(vnni: bool, n: usize) -> (usize, usize) {
+    match (vnni, n) {
+        (false, 1) => (1, 4),
+        (false, _) => (4, 2),
+        (true, 1) => (1, 8),
+        (true, _) => (4, 8),
+    }
+}
+
+/// Weight rows `start..end` against every activation row in tiles of [`tile_shape`] (narrower
+/// at the edges: a pair of weight rows, then one row on AVX2).
 fn run_rows(job: Job<'_>, n: usize, start: usize, end: usize) {
-    let (th, tw) = if n == 1 { (1, 4) } else { (4, 2) };
+    let (th, tw) = tile_shape(job.vnni, n);
     let mut i0 = 0;
     while i0 < n {
         let i_end = (i0 + ROWS_PER_PASS).min(n);
         let mut o = start;
         while o < end {
-            let cw = if end - o >= tw { tw } else { 1 };
+            let cw = if end - o >= tw {
+                tw
+            } else if job.vnni && end - o >= 2 {
+                2
+            } else {
+                1
+            };
             let mut i = i0;
             while i < i_end {
                 let rh = th.min(i_end - i);
                 macro_rules! go {
-                    ($($r:literal, $c:literal);*) => {
-                        match (rh, cw) {
-                            $(($r, $c) => run_tile::<$r, $c>(job, i, o),)*
+                    ($($r:literal: $($c:literal)*);*) => {
+                        match (job.vnni && cw % 2 == 0, rh, cw) {
+                            $($((false, $r, $c) => run_tile::<$r, $c>(job, i, o),)*
+                            (true, $r, 2) => run_tile_vnni::<$r, 1>(job, i, o),
+                            (true, $r, 4) => run_tile_vnni::<$r, 2>(job, i, o),
+                            (true, $r, 8) => run_tile_vnni::<$r, 4>(job, i, o),)*
                             _ => unreachable!(),
                         }
                     };
                 }
-                go!(1,1; 1,2; 1,4; 2,1; 2,2; 3,1; 3,2; 4,1; 4,2);
+                go!(1: 1 2 4; 2: 1 2; 3: 1 2; 4: 1 2);
                 i += rh;
             }
             o += cw;
         }
         i0 = i_end;
+    }
+}
+
+/// Whether `isa` (an AVX-512 one) comes with the VNNI byte dot products [`tile_vnni`] needs
+/// (then [`int8_matmul_t_isa`] uses them).
+pub fn vnni_usable(isa: Isa) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        matches!(isa, Isa::Avx512 | Isa::Avx512Vbmi) && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        false
     }
 }
 
@@ -352,20 +529,22 @@ pub fn int8_matmul_t_isa(isa: Isa, w: &IntMatrix, x: &[f32], out: &mut [f32], n:
     if n == 0 || m == 0 {
         return;
     }
-    let a = Q8Activations::quantize(x, n, k, w.bits());
     let params = int8_params(w);
     // The vector kernel reads f16 parameters with F16C (every AVX2 CPU has it; checked anyway).
     #[cfg(target_arch = "x86_64")]
     let isa = if isa != Isa::Scalar && !is_x86_feature_detected!("f16c") { Isa::Scalar } else { isa };
-    // Tasks of about 32 KiB of packed weights (at least 4 per thread for balance): a task's
-    // weights stay in L2 while each pass of activation rows goes over them.
+    // The VNNI tiles gather parameters with 32-bit indices.
+    let vnni = vnni_usable(isa) && m * k.div_ceil(w.parts().1) <= i32::MAX as usize;
+    let a = Q8Activations::quantize(x, n, k, w.bits());
+    // Tasks of about 32 KiB of packed weights (at least 4 per thread for balance), whole
+    // 8-row tiles: a task's weights stay in L2 while each pass of activation rows goes over them.
     let row_bytes = w.parts().0.stride().max(1);
     let balanced = m.div_ceil(4 * rayon::current_num_threads());
-    let step = (32 * 1024 / row_bytes).clamp(4, 512).min(balanced.max(4)).div_ceil(4) * 4;
+    let step = (32 * 1024 / row_bytes).clamp(4, 512).min(balanced.max(4)).div_ceil(8) * 8;
     let out_ptr = OutPtr(out.as_mut_ptr());
     (0..m.div_ceil(step)).into_par_iter().for_each(|task| {
         let (start, end) = (task * step, ((task + 1) * step).min(m));
-        run_rows(Job { isa, w, params: &params, a: &a, m, out: out_ptr }, n, start, end);
+        run_rows(Job { isa, vnni, w, params: &params, a: &a, m, out: out_ptr }, n, start, end);
     });
 }
 
@@ -429,7 +608,7 @@ mod tests {
 
     #[test]
     fn every_isa_computes_the_reference_and_stays_near_the_f32_product() {
-        for &(bits, n, k, m, gs) in &[(4u32, 1usize, 256usize, 9usize, 32usize), (4, 7, 384, 13, 128), (8, 5, 96, 6, 32), (8, 1, 64, 11, 64), (4, 3, 64, 5, 64)] {
+        for &(bits, n, k, m, gs) in &[(4u32, 1usize, 256usize, 9usize, 32usize), (4, 7, 384, 13, 128), (8, 5, 96, 6, 32), (8, 1, 64, 11, 64), (4, 3, 64, 5, 64), (4, 6, 128, 75, 32), (8, 5, 64, 75, 64), (4, 1, 64, 75, 64), (8, 1, 32, 75, 32)] {
             let w = matrix(bits, m, k, gs, (bits as u64) << 8 | k as u64);
             let x = activations(n, k, 99 + n as u64);
             let a = Q8Activations::quantize(&x, n, k, bits);
