@@ -8,7 +8,7 @@ use kernels::cpu::matmul::matmul_t;
 use kernels::cpu::packed_matmul::{packed_matmul_t_isa, Isa};
 use kernels::cpu::cubic::AnyCubic;
 use kernels::cpu::mxfp4::Mxfp4Matrix;
-use kernels::cpu::int8_matmul::{int8_matmul_t_isa, vnni_usable};
+use kernels::cpu::int8_matmul::{int8_matmul_t_path, Int8Path};
 use kernels::cpu::quant_int::IntMatrix;
 
 /// Fastest single call over about a second: the machine may be shared, and the minimum is the
@@ -69,13 +69,12 @@ fn main() {
                 println!("{m}x{k} n={n:<3} int4 g128 {:<10} {:8.1} us  {:6.2} GB/s packed   {:6.1} GFLOP/s", isa.name(), t * 1e6, w.bytes() as f64 / t / 1e9, 2.0 * (n * m * k) as f64 / t / 1e9);
             }
             for wq in &i8act {
-                for isa in Isa::available() {
-                    if isa == Isa::Scalar || isa == Isa::Avx512Vbmi {
+                for path in Int8Path::available() {
+                    if path == Int8Path::Scalar {
                         continue;
                     }
-                    let name = if vnni_usable(isa) { "avx512vnni" } else { isa.name() };
-                    let t = time(|| int8_matmul_t_isa(isa, wq, &x, &mut out, n));
-                    println!("{m}x{k} n={n:<3} int{} g32 i8act {:<10} {:5.1} us  {:6.2} GB/s packed   {:6.1} GFLOP/s", wq.bits(), name, t * 1e6, wq.bytes() as f64 / t / 1e9, 2.0 * (n * m * k) as f64 / t / 1e9);
+                    let t = time(|| int8_matmul_t_path(path, wq, &x, &mut out, n));
+                    println!("{m}x{k} n={n:<3} int{} g32 i8act {:<10} {:5.1} us  {:6.2} GB/s packed   {:6.1} GFLOP/s", wq.bits(), path.name(), t * 1e6, wq.bytes() as f64 / t / 1e9, 2.0 * (n * m * k) as f64 / t / 1e9);
                 }
             }
             let isa = Isa::detect();

@@ -21,8 +21,8 @@
 //! the block's byte positions `4l .. 4l+4`, and `zacc = fma(mz, xs, zacc)` with `s` and
 //! `mz = s·(c − z)` as stored in [`Int8Params`] (f16 where lossless); `reduce8`
 //! halves the lanes pairwise (`a[i] += a[i+w]`, `w = 4, 2, 1`). The integer sums are exact, so
-//! the scalar, AVX2 and VNNI paths give the same bits, and a row's result does not depend on its
-//! batch.
+//! the scalar, AVX2, AVX-VNNI and AVX-512 VNNI paths ([`Int8Path`]) give the same bits, and a
+//! row's result does not depend on its batch.
 //!
 //! Byte positions: for 8-bit codes position `p` is element `p` of the block; for 4-bit codes the
 //! 16 packed bytes hold elements `2p` (low nibble) and `2p+1` (high nibble), which AVX2 splits
@@ -217,12 +217,18 @@ unsafe fn group_params(params: &Int8Params, i: usize) -> [f32; 2] {
     }
 }
 
-/// `R` activation rows from `i0` × weight rows `o0..o0+C`, codes of `BITS` bits. Groups are
-/// the outer loop so each group's parameters are read once for all its blocks.
+/// Defines `$name`, the 256-bit tile: `R` activation rows from `i0` × weight rows
+/// `o0..o0+C`, codes of `BITS` bits. Groups are the outer loop so each group's parameters are
+/// read once for all its blocks. Compiled twice: plain AVX2 (`vpmaddubsw` + `vpmaddwd` per 32
+/// products) and with AVX-VNNI (one `vpdpbusd`, the same exact sums) for the CPUs that have it
+/// without AVX-512 (Intel client cores from Alder Lake on, E-core Xeons); a function's target
+/// features cannot depend on a generic parameter, hence the macro.
+macro_rules! tile_256 {
+    ($name:ident, $features:literal, $vnni:literal) => {
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
+#[target_feature(enable = $features)]
 #[allow(clippy::needless_range_loop)] // one index over parallel register arrays reads clearer
-unsafe fn tile_avx2<const BITS: u32, const R: usize, const C: usize>(w: &IntMatrix, params: &Int8Params, a: &Q8Activations, i0: usize, o0: usize) -> [[f32; C]; R] {
+unsafe fn $name<const BITS: u32, const R: usize, const C: usize>(w: &IntMatrix, params: &Int8Params, a: &Q8Activations, i0: usize, o0: usize) -> [[f32; C]; R] {
     let (packed, gs, _) = w.parts();
     let nb = a.blocks_per_row();
     let per_group = (gs / BLOCK).min(nb);
@@ -261,8 +267,9 @@ unsafe fn tile_avx2<const BITS: u32, const R: usize, const C: usize>(w: &IntMatr
                 let xv = _mm256_loadu_si256(q.add(at * BLOCK) as *const __m256i);
                 let (dx, xs) = (*scale.add(at), *scaled_sum.add(at));
                 for c in 0..C {
-                    let pairs = if BITS == 8 { _mm256_maddubs_epi16(wabs[c], _mm256_sign_epi8(xv, wv[c])) } else { _mm256_maddubs_epi16(wv[c], xv) };
-                    let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                    let (u, x) = if BITS == 8 { (wabs[c], _mm256_sign_epi8(xv, wv[c])) } else { (wv[c], xv) };
+                    let sums = if $vnni { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x) } else { _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones) };
+                    let p = _mm256_cvtepi32_ps(sums);
                     acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[c] * dx), p, acc[r][c]);
                     zacc[r][c] = mz[c].mul_add(xs, zacc[r][c]);
                 }
@@ -277,6 +284,11 @@ unsafe fn tile_avx2<const BITS: u32, const R: usize, const C: usize>(w: &IntMatr
     }
     out
 }
+    };
+}
+
+tile_256!(tile_avx2, "avx2,fma,f16c", false);
+tile_256!(tile_avx_vnni, "avx2,fma,f16c,avxvnni", true);
 
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI.
@@ -376,12 +388,76 @@ unsafe fn tile_vnni<const BITS: u32, const R: usize, const P: usize>(w: &IntMatr
     out
 }
 
-/// One call's operands: the weights and their parameters, the quantised activations, and the
-/// output (`m` columns) the tiles are stored into; `vnni` when AVX-512 VNNI tiles may be used.
+/// Which code multiplies: the instruction sets of [`Isa`] refined by the VNNI extensions this
+/// kernel can use. Every path computes the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int8Path {
+    Scalar,
+    /// 256-bit tiles, `vpmaddubsw` + `vpmaddwd`.
+    Avx2,
+    /// 256-bit tiles, `vpdpbusd` (AVX-VNNI, no AVX-512 needed).
+    AvxVnni,
+    /// 512-bit pair tiles ([`tile_vnni`]); the odd weight row at a task's edge takes AVX2.
+    Avx512Vnni,
+}
+
+impl Int8Path {
+    /// The best path within instruction set `isa` on this CPU. The vector tiles read f16
+    /// parameters with F16C (every AVX2 CPU has it; checked anyway).
+    pub fn for_isa(isa: Isa) -> Int8Path {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if isa == Isa::Scalar || !is_x86_feature_detected!("f16c") {
+                return Int8Path::Scalar;
+            }
+            let avx512 = matches!(isa, Isa::Avx512 | Isa::Avx512Vbmi);
+            if avx512 && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni") {
+                Int8Path::Avx512Vnni
+            } else if is_x86_feature_detected!("avxvnni") {
+                Int8Path::AvxVnni
+            } else {
+                Int8Path::Avx2
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = isa;
+            Int8Path::Scalar
+        }
+    }
+
+    /// Every path usable here (tests and benchmarks run them all).
+    pub fn available() -> Vec<Int8Path> {
+        let mut paths = vec![Int8Path::Scalar];
+        let best = Int8Path::for_isa(Isa::detect());
+        #[cfg(target_arch = "x86_64")]
+        if best != Int8Path::Scalar {
+            paths.push(Int8Path::Avx2);
+            if is_x86_feature_detected!("avxvnni") {
+                paths.push(Int8Path::AvxVnni);
+            }
+        }
+        if !paths.contains(&best) {
+            paths.push(best);
+        }
+        paths
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Int8Path::Scalar => "scalar",
+            Int8Path::Avx2 => "avx2",
+            Int8Path::AvxVnni => "avx-vnni",
+            Int8Path::Avx512Vnni => "avx512-vnni",
+        }
+    }
+}
+
+/// One call's operands: the path, the weights and their parameters, the quantised
+/// activations, and the output (`m` columns) the tiles are stored into.
 #[derive(Clone, Copy)]
 struct Job<'a> {
-    isa: Isa,
-    vnni: bool,
+    path: Int8Path,
     w: &'a IntMatrix,
     params: &'a Int8Params,
     a: &'a Q8Activations,
@@ -398,17 +474,25 @@ impl Job<'_> {
     }
 }
 
-/// One tile computed and stored into the output.
+/// One 256-bit (or scalar) tile computed and stored into the output.
 #[inline(always)]
 fn run_tile<const R: usize, const C: usize>(job: Job<'_>, i0: usize, o0: usize) {
-    let Job { isa, w, params, a, .. } = job;
-    let res: [[f32; C]; R] = match isa {
-        // SAFETY: every vector Isa implies AVX2 and FMA (Isa::available lists them only then).
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vbmi if w.bits() == 4 => unsafe { tile_avx2::<4, R, C>(w, params, a, i0, o0) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vbmi => unsafe { tile_avx2::<8, R, C>(w, params, a, i0, o0) },
-        _ => std::array::from_fn(|r| std::array::from_fn(|c| dot_reference(w, a, i0 + r, o0 + c))),
+    let Job { path, w, params, a, .. } = job;
+    let four = w.bits() == 4;
+    // SAFETY: Int8Path::for_isa picks a vector path only when the CPU has its features
+    // (AVX2, FMA and F16C for all; AVX-VNNI or AVX-512 VNNI for those).
+    let res: [[f32; C]; R] = unsafe {
+        match path {
+            #[cfg(target_arch = "x86_64")]
+            Int8Path::Avx2 | Int8Path::Avx512Vnni if four => tile_avx2::<4, R, C>(w, params, a, i0, o0),
+            #[cfg(target_arch = "x86_64")]
+            Int8Path::Avx2 | Int8Path::Avx512Vnni => tile_avx2::<8, R, C>(w, params, a, i0, o0),
+            #[cfg(target_arch = "x86_64")]
+            Int8Path::AvxVnni if four => tile_avx_vnni::<4, R, C>(w, params, a, i0, o0),
+            #[cfg(target_arch = "x86_64")]
+            Int8Path::AvxVnni => tile_avx_vnni::<8, R, C>(w, params, a, i0, o0),
+            _ => std::array::from_fn(|r| std::array::from_fn(|c| dot_reference(w, a, i0 + r, o0 + c))),
+        }
     };
     for (r, row) in res.iter().enumerate() {
         for (c, v) in row.iter().enumerate() {
@@ -417,13 +501,13 @@ fn run_tile<const R: usize, const C: usize>(job: Job<'_>, i0: usize, o0: usize) 
     }
 }
 
-/// One tile of `P` weight-row pairs on AVX-512 VNNI (only when `job.vnni`).
+/// One tile of `P` weight-row pairs on AVX-512 VNNI.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn run_tile_vnni<const R: usize, const P: usize>(job: Job<'_>, i0: usize, o0: usize) {
-    let Job { vnni, w, params, a, .. } = job;
-    assert!(vnni);
-    // SAFETY: job.vnni is set only when the CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
+    let Job { path, w, params, a, .. } = job;
+    assert_eq!(path, Int8Path::Avx512Vnni);
+    // SAFETY: that path is chosen only when the CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
     let res = unsafe {
         if w.bits() == 4 {
             tile_vnni::<4, R, P>(w, params, a, i0, o0)
@@ -448,12 +532,13 @@ fn run_tile_vnni<const R: usize, const P: usize>(_: Job<'_>, _: usize, _: usize)
 /// (48 KiB for k = 1536) while every weight tile of the task is applied to them.
 const ROWS_PER_PASS: usize = 32;
 
-/// Tile shape (activation rows, weight rows) for a call of `n` activation rows. AVX2: single
-/// rows against 4 weight rows (independent accumulators), batches 4 × 2. VNNI holds two weight
-/// rows per register, so it has the registers for 1 × 8 and 4 × 8 (`bench_packed`: 1 × 8
-/// decodes 4-18% faster than 1 × 4, and 4 × 4 batches 15-20% slower than 4 × 8).
-fn tile_shape(vnni: bool, n: usize) -> (usize, usize) {
-    match (vnni, n) {
+/// Tile shape (activation rows, weight rows) for a call of `n` activation rows. 256-bit tiles:
+/// single rows against 4 weight rows (independent accumulators), batches 4 × 2. AVX-512 VNNI
+/// holds two weight rows per register, so it has the registers for 1 × 8 and 4 × 8
+/// (`bench_packed`: 1 × 8 decodes 4-18% faster than 1 × 4, and 4 × 4 batches 15-20% slower
+/// than 4 × 8).
+fn tile_shape(path: Int8Path, n: usize) -> (usize, usize) {
+    match (path == Int8Path::Avx512Vnni, n) {
         (false, 1) => (1, 4),
         (false, _) => (4, 2),
         (true, 1) => (1, 8),
@@ -464,7 +549,8 @@ fn tile_shape(vnni: bool, n: usize) -> (usize, usize) {
 /// Weight rows `start..end` against every activation row in tiles of [`tile_shape`] (narrower
 /// at the edges: a pair of weight rows, then one row on AVX2).
 fn run_rows(job: Job<'_>, n: usize, start: usize, end: usize) {
-    let (th, tw) = tile_shape(job.vnni, n);
+    let pairs = job.path == Int8Path::Avx512Vnni;
+    let (th, tw) = tile_shape(job.path, n);
     let mut i0 = 0;
     while i0 < n {
         let i_end = (i0 + ROWS_PER_PASS).min(n);
@@ -472,7 +558,7 @@ fn run_rows(job: Job<'_>, n: usize, start: usize, end: usize) {
         while o < end {
             let cw = if end - o >= tw {
                 tw
-            } else if job.vnni && end - o >= 2 {
+            } else if pairs && end - o >= 2 {
                 2
             } else {
                 1
@@ -482,7 +568,7 @@ fn run_rows(job: Job<'_>, n: usize, start: usize, end: usize) {
                 let rh = th.min(i_end - i);
                 macro_rules! go {
                     ($($r:literal: $($c:literal)*);*) => {
-                        match (job.vnni && cw % 2 == 0, rh, cw) {
+                        match (pairs && cw % 2 == 0, rh, cw) {
                             $($((false, $r, $c) => run_tile::<$r, $c>(job, i, o),)*
                             (true, $r, 2) => run_tile_vnni::<$r, 1>(job, i, o),
                             (true, $r, 4) => run_tile_vnni::<$r, 2>(job, i, o),
@@ -500,28 +586,19 @@ fn run_rows(job: Job<'_>, n: usize, start: usize, end: usize) {
     }
 }
 
-/// Whether `isa` (an AVX-512 one) comes with the VNNI byte dot products [`tile_vnni`] needs
-/// (then [`int8_matmul_t_isa`] uses them).
-pub fn vnni_usable(isa: Isa) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        matches!(isa, Isa::Avx512 | Isa::Avx512Vbmi) && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = isa;
-        false
-    }
-}
-
 /// `out[n, m] = x[n, k] · Wᵀ` with `x` quantised to 8 bits per block, on the widest instruction
 /// set here. `w` must be [`eligible`].
 pub fn int8_matmul_t(w: &IntMatrix, x: &[f32], out: &mut [f32], n: usize) {
     int8_matmul_t_isa(Isa::detect(), w, x, out, n)
 }
 
-/// As [`int8_matmul_t`] with a chosen instruction set (one of `Isa::available()`).
+/// As [`int8_matmul_t`] within a chosen instruction set (one of `Isa::available()`).
 pub fn int8_matmul_t_isa(isa: Isa, w: &IntMatrix, x: &[f32], out: &mut [f32], n: usize) {
+    int8_matmul_t_path(Int8Path::for_isa(isa), w, x, out, n)
+}
+
+/// As [`int8_matmul_t`] on a chosen path (one of [`Int8Path::available`]).
+pub fn int8_matmul_t_path(path: Int8Path, w: &IntMatrix, x: &[f32], out: &mut [f32], n: usize) {
     assert!(eligible(w), "a {}-bit {}x{} matrix cannot take 8-bit activations", w.bits(), w.rows(), w.cols());
     let (m, k) = (w.rows(), w.cols());
     assert_eq!(x.len(), n * k, "int8_matmul_t: x has {} values, expected {n}x{k}", x.len());
@@ -530,11 +607,8 @@ pub fn int8_matmul_t_isa(isa: Isa, w: &IntMatrix, x: &[f32], out: &mut [f32], n:
         return;
     }
     let params = int8_params(w);
-    // The vector kernel reads f16 parameters with F16C (every AVX2 CPU has it; checked anyway).
-    #[cfg(target_arch = "x86_64")]
-    let isa = if isa != Isa::Scalar && !is_x86_feature_detected!("f16c") { Isa::Scalar } else { isa };
-    // The VNNI tiles gather parameters with 32-bit indices.
-    let vnni = vnni_usable(isa) && m * k.div_ceil(w.parts().1) <= i32::MAX as usize;
+    // The 512-bit tiles gather parameters with 32-bit indices.
+    let path = if path == Int8Path::Avx512Vnni && m * k.div_ceil(w.parts().1) > i32::MAX as usize { Int8Path::Avx2 } else { path };
     let a = Q8Activations::quantize(x, n, k, w.bits());
     // Tasks of about 32 KiB of packed weights (at least 4 per thread for balance), whole
     // 8-row tiles: a task's weights stay in L2 while each pass of activation rows goes over them.
@@ -544,7 +618,7 @@ pub fn int8_matmul_t_isa(isa: Isa, w: &IntMatrix, x: &[f32], out: &mut [f32], n:
     let out_ptr = OutPtr(out.as_mut_ptr());
     (0..m.div_ceil(step)).into_par_iter().for_each(|task| {
         let (start, end) = (task * step, ((task + 1) * step).min(m));
-        run_rows(Job { isa, vnni, w, params: &params, a: &a, m, out: out_ptr }, n, start, end);
+        run_rows(Job { path, w, params: &params, a: &a, m, out: out_ptr }, n, start, end);
     });
 }
 
@@ -600,26 +674,26 @@ mod tests {
         x[40] = f32::INFINITY;
         let w = matrix(4, 3, 64, 32, 5);
         let mut out = vec![0.0; 3];
-        for isa in Isa::available() {
-            int8_matmul_t_isa(isa, &w, &x, &mut out, 1);
-            assert!(out.iter().all(|v| v.is_nan()), "{isa:?}: {out:?}");
+        for path in Int8Path::available() {
+            int8_matmul_t_path(path, &w, &x, &mut out, 1);
+            assert!(out.iter().all(|v| v.is_nan()), "{path:?}: {out:?}");
         }
     }
 
     #[test]
-    fn every_isa_computes_the_reference_and_stays_near_the_f32_product() {
+    fn every_path_computes_the_reference_and_stays_near_the_f32_product() {
         for &(bits, n, k, m, gs) in &[(4u32, 1usize, 256usize, 9usize, 32usize), (4, 7, 384, 13, 128), (8, 5, 96, 6, 32), (8, 1, 64, 11, 64), (4, 3, 64, 5, 64), (4, 6, 128, 75, 32), (8, 5, 64, 75, 64), (4, 1, 64, 75, 64), (8, 1, 32, 75, 32)] {
             let w = matrix(bits, m, k, gs, (bits as u64) << 8 | k as u64);
             let x = activations(n, k, 99 + n as u64);
             let a = Q8Activations::quantize(&x, n, k, bits);
             let deq: Vec<Vec<f32>> = (0..m).map(|r| w.dequantize_row(r)).collect();
-            for isa in Isa::available() {
+            for path in Int8Path::available() {
                 let mut out = vec![f32::NAN; n * m];
-                int8_matmul_t_isa(isa, &w, &x, &mut out, n);
+                int8_matmul_t_path(path, &w, &x, &mut out, n);
                 for i in 0..n {
                     for o in 0..m {
                         let got = out[i * m + o];
-                        assert_eq!(got.to_bits(), dot_reference(&w, &a, i, o).to_bits(), "{isa:?} ({bits},{n},{k},{m},{gs}) [{i},{o}]");
+                        assert_eq!(got.to_bits(), dot_reference(&w, &a, i, o).to_bits(), "{path:?} ({bits},{n},{k},{m},{gs}) [{i},{o}]");
                         // Against the exact product of the unquantised activations: each block
                         // contributes at most dx/2 · Σ|w| of rounding error.
                         let xr = &x[i * k..(i + 1) * k];
@@ -627,7 +701,7 @@ mod tests {
                         let bound: f64 = (0..k / BLOCK)
                             .map(|b| a.scale[i * (k / BLOCK) + b] as f64 / 2.0 * deq[o][b * BLOCK..(b + 1) * BLOCK].iter().map(|v| v.abs() as f64).sum::<f64>())
                             .sum();
-                        assert!((got as f64 - exact).abs() <= bound * 1.01 + 1e-5, "{isa:?} [{i},{o}] {got} vs {exact} (bound {bound})");
+                        assert!((got as f64 - exact).abs() <= bound * 1.01 + 1e-5, "{path:?} [{i},{o}] {got} vs {exact} (bound {bound})");
                     }
                 }
             }
@@ -649,12 +723,12 @@ mod tests {
             assert!(matches!(w.int8_params(), Some(Int8Params::F16(_))), "{bits}-bit GGUF-like parameters stay f16");
             let x = activations(n, k, 12);
             let a = Q8Activations::quantize(&x, n, k, bits);
-            for isa in Isa::available() {
+            for path in Int8Path::available() {
                 let mut out = vec![0.0; n * m];
-                int8_matmul_t_isa(isa, &w, &x, &mut out, n);
+                int8_matmul_t_path(path, &w, &x, &mut out, n);
                 for i in 0..n {
                     for o in 0..m {
-                        assert_eq!(out[i * m + o].to_bits(), dot_reference(&w, &a, i, o).to_bits(), "{isa:?} {bits}-bit [{i},{o}]");
+                        assert_eq!(out[i * m + o].to_bits(), dot_reference(&w, &a, i, o).to_bits(), "{path:?} {bits}-bit [{i},{o}]");
                     }
                 }
             }
@@ -670,14 +744,14 @@ mod tests {
         for bits in [4, 8] {
             let w = matrix(bits, m, k, 32, 5);
             let x = activations(n, k, 6);
-            for isa in Isa::available() {
+            for path in Int8Path::available() {
                 let mut all = vec![0.0; n * m];
-                int8_matmul_t_isa(isa, &w, &x, &mut all, n);
+                int8_matmul_t_path(path, &w, &x, &mut all, n);
                 for i in 0..n {
                     let rest = n - i;
                     let mut sub = vec![0.0; rest * m];
-                    int8_matmul_t_isa(isa, &w, &x[i * k..], &mut sub, rest);
-                    assert_eq!(sub[..m], all[i * m..(i + 1) * m], "{isa:?} {bits}-bit sub-batch at {i}");
+                    int8_matmul_t_path(path, &w, &x[i * k..], &mut sub, rest);
+                    assert_eq!(sub[..m], all[i * m..(i + 1) * m], "{path:?} {bits}-bit sub-batch at {i}");
                 }
             }
         }
