@@ -223,8 +223,9 @@ def test_tools_and_tool_messages(client):
         {"role": "user", "content": "What is the weather in Paris?"},
         {
             "role": "assistant",
-            # SmolLM2's template concatenates content, so (as with transformers) it needs a string.
-            "content": "",
+            # As the API returned it: no content (SmolLM2's template concatenates content, so the
+            # server passes "" as vLLM does) and the arguments as a JSON string.
+            "content": None,
             "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
@@ -240,6 +241,11 @@ def test_tools_and_tool_messages(client):
             model=MODEL_NAME, messages=messages, tools=tools, tool_choice={"type": "function", "function": {"name": "nope"}}, max_tokens=8
         )
     assert e.value.body["param"] == "tool_choice"
+    broken = [dict(m) for m in messages]
+    broken[1] = {**messages[1], "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": '}}]}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=broken, tools=tools, max_tokens=8)
+    assert e.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
 
 
 def weather_tools():

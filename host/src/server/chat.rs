@@ -24,8 +24,10 @@ use crate::tenancy::http::{self as tenancy, CallerExt};
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool", "function"];
 
-/// Checks the messages and brings them to the shape string-content templates expect. Assistant
-/// messages otherwise pass through unchanged (tool_calls, reasoning_content, any other field).
+/// Checks the messages and brings them to the shape chat templates expect, as vLLM does before
+/// rendering: content parts joined into one string, an assistant's missing or null content as
+/// `""`, and each tool call's `arguments` (a JSON string on the wire) as the JSON value it holds.
+/// Assistant messages otherwise pass through unchanged (reasoning_content, any other field).
 pub fn normalize_messages(messages: Vec<Value>) -> ApiResult<Vec<Value>> {
     if messages.is_empty() {
         return Err(ApiError::invalid_param("messages", "'messages' must contain at least one message"));
@@ -50,7 +52,11 @@ pub fn normalize_messages(messages: Vec<Value>) -> ApiResult<Vec<Value>> {
             let param = format!("messages[{i}].content");
             match m.get("content") {
                 Some(Value::String(_)) => {}
-                None | Some(Value::Null) if role == "assistant" => {}
+                // An assistant turn that only called tools has no content; templates written
+                // for string content concatenate it (SmolLM2's, DeepSeek's), so it becomes "".
+                None | Some(Value::Null) if role == "assistant" => {
+                    m.insert("content".into(), Value::String(String::new()));
+                }
                 None | Some(Value::Null) => return Err(ApiError::invalid_param(&param, format!("{param} is required for role '{role}'"))),
                 // Templates written for string content concatenate it, so text parts are joined
                 // (with newlines, as vLLM does for such templates).
@@ -77,6 +83,11 @@ pub fn normalize_messages(messages: Vec<Value>) -> ApiResult<Vec<Value>> {
                 }
                 Some(_) => return Err(ApiError::invalid_param(&param, format!("{param} must be a string or an array of content parts"))),
             }
+            if role == "assistant" {
+                if let Some(calls) = m.get_mut("tool_calls") {
+                    decode_tool_call_arguments(calls, i)?;
+                }
+            }
             // Clients differ on the field name for the reasoning they echo back; templates read
             // `reasoning_content`.
             if role == "assistant" && !m.contains_key("reasoning_content") {
@@ -87,6 +98,40 @@ pub fn normalize_messages(messages: Vec<Value>) -> ApiResult<Vec<Value>> {
             Ok(Value::Object(m))
         })
         .collect()
+}
+
+/// An assistant message's `tool_calls`, with each `function.arguments` JSON string replaced by
+/// the value it encodes (empty or absent: `{}`). Templates write arguments with `| tojson`
+/// (Qwen2.5, DeepSeek-V3.1, Kimi-K2) and would otherwise quote the string a second time;
+/// transformers documents dict arguments, and vLLM decodes them the same way.
+fn decode_tool_call_arguments(calls: &mut Value, message: usize) -> ApiResult<()> {
+    let calls = match calls {
+        Value::Null => return Ok(()),
+        Value::Array(calls) => calls,
+        _ => return Err(ApiError::invalid_param(&format!("messages[{message}].tool_calls"), format!("messages[{message}].tool_calls must be an array"))),
+    };
+    for (j, call) in calls.iter_mut().enumerate() {
+        let param = format!("messages[{message}].tool_calls[{j}]");
+        let Some(function) = call.get_mut("function").and_then(Value::as_object_mut).filter(|f| f.get("name").is_some_and(Value::is_string)) else {
+            return Err(ApiError::invalid_param(&param, format!("{param} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": ...}}}}")));
+        };
+        let decoded = match function.get("arguments") {
+            None | Some(Value::Null) => Value::Object(Default::default()),
+            Some(Value::String(text)) if text.trim().is_empty() => Value::Object(Default::default()),
+            Some(Value::String(text)) => serde_json::from_str(text).map_err(|e| {
+                ApiError::invalid_param(&format!("{param}.function.arguments"), format!("{param}.function.arguments is not valid JSON: {e}"))
+            })?,
+            Some(v @ (Value::Object(_) | Value::Array(_))) => v.clone(),
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    &format!("{param}.function.arguments"),
+                    format!("{param}.function.arguments must be a JSON string (or an object)"),
+                ))
+            }
+        };
+        function.insert("arguments".into(), decoded);
+    }
+    Ok(())
 }
 
 pub fn validate_tools(tools: &[Value]) -> ApiResult<()> {
@@ -546,5 +591,99 @@ impl ChunkFormatter for ChatChunks {
 
     fn usage(&mut self, usage: &Usage) -> Value {
         json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [], "usage": usage.to_json()})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chat::jinja::JinjaChatTemplate;
+    use crate::chat::{ChatTemplate, ChatTemplateInput};
+
+    fn reference(file: &str) -> Value {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference").join(file);
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+    }
+
+    /// A conversation as an OpenAI client sends it back: a tool-calling assistant turn with null
+    /// content and its arguments as a JSON string (what the API returned).
+    fn as_sent_by_a_client(messages: &[Value]) -> Vec<Value> {
+        let mut messages = messages.to_vec();
+        for m in &mut messages {
+            let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) else { continue };
+            for c in calls.iter_mut() {
+                let args = c["function"]["arguments"].clone();
+                c["function"]["arguments"] = Value::String(serde_json::to_string(&args).unwrap());
+            }
+            if m["content"] == "" {
+                m["content"] = Value::Null;
+            }
+        }
+        messages
+    }
+
+    /// Every real template's tool-call conversation, sent the way a client sends it, renders to
+    /// what transformers renders for the decoded form (tests/reference/templates/expected.json):
+    /// without the decoding, `| tojson` templates would quote the arguments twice.
+    #[test]
+    fn a_clients_tool_call_turns_render_as_transformers_renders_decoded_arguments() {
+        let data = reference("templates/expected.json");
+        let smol = reference("smollm2/fixtures.json");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/templates");
+        let (mut same, mut null_content, mut failures) = (0, 0, Vec::new());
+        for case in data["cases"].as_array().unwrap() {
+            let messages = case["messages"].as_array().unwrap();
+            let Some(want) = case["prompt"].as_str() else { continue };
+            if !messages.iter().any(|m| m.get("tool_calls").is_some()) {
+                continue;
+            }
+            let name = case["template"].as_str().unwrap();
+            let src = match name {
+                "SmolLM2-135M-Instruct" => smol["chat_template"].as_str().unwrap().to_string(),
+                _ => std::fs::read_to_string(dir.join(format!("{name}.jinja"))).unwrap(),
+            };
+            let sent = as_sent_by_a_client(messages);
+            assert!(sent.iter().any(|m| m.get("tool_calls").is_some_and(|c| c[0]["function"]["arguments"].is_string())));
+            null_content += sent.iter().filter(|m| m.get("content") == Some(&Value::Null)).count();
+            let t = JinjaChatTemplate::new(&src, case["bos_token"].as_str(), case["eos_token"].as_str()).unwrap();
+            let input = ChatTemplateInput {
+                messages: normalize_messages(sent).unwrap(),
+                tools: case["tools"].as_array().cloned(),
+                add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+                extra: case["kwargs"].as_object().cloned().unwrap_or_default(),
+            };
+            match t.render(&input) {
+                Ok(got) if got == want => same += 1,
+                got => failures.push(format!("{name}/{}: got {got:?}\nwant {want:?}", case["conversation"])),
+            }
+        }
+        assert!(failures.is_empty(), "{} differ:\n{}", failures.len(), failures.join("\n"));
+        assert!(same >= 40 && null_content > 0, "{same} rendered, {null_content} null contents");
+    }
+
+    #[test]
+    fn tool_call_arguments_are_decoded_and_bad_ones_name_their_place() {
+        let call = |args: Value| json!([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": args}}]}]);
+        let args_of = |args: Value| {
+            let m = normalize_messages(call(args).as_array().unwrap().clone()).unwrap();
+            assert_eq!(m[1]["content"], "");
+            m[1]["tool_calls"][0]["function"]["arguments"].clone()
+        };
+        assert_eq!(args_of(json!("{\"city\": \"Paris\", \"n\": [1, 2]}")), json!({"city": "Paris", "n": [1, 2]}));
+        assert_eq!(args_of(json!({"city": "Paris"})), json!({"city": "Paris"}));
+        assert_eq!(args_of(json!("")), json!({}));
+        assert_eq!(args_of(Value::Null), json!({}));
+        let err = |messages: Value| normalize_messages(messages.as_array().unwrap().clone()).unwrap_err();
+        let e = err(call(json!("{oops")));
+        assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("messages[1].tool_calls[0].function.arguments"));
+        assert!(e.message.contains("not valid JSON"), "{}", e.message);
+        assert_eq!(err(call(json!(5))).param.as_deref(), Some("messages[1].tool_calls[0].function.arguments"));
+        let e = err(json!([{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}]));
+        assert_eq!(e.param.as_deref(), Some("messages[0].tool_calls[0]"));
+        let e = err(json!([{"role": "assistant", "tool_calls": {"id": "1"}}]));
+        assert_eq!(e.param.as_deref(), Some("messages[0].tool_calls"));
+        // A null tool_calls is no calls.
+        assert!(normalize_messages(vec![json!({"role": "assistant", "content": "x", "tool_calls": null})]).is_ok());
     }
 }
