@@ -79,7 +79,11 @@ def test_invalid_fields_are_400(http, fields, param):
 
 
 def test_engine_validation_is_400(http):
-    assert_openai_error(http.post("/v1/chat/completions", json=chat_body(logprobs=True, top_logprobs=50)), 400)
+    assert_openai_error(http.post("/v1/chat/completions", json=chat_body(logprobs=True, top_logprobs=50)), 400, param="top_logprobs")
+    # A text completion asks for the same width as `logprobs`, and its error says so.
+    err = assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logprobs": 21}), 400, param="logprobs")
+    assert "'logprobs' must be at most 20" in err["message"], err
+    err = assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logprobs": 21, "echo": True}), 400, param="logprobs")
     assert_openai_error(http.post("/v1/chat/completions", json=chat_body(n=1000)), 400)
     assert_openai_error(http.post("/v1/completions", json={"prompt": [10**8], "max_tokens": 2}), 400)
     assert_openai_error(http.post("/v1/completions", json={"prompt": "", "max_tokens": 2}), 400)

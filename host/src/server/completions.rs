@@ -105,7 +105,7 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     if entries > MAX_PROMPT_LOGPROB_ENTRIES {
         // A width over the logprobs cap (`-1`: the vocabulary) is that error, not this one.
         for r in &reqs {
-            state.engine.validate(r).map_err(ApiError::from)?;
+            state.engine.validate(r).map_err(ApiError::from).map_err(legacy_logprobs_param)?;
         }
         let param = if vllm_prompt_k.is_some() { "prompt_logprobs" } else { "logprobs" };
         return Err(ApiError::invalid_param(
@@ -118,7 +118,7 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     let mut gen = Generation::submit(&state, in_flight, started, reqs)
         .map_err(|e| match e.code {
             Some("context_length_exceeded") => e.with_param("prompt"),
-            _ => e,
+            _ => legacy_logprobs_param(e),
         })?
         .with_admission(admission);
     let rate_headers = gen.rate_headers();
@@ -274,5 +274,17 @@ impl ChunkFormatter for CompletionChunks {
 
     fn usage(&mut self, usage: &Usage) -> Value {
         json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": [], "usage": usage.to_json()})
+    }
+}
+
+/// The engine names the alternatives' width `top_logprobs` (the chat field); a text completion
+/// asks for it as `logprobs`, so its errors name that.
+fn legacy_logprobs_param(e: ApiError) -> ApiError {
+    match e.param.as_deref() {
+        Some("top_logprobs") => {
+            let message = e.message.replace("'top_logprobs'", "'logprobs'");
+            ApiError { message, ..e }.with_param("logprobs")
+        }
+        _ => e,
     }
 }
