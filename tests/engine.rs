@@ -285,7 +285,7 @@ fn json_object_mode_yields_one_valid_object() {
     let mut c = core(EngineConfig::default());
     for (i, sampling) in [SamplingParams::greedy(), SamplingParams { temperature: 1.0, seed: Some(3), ..Default::default() }].into_iter().enumerate() {
         let (tx, mut rx) = unbounded_channel();
-        let req = EngineRequest { prompt_ids: prompt.clone(), sampling, max_tokens: 120, constraint: Some(wasmserve::sampling::constraint::ConstraintSpec::JsonObject), ..Default::default() };
+        let req = EngineRequest { prompt_ids: prompt.clone(), sampling, max_tokens: 120, constraint: Some(wasmserve::sampling::constraint::ConstraintSpec::JsonObject { whitespace: Default::default() }), ..Default::default() };
         c.add_request(i as u64, req, tx).unwrap();
         while c.step() {}
         let (mut text, mut reason) = (String::new(), None);

@@ -8,13 +8,36 @@ use super::json_schema::Schema;
 use super::schema_constraint::SchemaState;
 use super::tool_call_constraint::ToolCallConstraint;
 
+/// Insignificant whitespace JSON output may hold between its tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum JsonWhitespace {
+    /// Runs of up to [`JsonWhitespace::FLEXIBLE_RUN`] bytes anywhere JSON allows them.
+    #[default]
+    Flexible,
+    /// None (vLLM's `disable_any_whitespace`): compact JSON, which small models otherwise pad
+    /// with newlines and indentation that cost tokens and say nothing.
+    Disabled,
+}
+
+impl JsonWhitespace {
+    /// Longest run allowed when flexible: stops a model from padding forever.
+    pub const FLEXIBLE_RUN: u8 = 16;
+
+    pub fn max_run(self) -> u8 {
+        match self {
+            JsonWhitespace::Flexible => Self::FLEXIBLE_RUN,
+            JsonWhitespace::Disabled => 0,
+        }
+    }
+}
+
 /// What a request asks its output to be.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ConstraintSpec {
-    /// One JSON object (`response_format: json_object`).
-    JsonObject,
+    /// One JSON object (`response_format: json_object`, `structured_outputs.json_object`).
+    JsonObject { whitespace: JsonWhitespace },
     /// JSON text a schema accepts (`response_format: json_schema`, `structured_outputs.json`).
-    JsonSchema { schema: Arc<Schema> },
+    JsonSchema { schema: Arc<Schema>, whitespace: JsonWhitespace },
     /// `{"name": <one of these>, "arguments": {...}}` (forced tool choice).
     ToolCall { names: Vec<String> },
     /// Exactly one of these strings (`structured_outputs: {"choice": [...]}`).
@@ -32,8 +55,8 @@ pub enum Constraint {
 impl Constraint {
     pub fn new(spec: &ConstraintSpec) -> Self {
         match spec {
-            ConstraintSpec::JsonObject => Constraint::Json(JsonState::default()),
-            ConstraintSpec::JsonSchema { schema } => Constraint::Schema(SchemaState::new(schema.clone())),
+            ConstraintSpec::JsonObject { whitespace } => Constraint::Json(JsonState::with_whitespace(*whitespace)),
+            ConstraintSpec::JsonSchema { schema, whitespace } => Constraint::Schema(SchemaState::with_whitespace(schema.clone(), *whitespace)),
             ConstraintSpec::ToolCall { names } => Constraint::ToolCall(ToolCallConstraint::new(names)),
             ConstraintSpec::Choice { choices } => Constraint::Choice(ChoiceConstraint::new(choices)),
         }

@@ -5,10 +5,9 @@
 //! Checking is lazy: candidates are tried best first (greedy) or by sampling with rejection, so a
 //! step usually checks a handful of tokens rather than the whole vocabulary.
 
+use super::constraint::JsonWhitespace;
 use super::json_number::NumState;
 
-/// Longest run of insignificant whitespace allowed: stops a model from padding forever.
-const MAX_WHITESPACE_RUN: u32 = 16;
 /// Deepest nesting accepted.
 const MAX_DEPTH: usize = 64;
 
@@ -48,16 +47,21 @@ enum Expect {
 pub struct JsonState {
     stack: Vec<Frame>,
     expect: Expect,
-    whitespace_run: u32,
+    whitespace_run: u8,
+    max_whitespace_run: u8,
 }
 
 impl Default for JsonState {
     fn default() -> Self {
-        Self { stack: Vec::new(), expect: Expect::Start, whitespace_run: 0 }
+        Self::with_whitespace(JsonWhitespace::Flexible)
     }
 }
 
 impl JsonState {
+    pub fn with_whitespace(whitespace: JsonWhitespace) -> Self {
+        Self { stack: Vec::new(), expect: Expect::Start, whitespace_run: 0, max_whitespace_run: whitespace.max_run() }
+    }
+
     pub fn is_complete(&self) -> bool {
         self.expect == Expect::Done
     }
@@ -136,8 +140,11 @@ impl JsonState {
             if self.expect == Expect::Done {
                 return false; // nothing may follow the object but EOS
             }
+            if self.whitespace_run >= self.max_whitespace_run {
+                return false;
+            }
             self.whitespace_run += 1;
-            return self.whitespace_run <= MAX_WHITESPACE_RUN;
+            return true;
         }
         if !in_token {
             self.whitespace_run = 0;
@@ -280,5 +287,20 @@ mod tests {
         assert!(s.feed(b"{"));
         assert!(!s.accepts(&[b' '; 40]));
         assert!(s.accepts(b"   \"a\""));
+    }
+
+    #[test]
+    fn disabled_whitespace_takes_compact_json_only() {
+        let mut s = JsonState::with_whitespace(JsonWhitespace::Disabled);
+        assert!(!s.accepts(b" {"));
+        assert!(s.feed(b"{\"a b\":[1,{\"c\":\" \"}],\"d\":true"));
+        for ws in [&b" "[..], b"\n", b"\t", b"\r"] {
+            assert!(!s.accepts(ws), "{ws:?}");
+        }
+        assert!(s.feed(b"}"));
+        assert!(s.is_complete());
+        // Flexible takes the same text spaced out.
+        assert!(JsonState::default().feed(b"{ \"a b\" : [ 1 ,\n {\"c\": \" \"} ] }"));
+        assert!(!JsonState::with_whitespace(JsonWhitespace::Disabled).feed(b"{\"a\": 1}"));
     }
 }

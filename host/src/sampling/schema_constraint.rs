@@ -10,11 +10,10 @@
 
 use std::sync::Arc;
 
+use super::constraint::JsonWhitespace;
 use super::json_number::NumState;
 use super::json_schema::{Node, NodeId, Schema, ANY};
 
-/// Longest run of insignificant whitespace allowed: stops a model from padding forever.
-const MAX_WHITESPACE_RUN: u8 = 16;
 /// Deepest stack of pending tasks (nesting depth, roughly twice the JSON depth).
 const MAX_STACK: usize = 192;
 /// Live paths kept at most; beyond this the matcher keeps the first ones (it may then refuse
@@ -87,12 +86,17 @@ impl Path {
 pub struct SchemaState {
     schema: Arc<Schema>,
     paths: Vec<Path>,
+    max_whitespace_run: u8,
 }
 
 impl SchemaState {
     pub fn new(schema: Arc<Schema>) -> Self {
+        Self::with_whitespace(schema, JsonWhitespace::Flexible)
+    }
+
+    pub fn with_whitespace(schema: Arc<Schema>, whitespace: JsonWhitespace) -> Self {
         let root = schema.root;
-        Self { schema, paths: vec![Path { stack: vec![Task::Value(root)], whitespace_run: 0 }] }
+        Self { schema, paths: vec![Path { stack: vec![Task::Value(root)], whitespace_run: 0 }], max_whitespace_run: whitespace.max_run() }
     }
 
     pub fn is_complete(&self) -> bool {
@@ -109,8 +113,9 @@ impl SchemaState {
     pub fn feed(&mut self, bytes: &[u8]) -> bool {
         for &b in bytes {
             let mut next = Vec::new();
+            let m = Matcher { schema: &self.schema, max_whitespace_run: self.max_whitespace_run };
             for p in std::mem::take(&mut self.paths) {
-                step(&self.schema, p, b, &mut next, 0);
+                m.step(p, b, &mut next, 0);
             }
             dedup(&mut next);
             if next.is_empty() {
@@ -142,146 +147,155 @@ fn lit_bytes(schema: &Schema, src: LitSrc) -> &[u8] {
     }
 }
 
-/// `path` with `b` matched, pushed onto `out` (none when `b` cannot come next, several when
-/// the path forks).
-fn step(schema: &Schema, mut path: Path, b: u8, out: &mut Vec<Path>, expansions: u32) {
-    if path.stack.len() > MAX_STACK || expansions > MAX_EXPANSION {
-        return;
-    }
-    let Some(&top) = path.stack.last() else { return };
-    if matches!(b, b' ' | b'\n' | b'\t' | b'\r') && top.takes_whitespace() {
-        if path.whitespace_run < MAX_WHITESPACE_RUN {
-            path.whitespace_run += 1;
-            out.push(path);
+/// The schema and the generation settings one byte is matched under.
+struct Matcher<'a> {
+    schema: &'a Schema,
+    max_whitespace_run: u8,
+}
+
+impl Matcher<'_> {
+    /// `path` with `b` matched, pushed onto `out` (none when `b` cannot come next, several when
+    /// the path forks).
+    fn step(&self, mut path: Path, b: u8, out: &mut Vec<Path>, expansions: u32) {
+        let schema = self.schema;
+        if path.stack.len() > MAX_STACK || expansions > MAX_EXPANSION {
+            return;
         }
-        return;
-    }
-    if !matches!(b, b' ' | b'\n' | b'\t' | b'\r') {
-        path.whitespace_run = 0;
-    }
-    path.stack.pop();
-    // Pushes `tasks` (the last one on top) and matches `b` against the new top.
-    let then = |mut p: Path, tasks: &[Task], out: &mut Vec<Path>| {
-        p.stack.extend_from_slice(tasks);
-        step(schema, p, b, out, expansions + 1);
-    };
-    // Pushes `tasks` with `b` already consumed.
-    let done = |mut p: Path, tasks: &[Task], out: &mut Vec<Path>| {
-        p.stack.extend_from_slice(tasks);
-        out.push(p);
-    };
-    match top {
-        Task::Value(n) => match schema.node(n) {
-            Node::Union(branches) => {
-                for &br in branches {
-                    then(path.clone(), &[Task::Value(br)], out);
-                }
+        let Some(&top) = path.stack.last() else { return };
+        if matches!(b, b' ' | b'\n' | b'\t' | b'\r') && top.takes_whitespace() {
+            if path.whitespace_run < self.max_whitespace_run {
+                path.whitespace_run += 1;
+                out.push(path);
             }
-            Node::Any => match b {
-                b'{' => done(path, &[Task::Map { values: ANY, first: true }], out),
-                b'[' => done(path, &[Task::Arr { arr: ANY, count: 0 }], out),
-                b'"' => done(path, &[Task::Str { min: 0, max: u32::MAX, count: 0, esc: 0 }], out),
-                b't' => done(path, &[Task::Lit { src: LitSrc::Static(b"true"), pos: 1 }], out),
-                b'f' => done(path, &[Task::Lit { src: LitSrc::Static(b"false"), pos: 1 }], out),
-                b'n' => done(path, &[Task::Lit { src: LitSrc::Static(b"null"), pos: 1 }], out),
-                _ => {
-                    if let Some(state) = NumState::start(b) {
-                        done(path, &[Task::Num { state, integer: false }], out);
+            return;
+        }
+        if !matches!(b, b' ' | b'\n' | b'\t' | b'\r') {
+            path.whitespace_run = 0;
+        }
+        path.stack.pop();
+        // Pushes `tasks` (the last one on top) and matches `b` against the new top.
+        let then = |mut p: Path, tasks: &[Task], out: &mut Vec<Path>| {
+            p.stack.extend_from_slice(tasks);
+            self.step(p, b, out, expansions + 1);
+        };
+        // Pushes `tasks` with `b` already consumed.
+        let done = |mut p: Path, tasks: &[Task], out: &mut Vec<Path>| {
+            p.stack.extend_from_slice(tasks);
+            out.push(p);
+        };
+        match top {
+            Task::Value(n) => match schema.node(n) {
+                Node::Union(branches) => {
+                    for &br in branches {
+                        then(path.clone(), &[Task::Value(br)], out);
                     }
                 }
+                Node::Any => match b {
+                    b'{' => done(path, &[Task::Map { values: ANY, first: true }], out),
+                    b'[' => done(path, &[Task::Arr { arr: ANY, count: 0 }], out),
+                    b'"' => done(path, &[Task::Str { min: 0, max: u32::MAX, count: 0, esc: 0 }], out),
+                    b't' => done(path, &[Task::Lit { src: LitSrc::Static(b"true"), pos: 1 }], out),
+                    b'f' => done(path, &[Task::Lit { src: LitSrc::Static(b"false"), pos: 1 }], out),
+                    b'n' => done(path, &[Task::Lit { src: LitSrc::Static(b"null"), pos: 1 }], out),
+                    _ => {
+                        if let Some(state) = NumState::start(b) {
+                            done(path, &[Task::Num { state, integer: false }], out);
+                        }
+                    }
+                },
+                &Node::Str { min, max } => {
+                    if b == b'"' {
+                        done(path, &[Task::Str { min, max, count: 0, esc: 0 }], out);
+                    }
+                }
+                &Node::Num { integer } => {
+                    if let Some(state) = NumState::start(b) {
+                        done(path, &[Task::Num { state, integer }], out);
+                    }
+                }
+                Node::Lit(_) => then(path, &[Task::Lit { src: LitSrc::Node(n), pos: 0 }], out),
+                Node::Array { .. } => {
+                    if b == b'[' {
+                        done(path, &[Task::Arr { arr: n, count: 0 }], out);
+                    }
+                }
+                Node::Object { .. } => {
+                    if b == b'{' {
+                        done(path, &[Task::Obj { obj: n, next: 0, first: true }], out);
+                    }
+                }
+                &Node::Map { values } => {
+                    if b == b'{' {
+                        done(path, &[Task::Map { values, first: true }], out);
+                    }
+                }
+                Node::Pending => {}
             },
-            &Node::Str { min, max } => {
+            Task::Lit { src, pos } => {
+                let bytes = lit_bytes(schema, src);
+                if bytes.get(pos as usize) == Some(&b) {
+                    if (pos as usize) + 1 < bytes.len() {
+                        done(path, &[Task::Lit { src, pos: pos + 1 }], out);
+                    } else {
+                        out.push(path);
+                    }
+                }
+            }
+            Task::StrStart { min, max } => {
                 if b == b'"' {
                     done(path, &[Task::Str { min, max, count: 0, esc: 0 }], out);
                 }
             }
-            &Node::Num { integer } => {
-                if let Some(state) = NumState::start(b) {
-                    done(path, &[Task::Num { state, integer }], out);
+            Task::Str { min, max, count, esc } => string_byte(path, b, min, max, count, esc, out),
+            Task::Num { state, integer } => match state.next(b, integer) {
+                Some(s) => done(path, &[Task::Num { state: s, integer }], out),
+                // The number ended: `b` belongs to what follows it.
+                None if state.can_end() => self.step(path, b, out, expansions + 1),
+                None => {}
+            },
+            Task::Obj { obj, next, first } => {
+                let Node::Object { props } = schema.node(obj) else { return };
+                if b == b'}' && props[next as usize..].iter().all(|p| !p.required) {
+                    out.push(path.clone());
                 }
-            }
-            Node::Lit(_) => then(path, &[Task::Lit { src: LitSrc::Node(n), pos: 0 }], out),
-            Node::Array { .. } => {
-                if b == b'[' {
-                    done(path, &[Task::Arr { arr: n, count: 0 }], out);
-                }
-            }
-            Node::Object { .. } => {
-                if b == b'{' {
-                    done(path, &[Task::Obj { obj: n, next: 0, first: true }], out);
-                }
-            }
-            &Node::Map { values } => {
-                if b == b'{' {
-                    done(path, &[Task::Map { values, first: true }], out);
-                }
-            }
-            Node::Pending => {}
-        },
-        Task::Lit { src, pos } => {
-            let bytes = lit_bytes(schema, src);
-            if bytes.get(pos as usize) == Some(&b) {
-                if (pos as usize) + 1 < bytes.len() {
-                    done(path, &[Task::Lit { src, pos: pos + 1 }], out);
-                } else {
-                    out.push(path);
-                }
-            }
-        }
-        Task::StrStart { min, max } => {
-            if b == b'"' {
-                done(path, &[Task::Str { min, max, count: 0, esc: 0 }], out);
-            }
-        }
-        Task::Str { min, max, count, esc } => string_byte(path, b, min, max, count, esc, out),
-        Task::Num { state, integer } => match state.next(b, integer) {
-            Some(s) => done(path, &[Task::Num { state: s, integer }], out),
-            // The number ended: `b` belongs to what follows it.
-            None if state.can_end() => step(schema, path, b, out, expansions + 1),
-            None => {}
-        },
-        Task::Obj { obj, next, first } => {
-            let Node::Object { props } = schema.node(obj) else { return };
-            if b == b'}' && props[next as usize..].iter().all(|p| !p.required) {
-                out.push(path.clone());
-            }
-            if first || b == b',' {
-                // Any property from `next` on, skipping only optional ones.
-                for (j, prop) in props.iter().enumerate().skip(next as usize) {
-                    let tasks = [Task::Obj { obj, next: j as u16 + 1, first: false }, Task::Value(prop.node), Task::Lit { src: LitSrc::Static(b":"), pos: 0 }, Task::Lit { src: LitSrc::Key { obj, prop: j as u16 }, pos: 0 }];
-                    if first {
-                        then(path.clone(), &tasks, out);
-                    } else {
-                        done(path.clone(), &tasks, out);
-                    }
-                    if prop.required {
-                        break;
+                if first || b == b',' {
+                    // Any property from `next` on, skipping only optional ones.
+                    for (j, prop) in props.iter().enumerate().skip(next as usize) {
+                        let tasks = [Task::Obj { obj, next: j as u16 + 1, first: false }, Task::Value(prop.node), Task::Lit { src: LitSrc::Static(b":"), pos: 0 }, Task::Lit { src: LitSrc::Key { obj, prop: j as u16 }, pos: 0 }];
+                        if first {
+                            then(path.clone(), &tasks, out);
+                        } else {
+                            done(path.clone(), &tasks, out);
+                        }
+                        if prop.required {
+                            break;
+                        }
                     }
                 }
             }
-        }
-        Task::Map { values, first } => {
-            let key = Task::Str { min: 0, max: u32::MAX, count: 0, esc: 0 };
-            let colon = Task::Lit { src: LitSrc::Static(b":"), pos: 0 };
-            match (b, first) {
-                (b'}', _) => out.push(path),
-                (b'"', true) => done(path, &[Task::Map { values, first: false }, Task::Value(values), colon, key], out),
-                (b',', false) => done(path, &[Task::Map { values, first: false }, Task::Value(values), colon, Task::StrStart { min: 0, max: u32::MAX }], out),
-                _ => {}
+            Task::Map { values, first } => {
+                let key = Task::Str { min: 0, max: u32::MAX, count: 0, esc: 0 };
+                let colon = Task::Lit { src: LitSrc::Static(b":"), pos: 0 };
+                match (b, first) {
+                    (b'}', _) => out.push(path),
+                    (b'"', true) => done(path, &[Task::Map { values, first: false }, Task::Value(values), colon, key], out),
+                    (b',', false) => done(path, &[Task::Map { values, first: false }, Task::Value(values), colon, Task::StrStart { min: 0, max: u32::MAX }], out),
+                    _ => {}
+                }
             }
-        }
-        Task::Arr { arr, count } => {
-            let (items, min, max) = match schema.node(arr) {
-                &Node::Array { items, min, max } => (items, min, max),
-                _ => (ANY, 0, u32::MAX),
-            };
-            if b == b']' && count >= min {
-                out.push(path.clone());
-            }
-            if count == 0 && max > 0 {
-                then(path, &[Task::Arr { arr, count: 1 }, Task::Value(items)], out);
-            } else if count > 0 && b == b',' && count < max {
-                done(path, &[Task::Arr { arr, count: count + 1 }, Task::Value(items)], out);
+            Task::Arr { arr, count } => {
+                let (items, min, max) = match schema.node(arr) {
+                    &Node::Array { items, min, max } => (items, min, max),
+                    _ => (ANY, 0, u32::MAX),
+                };
+                if b == b']' && count >= min {
+                    out.push(path.clone());
+                }
+                if count == 0 && max > 0 {
+                    then(path, &[Task::Arr { arr, count: 1 }, Task::Value(items)], out);
+                } else if count > 0 && b == b',' && count < max {
+                    done(path, &[Task::Arr { arr, count: count + 1 }, Task::Value(items)], out);
+                }
             }
         }
     }
@@ -389,6 +403,17 @@ mod tests {
         assert!(!check(&s, &format!("{{{}", " ".repeat(17))).0);
         assert!(!check(&s, "{\"a\": \"x\ny\"}").0, "a raw newline inside a string");
         assert!(!check(&s, "{\"a\": \"\\q\"}").0, "an unknown escape");
+    }
+
+    #[test]
+    fn disabled_whitespace_takes_compact_text_only() {
+        let schema = Arc::new(Schema::compile(&json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}}, "b": {"type": "integer"}}, "required": ["a"]})).unwrap());
+        let compact = SchemaState::with_whitespace(schema.clone(), JsonWhitespace::Disabled);
+        assert_eq!(check(&compact, r#"{"a":["x y","z"],"b":-3}"#), (true, true));
+        for spaced in [r#" {"a":[]}"#, r#"{ "a":[]}"#, r#"{"a" :[]}"#, r#"{"a": []}"#, r#"{"a":[ "x"]}"#, r#"{"a":["x"] ,"b":1}"#, "{\"a\":[]\n}"] {
+            assert!(!check(&compact, spaced).0, "{spaced}");
+            assert_eq!(check(&SchemaState::new(schema.clone()), spaced), (true, true), "{spaced}");
+        }
     }
 
     #[test]

@@ -310,9 +310,10 @@ pub async fn handler(
     })?;
     ereq.prompt_ids = prompt_ids;
     req.sampling.truncate_prompt(&mut ereq.prompt_ids, state.engine.max_model_len());
+    let whitespace = super::structured::json_whitespace(req.sampling.structured_outputs.as_ref())?;
     match req.response_format.as_ref().and_then(|rf| rf.get("type")).and_then(Value::as_str) {
-        Some("json_object") => ereq.constraint = Some(ConstraintSpec::JsonObject),
-        Some("json_schema") => ereq.constraint = Some(super::structured::response_format_schema(req.response_format.as_ref().expect("checked"))?),
+        Some("json_object") => ereq.constraint = Some(ConstraintSpec::JsonObject { whitespace }),
+        Some("json_schema") => ereq.constraint = Some(super::structured::response_format_schema(req.response_format.as_ref().expect("checked"), whitespace)?),
         _ => {}
     }
     if let Some(c) = super::structured::from_sampling_fields(&req.sampling)? {

@@ -1,4 +1,5 @@
-//! Structured outputs: vLLM's `structured_outputs` request field (`choice` or `json`) and its
+//! Structured outputs: vLLM's `structured_outputs` request field (`choice`, `json` or
+//! `json_object`, and `disable_any_whitespace` for compact JSON) and its
 //! older spellings `guided_choice` / `guided_json`, and OpenAI's `response_format` of type
 //! `json_schema`. A choice makes the output exactly one of the given strings
 //! (`sampling::choice_constraint`); a schema makes it JSON the schema accepts
@@ -11,7 +12,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use super::error::{ApiError, ApiResult};
-use crate::sampling::constraint::ConstraintSpec;
+use crate::sampling::constraint::{ConstraintSpec, JsonWhitespace};
 use crate::sampling::json_schema::Schema;
 
 /// The constraint a chat or text completion request asks for in its vLLM fields.
@@ -30,7 +31,7 @@ pub fn structured_constraint(structured_outputs: Option<&Value>, guided_choice: 
         return choices("guided_choice", guided_choice).map(Some);
     }
     if gj {
-        return schema_constraint("guided_json", guided_json.expect("given")).map(Some);
+        return schema_constraint("guided_json", guided_json.expect("given"), JsonWhitespace::Flexible).map(Some);
     }
     if !so {
         return Ok(None);
@@ -38,28 +39,63 @@ pub fn structured_constraint(structured_outputs: Option<&Value>, guided_choice: 
     let Some(Value::Object(o)) = structured_outputs else {
         return Err(ApiError::invalid_param("structured_outputs", "'structured_outputs' must be an object"));
     };
-    if let Some(other) = o.keys().find(|k| !matches!(k.as_str(), "choice" | "json")) {
-        return Err(ApiError::invalid_param("structured_outputs", format!("structured_outputs.{other} is not supported (only 'choice' and 'json')")));
+    if let Some(other) = o.keys().find(|k| !STRUCTURED_OUTPUTS_KEYS.contains(&k.as_str())) {
+        return Err(ApiError::invalid_param(
+            "structured_outputs",
+            format!("structured_outputs.{other} is not supported (only {})", STRUCTURED_OUTPUTS_KEYS.join(", ")),
+        ));
     }
-    match (o.get("choice"), o.get("json")) {
-        (Some(_), Some(_)) => Err(ApiError::invalid_param("structured_outputs", "give 'choice' or 'json', not both")),
-        (_, Some(schema)) => schema_constraint("structured_outputs.json", schema).map(Some),
-        (choice, None) => choices("structured_outputs.choice", choice).map(Some),
+    let whitespace = json_whitespace(structured_outputs)?;
+    let json_object = match o.get("json_object") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(_) => return Err(ApiError::invalid_param("structured_outputs.json_object", "'structured_outputs.json_object' must be a boolean")),
+    };
+    let choice = o.get("choice").filter(|v| !v.is_null());
+    let json = o.get("json").filter(|v| !v.is_null());
+    if [choice.is_some(), json.is_some(), json_object].iter().filter(|x| **x).count() > 1 {
+        return Err(ApiError::invalid_param("structured_outputs", "give one of 'choice', 'json' or 'json_object', not several"));
+    }
+    if let Some(schema) = json {
+        return schema_constraint("structured_outputs.json", schema, whitespace).map(Some);
+    }
+    if json_object {
+        return Ok(Some(ConstraintSpec::JsonObject { whitespace }));
+    }
+    // Options alone (`disable_any_whitespace`) shape a `response_format` constraint, as in vLLM.
+    choice.map(|c| choices("structured_outputs.choice", Some(c))).transpose()
+}
+
+/// The `structured_outputs` fields read: vLLM's constraint kinds this server enforces and the
+/// options that apply to them (`disable_fallback` is accepted because nothing here falls back:
+/// an unenforceable constraint is a 400).
+const STRUCTURED_OUTPUTS_KEYS: &[&str] = &["choice", "json", "json_object", "disable_any_whitespace", "disable_fallback"];
+
+/// vLLM's `structured_outputs.disable_any_whitespace`: JSON constraints (this request's
+/// `response_format` too) then allow no insignificant whitespace.
+pub fn json_whitespace(structured_outputs: Option<&Value>) -> ApiResult<JsonWhitespace> {
+    match structured_outputs.and_then(|o| o.get("disable_any_whitespace")) {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(JsonWhitespace::Flexible),
+        Some(Value::Bool(true)) => Ok(JsonWhitespace::Disabled),
+        Some(_) => Err(ApiError::invalid_param(
+            "structured_outputs.disable_any_whitespace",
+            "'structured_outputs.disable_any_whitespace' must be a boolean",
+        )),
     }
 }
 
 /// `response_format: {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`
 /// (no `schema`: any JSON object).
-pub fn response_format_schema(rf: &Value) -> ApiResult<ConstraintSpec> {
+pub fn response_format_schema(rf: &Value, whitespace: JsonWhitespace) -> ApiResult<ConstraintSpec> {
     let js = rf.get("json_schema").ok_or_else(|| ApiError::invalid_param("response_format", "response_format 'json_schema' needs a 'json_schema' object"))?;
     if !js.is_object() {
         return Err(ApiError::invalid_param("response_format", "'response_format.json_schema' must be an object"));
     }
     let schema = js.get("schema").cloned().unwrap_or_else(|| Value::Object(Default::default()));
-    schema_constraint("response_format", &schema)
+    schema_constraint("response_format", &schema, whitespace)
 }
 
-fn schema_constraint(param: &str, schema: &Value) -> ApiResult<ConstraintSpec> {
+fn schema_constraint(param: &str, schema: &Value, whitespace: JsonWhitespace) -> ApiResult<ConstraintSpec> {
     // guided_json may come as the schema's text.
     let parsed;
     let schema = match schema {
@@ -70,7 +106,7 @@ fn schema_constraint(param: &str, schema: &Value) -> ApiResult<ConstraintSpec> {
         v => v,
     };
     let schema = Schema::compile(schema).map_err(|e| ApiError::invalid_param(param, format!("invalid schema in '{param}': {e}")))?;
-    Ok(ConstraintSpec::JsonSchema { schema: Arc::new(schema) })
+    Ok(ConstraintSpec::JsonSchema { schema: Arc::new(schema), whitespace })
 }
 
 fn choices(param: &str, v: Option<&Value>) -> ApiResult<ConstraintSpec> {
@@ -104,13 +140,38 @@ mod tests {
             structured_constraint(Some(&json!({"json": schema})), None, None).unwrap().unwrap(),
             structured_constraint(None, None, Some(&schema)).unwrap().unwrap(),
             structured_constraint(None, None, Some(&Value::String(schema.to_string()))).unwrap().unwrap(),
-            response_format_schema(&json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})).unwrap(),
+            response_format_schema(&json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}), JsonWhitespace::Flexible).unwrap(),
         ] {
             assert!(matches!(spec, ConstraintSpec::JsonSchema { .. }));
         }
-        let e = response_format_schema(&json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a"}}})).unwrap_err();
+        let e = response_format_schema(&json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a"}}}), JsonWhitespace::Flexible).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("response_format"));
         assert!(e.message.contains("'pattern'"), "{}", e.message);
         assert!(structured_constraint(Some(&json!({"json": schema})), Some(&json!(["a"])), None).is_err());
+    }
+
+    #[test]
+    fn json_object_and_disable_any_whitespace_are_read() {
+        let so = |v: Value| structured_constraint(Some(&v), None, None);
+        let schema = json!({"type": "object"});
+        assert_eq!(so(json!({"json_object": true})).unwrap(), Some(ConstraintSpec::JsonObject { whitespace: JsonWhitespace::Flexible }));
+        assert_eq!(so(json!({"json_object": true, "disable_any_whitespace": true})).unwrap(), Some(ConstraintSpec::JsonObject { whitespace: JsonWhitespace::Disabled }));
+        assert!(matches!(
+            so(json!({"json": schema, "disable_any_whitespace": true, "disable_fallback": true})).unwrap(),
+            Some(ConstraintSpec::JsonSchema { whitespace: JsonWhitespace::Disabled, .. })
+        ));
+        // Options alone constrain nothing themselves; they shape response_format's constraint.
+        assert_eq!(so(json!({"disable_any_whitespace": true})).unwrap(), None);
+        assert_eq!(json_whitespace(Some(&json!({"disable_any_whitespace": true}))).unwrap(), JsonWhitespace::Disabled);
+        assert_eq!(json_whitespace(None).unwrap(), JsonWhitespace::Flexible);
+        for (bad, param) in [
+            (json!({"json_object": true, "json": schema}), "structured_outputs"),
+            (json!({"json_object": true, "choice": ["a"]}), "structured_outputs"),
+            (json!({"json_object": "yes"}), "structured_outputs.json_object"),
+            (json!({"json": schema, "disable_any_whitespace": 1}), "structured_outputs.disable_any_whitespace"),
+            (json!({"whitespace_pattern": " "}), "structured_outputs"),
+        ] {
+            assert_eq!(so(bad.clone()).unwrap_err().param.as_deref(), Some(param), "{bad}");
+        }
     }
 }

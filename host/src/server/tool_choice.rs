@@ -56,7 +56,7 @@ fn tool_call_spec(tools: &[Value], names: Vec<String>) -> ConstraintSpec {
         branches.push(json!({"type": "object", "properties": {"name": {"const": name}, "arguments": params}, "required": ["name", "arguments"]}));
     }
     match Schema::compile(&json!({"anyOf": branches})) {
-        Ok(schema) => ConstraintSpec::JsonSchema { schema: Arc::new(schema) },
+        Ok(schema) => ConstraintSpec::JsonSchema { schema: Arc::new(schema), whitespace: Default::default() },
         Err(e) => {
             tracing::debug!(error = %e, "the tools' schemas together cannot be enforced: arguments constrained to any JSON object");
             ConstraintSpec::ToolCall { names }
