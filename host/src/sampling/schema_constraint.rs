@@ -8,7 +8,7 @@
 //! is refused. Paths are deduplicated after every byte and capped, so the work per token stays
 //! bounded whatever the schema.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::constraint::JsonWhitespace;
 use super::json_number::NumState;
@@ -82,11 +82,22 @@ impl Path {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct SchemaState {
     schema: Arc<Schema>,
     paths: Vec<Path>,
     max_whitespace_run: u8,
+    /// Which bytes may come next, worked out on the first `accepts` after a change: a mask over
+    /// the vocabulary then refuses most tokens by their first byte without copying the paths.
+    next_bytes: OnceLock<[u64; 4]>,
+}
+
+/// A copy without the byte table: the copy is made to be fed (which resets the table), and
+/// `OnceLock`'s own clone would initialise a new cell every time (its slow path).
+impl Clone for SchemaState {
+    fn clone(&self) -> Self {
+        Self { schema: self.schema.clone(), paths: self.paths.clone(), max_whitespace_run: self.max_whitespace_run, next_bytes: OnceLock::new() }
+    }
 }
 
 impl SchemaState {
@@ -96,7 +107,12 @@ impl SchemaState {
 
     pub fn with_whitespace(schema: Arc<Schema>, whitespace: JsonWhitespace) -> Self {
         let root = schema.root;
-        Self { schema, paths: vec![Path { stack: vec![Task::Value(root)], whitespace_run: 0 }], max_whitespace_run: whitespace.max_run() }
+        Self {
+            schema,
+            paths: vec![Path { stack: vec![Task::Value(root)], whitespace_run: 0 }],
+            max_whitespace_run: whitespace.max_run(),
+            next_bytes: OnceLock::new(),
+        }
     }
 
     pub fn is_complete(&self) -> bool {
@@ -105,16 +121,37 @@ impl SchemaState {
 
     /// Whether appending `bytes` keeps the output a valid prefix.
     pub fn accepts(&self, bytes: &[u8]) -> bool {
-        let mut probe = self.clone();
-        probe.feed(bytes)
+        match bytes {
+            [] => true,
+            [b] => self.may_come_next(*b),
+            [b, ..] => self.may_come_next(*b) && self.clone().feed(bytes),
+        }
+    }
+
+    fn may_come_next(&self, b: u8) -> bool {
+        let table = self.next_bytes.get_or_init(|| {
+            let mut table = [0u64; 4];
+            for c in 0..=255u8 {
+                if self.clone().feed(&[c]) {
+                    table[c as usize / 64] |= 1 << (c % 64);
+                }
+            }
+            table
+        });
+        table[b as usize / 64] >> (b % 64) & 1 == 1
     }
 
     /// Appends `bytes`; false (and the state is then dead) when no path accepts them.
     pub fn feed(&mut self, bytes: &[u8]) -> bool {
+        // Called for every candidate token (the whole vocabulary when a step masks it), so the
+        // two path buffers are reused across bytes rather than allocated per byte.
+        if !bytes.is_empty() {
+            self.next_bytes = OnceLock::new();
+        }
+        let m = Matcher { schema: &self.schema, max_whitespace_run: self.max_whitespace_run };
+        let mut next = Vec::with_capacity(self.paths.len());
         for &b in bytes {
-            let mut next = Vec::new();
-            let m = Matcher { schema: &self.schema, max_whitespace_run: self.max_whitespace_run };
-            for p in std::mem::take(&mut self.paths) {
+            for p in self.paths.drain(..) {
                 m.step(p, b, &mut next, 0);
             }
             dedup(&mut next);
@@ -122,15 +159,34 @@ impl SchemaState {
                 return false;
             }
             next.truncate(MAX_PATHS);
-            self.paths = next;
+            std::mem::swap(&mut self.paths, &mut next);
         }
         true
     }
 }
 
+/// Drops repeated paths, keeping each one's first occurrence (the order `truncate` keeps).
 fn dedup(paths: &mut Vec<Path>) {
-    let mut seen = std::collections::HashSet::new();
-    paths.retain(|p| seen.insert(p.clone()));
+    match paths.len() {
+        // Usually one path, or a few after a union: comparing beats hashing (and cloning) them.
+        0..=1 => {}
+        2..=16 => {
+            let mut i = 1;
+            while i < paths.len() {
+                if paths[..i].contains(&paths[i]) {
+                    paths.remove(i);
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        _ => {
+            let mut seen = std::collections::HashSet::new();
+            let first: Vec<bool> = paths.iter().map(|p| seen.insert(p)).collect();
+            let mut keep = first.into_iter();
+            paths.retain(|_| keep.next().unwrap_or(false));
+        }
+    }
 }
 
 fn lit_bytes(schema: &Schema, src: LitSrc) -> &[u8] {
@@ -301,31 +357,41 @@ impl Matcher<'_> {
     }
 }
 
-/// One byte inside a string body.
+/// One byte inside a string body: `path` (the string's task popped) moves on, or is dropped when
+/// `b` cannot come next. Moved, not cloned: this runs for every byte of every string.
 #[allow(clippy::too_many_arguments)]
 fn string_byte(mut path: Path, b: u8, min: u32, max: u32, count: u32, esc: u8, out: &mut Vec<Path>) {
-    let mut stay = |count: u32, esc: u8| {
-        path.stack.push(Task::Str { min, max, count, esc });
-        out.push(path.clone());
-    };
-    match esc {
+    enum Next {
+        Stay { count: u32, esc: u8 },
+        Close,
+        Refuse,
+    }
+    let next = match esc {
         0 => match b {
-            b'"' if count >= min => out.push(path.clone()),
-            b'"' => {}
-            b'\\' if count < max => stay(count + 1, 1),
-            0x00..=0x1f => {}
+            b'"' if count >= min => Next::Close,
+            b'"' => Next::Refuse,
+            b'\\' if count < max => Next::Stay { count: count + 1, esc: 1 },
+            0x00..=0x1f => Next::Refuse,
             // A UTF-8 continuation byte adds no character.
-            0x80..=0xbf => stay(count, 0),
-            _ if count < max => stay(count + 1, 0),
-            _ => {}
+            0x80..=0xbf => Next::Stay { count, esc: 0 },
+            _ if count < max => Next::Stay { count: count + 1, esc: 0 },
+            _ => Next::Refuse,
         },
         1 => match b {
-            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => stay(count, 0),
-            b'u' => stay(count, 5),
-            _ => {}
+            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Next::Stay { count, esc: 0 },
+            b'u' => Next::Stay { count, esc: 5 },
+            _ => Next::Refuse,
         },
-        _ if b.is_ascii_hexdigit() => stay(count, if esc == 2 { 0 } else { esc - 1 }),
-        _ => {}
+        _ if b.is_ascii_hexdigit() => Next::Stay { count, esc: if esc == 2 { 0 } else { esc - 1 } },
+        _ => Next::Refuse,
+    };
+    match next {
+        Next::Stay { count, esc } => {
+            path.stack.push(Task::Str { min, max, count, esc });
+            out.push(path);
+        }
+        Next::Close => out.push(path),
+        Next::Refuse => {}
     }
 }
 
@@ -414,6 +480,25 @@ mod tests {
             assert!(!check(&compact, spaced).0, "{spaced}");
             assert_eq!(check(&SchemaState::new(schema.clone()), spaced), (true, true), "{spaced}");
         }
+    }
+
+    /// `accepts` answers from its byte table and a probe copy; it must agree with feeding a copy
+    /// (the definition) for every byte and for longer texts, also after the state moved on (the
+    /// table of the previous state must not survive a `feed`).
+    #[test]
+    fn accepts_agrees_with_feeding_a_copy() {
+        let s = state(json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "number"}}, "b": {"enum": ["x y", null]}}}));
+        let texts: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).chain([r#""a": ["#, r#" "b""#, "1.5e3,", r#"null}"#, r#""x y"}"#, "\n\t ", r#""a"#].map(|t| t.as_bytes().to_vec())).collect();
+        let mut st = s.clone();
+        for step in [&br#"{"#[..], br#" "a""#, b": [", b"1", b".25", b", -3]", br#", "b": "#, b"\"x", b" y\"", b"}"] {
+            for t in &texts {
+                let mut copy = st.clone();
+                assert_eq!(st.accepts(t), copy.feed(t), "after {:?}: {:?}", String::from_utf8_lossy(step), String::from_utf8_lossy(t));
+            }
+            assert!(st.feed(step), "{:?}", String::from_utf8_lossy(step));
+        }
+        assert!(st.is_complete());
+        assert!(!st.accepts(b" ") && !st.accepts(b"}"));
     }
 
     #[test]
