@@ -8,6 +8,7 @@
 //! is refused. Paths are deduplicated after every byte and capped, so the work per token stays
 //! bounded whatever the schema.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use super::constraint::JsonWhitespace;
@@ -87,16 +88,28 @@ pub struct SchemaState {
     schema: Arc<Schema>,
     paths: Vec<Path>,
     max_whitespace_run: u8,
-    /// Which bytes may come next, worked out on the first `accepts` after a change: a mask over
-    /// the vocabulary then refuses most tokens by their first byte without copying the paths.
+    /// Which bytes may come next, worked out once `accepts` has been asked [`TABLE_AFTER`] times
+    /// since the last change: a pass over the vocabulary then refuses most tokens by their first
+    /// byte without copying the paths, while a step whose first draw is allowed never pays the
+    /// 256 probes the table costs.
     next_bytes: OnceLock<[u64; 4]>,
+    probes: AtomicU32,
 }
+
+/// `accepts` calls on one state before it builds its byte table.
+const TABLE_AFTER: u32 = 8;
 
 /// A copy without the byte table: the copy is made to be fed (which resets the table), and
 /// `OnceLock`'s own clone would initialise a new cell every time (its slow path).
 impl Clone for SchemaState {
     fn clone(&self) -> Self {
-        Self { schema: self.schema.clone(), paths: self.paths.clone(), max_whitespace_run: self.max_whitespace_run, next_bytes: OnceLock::new() }
+        Self {
+            schema: self.schema.clone(),
+            paths: self.paths.clone(),
+            max_whitespace_run: self.max_whitespace_run,
+            next_bytes: OnceLock::new(),
+            probes: AtomicU32::new(0),
+        }
     }
 }
 
@@ -112,6 +125,7 @@ impl SchemaState {
             paths: vec![Path { stack: vec![Task::Value(root)], whitespace_run: 0 }],
             max_whitespace_run: whitespace.max_run(),
             next_bytes: OnceLock::new(),
+            probes: AtomicU32::new(0),
         }
     }
 
@@ -121,24 +135,30 @@ impl SchemaState {
 
     /// Whether appending `bytes` keeps the output a valid prefix.
     pub fn accepts(&self, bytes: &[u8]) -> bool {
-        match bytes {
-            [] => true,
-            [b] => self.may_come_next(*b),
-            [b, ..] => self.may_come_next(*b) && self.clone().feed(bytes),
+        let Some(&first) = bytes.first() else { return true };
+        match self.first_byte(first) {
+            Some(false) => false,
+            Some(true) if bytes.len() == 1 => true,
+            _ => self.clone().feed(bytes),
         }
     }
 
-    fn may_come_next(&self, b: u8) -> bool {
-        let table = self.next_bytes.get_or_init(|| {
-            let mut table = [0u64; 4];
-            for c in 0..=255u8 {
-                if self.clone().feed(&[c]) {
-                    table[c as usize / 64] |= 1 << (c % 64);
+    /// Whether `b` may come next, from the byte table; `None` while the table is not built.
+    fn first_byte(&self, b: u8) -> Option<bool> {
+        let table = match self.next_bytes.get() {
+            Some(table) => table,
+            None if self.probes.fetch_add(1, Ordering::Relaxed) < TABLE_AFTER => return None,
+            None => self.next_bytes.get_or_init(|| {
+                let mut table = [0u64; 4];
+                for c in 0..=255u8 {
+                    if self.clone().feed(&[c]) {
+                        table[c as usize / 64] |= 1 << (c % 64);
+                    }
                 }
-            }
-            table
-        });
-        table[b as usize / 64] >> (b % 64) & 1 == 1
+                table
+            }),
+        };
+        Some(table[b as usize / 64] >> (b % 64) & 1 == 1)
     }
 
     /// Appends `bytes`; false (and the state is then dead) when no path accepts them.
@@ -147,6 +167,7 @@ impl SchemaState {
         // two path buffers are reused across bytes rather than allocated per byte.
         if !bytes.is_empty() {
             self.next_bytes = OnceLock::new();
+            self.probes = AtomicU32::new(0);
         }
         let m = Matcher { schema: &self.schema, max_whitespace_run: self.max_whitespace_run };
         let mut next = Vec::with_capacity(self.paths.len());
