@@ -63,15 +63,23 @@ pub fn normalize_messages(messages: Vec<Value>) -> ApiResult<Vec<Value>> {
                 Some(Value::Array(parts)) => {
                     let mut texts = Vec::with_capacity(parts.len());
                     for (j, p) in parts.iter().enumerate() {
-                        match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                            (Some("text"), Some(t)) => texts.push(t.to_string()),
-                            (Some(kind), _) if kind != "text" => {
+                        // The text kinds vLLM reads: chat's `text`, the Responses API's
+                        // `input_text` / `output_text`, and an assistant's `refusal`.
+                        let kind = p.get("type").and_then(Value::as_str);
+                        let field = match kind {
+                            Some("text" | "input_text" | "output_text") => "text",
+                            Some("refusal") => "refusal",
+                            Some(kind) => {
                                 return Err(ApiError::not_supported(
                                     &format!("{param}[{j}]"),
-                                    format!("content parts of type '{kind}' are not supported; only 'text'"),
+                                    format!("content parts of type '{kind}' are not supported; only text ('text', 'input_text', 'output_text', 'refusal')"),
                                 ))
                             }
-                            _ => {
+                            None => "",
+                        };
+                        match p.get(field).and_then(Value::as_str) {
+                            Some(t) => texts.push(t.to_string()),
+                            None => {
                                 return Err(ApiError::invalid_param(
                                     &format!("{param}[{j}]"),
                                     format!("{param}[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}"),
@@ -660,6 +668,22 @@ mod tests {
         }
         assert!(failures.is_empty(), "{} differ:\n{}", failures.len(), failures.join("\n"));
         assert!(same >= 40 && null_content > 0, "{same} rendered, {null_content} null contents");
+    }
+
+    #[test]
+    fn text_parts_of_every_text_kind_are_joined() {
+        let m = normalize_messages(vec![
+            json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]}),
+            json!({"role": "assistant", "content": [{"type": "output_text", "text": "c"}, {"type": "refusal", "refusal": "d"}]}),
+        ])
+        .unwrap();
+        assert_eq!((m[0]["content"].as_str(), m[1]["content"].as_str()), (Some("a\nb"), Some("c\nd")));
+        let err = |part: Value| normalize_messages(vec![json!({"role": "user", "content": [part]})]).unwrap_err();
+        let e = err(json!({"type": "image_url", "image_url": {"url": "x"}}));
+        assert_eq!((e.param.as_deref(), e.code), (Some("messages[0].content[0]"), Some("unsupported_parameter")));
+        for bad in [json!({"type": "refusal", "text": "d"}), json!({"text": "no type"}), json!({"type": "text"})] {
+            assert_eq!(err(bad.clone()).param.as_deref(), Some("messages[0].content[0]"), "{bad}");
+        }
     }
 
     #[test]
