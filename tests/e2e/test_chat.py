@@ -384,6 +384,12 @@ def test_disable_any_whitespace_makes_compact_json(client, http):
         check_cat(content)
         assert insignificant_whitespace(content) == [], content
         assert r.usage.completion_tokens < len(tokenize(http, prompt=spaced, add_special_tokens=False)["tokens"])
+    # A forced tool call's JSON too: the same call in fewer tokens.
+    call = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=weather_tools(),
+                tool_choice="required", temperature=0, max_tokens=100)
+    padded, compact = (client.chat.completions.create(**call, **extra) for extra in ({}, {"extra_body": {"structured_outputs": so}}))
+    assert padded.choices[0].finish_reason == compact.choices[0].finish_reason == "tool_calls"
+    assert compact.usage.completion_tokens < padded.usage.completion_tokens, (compact.usage, padded.usage)
     # json_object, on the text endpoint too.
     for path, body in [
         ("/v1/chat/completions", {"messages": messages}),

@@ -327,7 +327,7 @@ pub async fn handler(
     if let Some(c) = super::structured::from_sampling_fields(&req.sampling)? {
         ereq.constraint = Some(c);
     }
-    let forced = forced_constraint(req.tool_choice.as_ref(), req.tools.as_deref())?;
+    let forced = forced_constraint(req.tool_choice.as_ref(), req.tools.as_deref(), whitespace)?;
     let forced_tool = forced.is_some();
     if forced.is_some() {
         ereq.constraint = forced;

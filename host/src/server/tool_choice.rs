@@ -10,12 +10,15 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use super::error::{ApiError, ApiResult};
-use crate::sampling::constraint::ConstraintSpec;
+use crate::sampling::constraint::{ConstraintSpec, JsonWhitespace};
 use crate::sampling::json_schema::Schema;
 use crate::sampling::tool_call_constraint::parse_tool_call;
 
 /// The constraint a request's `tool_choice` forces, if any.
-pub fn forced_constraint(tool_choice: Option<&Value>, tools: Option<&[Value]>) -> ApiResult<Option<ConstraintSpec>> {
+///
+/// `whitespace` (`structured_outputs.disable_any_whitespace`) applies to the call's JSON; the
+/// fallback for schemas too large to enforce writes its own fixed spacing.
+pub fn forced_constraint(tool_choice: Option<&Value>, tools: Option<&[Value]>, whitespace: JsonWhitespace) -> ApiResult<Option<ConstraintSpec>> {
     let names: Vec<String> = tools
         .unwrap_or_default()
         .iter()
@@ -26,14 +29,14 @@ pub fn forced_constraint(tool_choice: Option<&Value>, tools: Option<&[Value]>) -
             if names.is_empty() {
                 return Err(ApiError::invalid_param("tool_choice", "tool_choice 'required' needs at least one tool in 'tools'"));
             }
-            Ok(Some(tool_call_spec(tools.unwrap_or_default(), names)))
+            Ok(Some(tool_call_spec(tools.unwrap_or_default(), names, whitespace)))
         }
         Some(Value::Object(o)) => {
             let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).unwrap_or_default();
             if !names.iter().any(|n| n == name) {
                 return Err(ApiError::invalid_param("tool_choice", format!("tool_choice names function '{name}', which is not in 'tools'")));
             }
-            Ok(Some(tool_call_spec(tools.unwrap_or_default(), vec![name.to_string()])))
+            Ok(Some(tool_call_spec(tools.unwrap_or_default(), vec![name.to_string()], whitespace)))
         }
         _ => Ok(None),
     }
@@ -41,7 +44,7 @@ pub fn forced_constraint(tool_choice: Option<&Value>, tools: Option<&[Value]>) -
 
 /// The constraint for a call of one of `names`: one schema branch per tool, its arguments
 /// following the tool's `parameters`.
-fn tool_call_spec(tools: &[Value], names: Vec<String>) -> ConstraintSpec {
+fn tool_call_spec(tools: &[Value], names: Vec<String>, whitespace: JsonWhitespace) -> ConstraintSpec {
     let mut branches = Vec::new();
     for t in tools {
         let f = t.get("function");
@@ -56,7 +59,7 @@ fn tool_call_spec(tools: &[Value], names: Vec<String>) -> ConstraintSpec {
         branches.push(json!({"type": "object", "properties": {"name": {"const": name}, "arguments": params}, "required": ["name", "arguments"]}));
     }
     match Schema::compile(&json!({"anyOf": branches})) {
-        Ok(schema) => ConstraintSpec::JsonSchema { schema: Arc::new(schema), whitespace: Default::default() },
+        Ok(schema) => ConstraintSpec::JsonSchema { schema: Arc::new(schema), whitespace },
         Err(e) => {
             tracing::debug!(error = %e, "the tools' schemas together cannot be enforced: arguments constrained to any JSON object");
             ConstraintSpec::ToolCall { names }
@@ -109,7 +112,7 @@ mod tests {
             json!({"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-z]+$"}}}}}),
             json!({"type": "function", "function": {"name": "now"}}),
         ];
-        let spec = forced_constraint(Some(&json!("required")), Some(&tools)).unwrap().unwrap();
+        let spec = forced_constraint(Some(&json!("required")), Some(&tools), JsonWhitespace::Flexible).unwrap().unwrap();
         assert!(matches!(spec, ConstraintSpec::JsonSchema { .. }));
         let full = |t: &str| {
             let mut c = Constraint::new(&spec);
@@ -122,8 +125,11 @@ mod tests {
         assert!(!accepts(&spec, r#"{"name": "get_weather", "arguments": {"town""#));
         assert!(!accepts(&spec, r#"{"name": "get_weather", "arguments": {"city": "P", "unit": "k""#));
         assert!(!accepts(&spec, r#"{"name": "other""#));
-        let named = forced_constraint(Some(&json!({"type": "function", "function": {"name": "now"}})), Some(&tools)).unwrap().unwrap();
+        let named = forced_constraint(Some(&json!({"type": "function", "function": {"name": "now"}})), Some(&tools), JsonWhitespace::Flexible).unwrap().unwrap();
         assert!(!accepts(&named, r#"{"name": "get_weather""#));
         assert!(accepts(&named, r#"{"name": "now", "arguments": {"#));
+        let compact = forced_constraint(Some(&json!("required")), Some(&tools), JsonWhitespace::Disabled).unwrap().unwrap();
+        assert!(accepts(&compact, r#"{"name":"get_weather","arguments":{"city":"Paris"}}"#));
+        assert!(!accepts(&compact, r#"{"name": "#));
     }
 }
