@@ -269,13 +269,18 @@ def test_forced_tool_choice_returns_tool_calls(client, choice):
     if isinstance(choice, dict):
         assert call.function.name == "get_time"
     assert isinstance(json.loads(call.function.arguments), dict)
-    # Streaming delivers the same call as a tool_calls delta.
+    # Streaming delivers the same call as it is generated: its id and name first, then the
+    # arguments' text, with every token's logprobs.
     chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=weather_tools(), tool_choice=choice,
-                                                 max_tokens=60, temperature=0, stream=True))
+                                                 max_tokens=60, temperature=0, stream=True, logprobs=True,
+                                                 stream_options={"include_usage": True}))
     deltas = [tc for ch in chunks for c2 in ch.choices for tc in (c2.delta.tool_calls or [])]
-    assert [d.function.name for d in deltas] == [call.function.name]
-    assert json.loads(deltas[0].function.arguments) == json.loads(call.function.arguments)
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert deltas[0].function.name == call.function.name and deltas[0].id.startswith("call_") and deltas[0].type == "function"
+    assert len(deltas) > 1 and all(d.id is None and d.function.name is None and d.index == 0 for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments for d in deltas)) == json.loads(call.function.arguments)
+    assert [c2.finish_reason for ch in chunks for c2 in ch.choices if c2.finish_reason] == ["tool_calls"]
+    logprobs = [e for ch in chunks for c2 in ch.choices if c2.logprobs for e in c2.logprobs.content]
+    assert len(logprobs) == chunks[-1].usage.completion_tokens
 
 
 def test_response_format_reasoning_effort_and_template_kwargs(client):

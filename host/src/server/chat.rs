@@ -15,6 +15,7 @@ use super::logprobs::{chat_entry, vllm_prompt_logprobs, TokenNames};
 use super::openai::ChatCompletionRequest;
 use super::sse::{stream_response, ChunkFormatter};
 use super::token_ids::StreamTokenIds;
+use super::forced_call_stream::ForcedCallStream;
 use super::tool_choice::{forced_constraint, tool_call_json};
 use super::state::{unix_now, AppState, ServerState};
 use crate::chat::{ChatTemplateInput, RenderError};
@@ -381,7 +382,7 @@ pub async fn handler(
             logprobs: want_logprobs,
             names,
             forced_tool,
-            held: Vec::new(),
+            forced: Vec::new(),
             parsers,
             streams: Vec::new(),
             error: None,
@@ -466,9 +467,10 @@ struct ChatChunks {
     m: Arc<LoadedModel>,
     logprobs: bool,
     names: TokenNames,
-    /// A forced tool call is sent whole as a `tool_calls` delta when its choice ends.
+    /// A forced tool call is streamed as `tool_calls` deltas (id and name, then the arguments'
+    /// text), one stream per choice.
     forced_tool: bool,
-    held: Vec<String>,
+    forced: Vec<ForcedCallStream>,
     /// Reasoning / tool-call plugins, with one stream session per choice.
     parsers: Option<ChatParsers>,
     streams: Vec<Option<StreamParsers>>,
@@ -527,11 +529,17 @@ impl ChunkFormatter for ChatChunks {
         let GenEvent::Token { choice, text, logprob, .. } = ev else { return None };
         self.counted.2 += 1;
         if self.forced_tool {
-            if self.held.len() <= *choice {
-                self.held.resize(choice + 1, String::new());
+            if self.forced.len() <= *choice {
+                self.forced.resize_with(choice + 1, ForcedCallStream::default);
             }
-            self.held[*choice].push_str(text);
-            return None;
+            let call = self.forced[*choice].push(text);
+            let lp = match logprob {
+                Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, self.names, l)]}),
+                _ if call.is_none() => return None,
+                _ => Value::Null,
+            };
+            let delta = call.map_or_else(|| json!({}), |c| json!({"tool_calls": [c]}));
+            return Some(self.chunk(json!({"index": choice, "delta": delta, "logprobs": lp, "finish_reason": null})));
         }
         if self.parsers.is_some() {
             let GenEvent::Token { choice, token, text, logprob } = ev else { return None };
@@ -562,15 +570,17 @@ impl ChunkFormatter for ChatChunks {
             }
         }
         if self.forced_tool {
-            let mut full = self.held.get_mut(*choice).map(std::mem::take).unwrap_or_default();
-            full.push_str(text);
-            return match tool_call_json(&full, 0) {
-                Some(call) => vec![
-                    self.chunk(json!({"index": choice, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null})),
-                    self.chunk(json!({"index": choice, "delta": {}, "logprobs": null, "finish_reason": "tool_calls"})),
-                ],
-                None => vec![self.chunk(json!({"index": choice, "delta": {"content": full}, "logprobs": null, "finish_reason": reason.as_str()}))],
-            };
+            let mut call = self.forced.get_mut(*choice).map(std::mem::take).unwrap_or_default();
+            let last = call.push(text);
+            if !call.started() {
+                // Cut off before the call began: the text as it is, as without streaming.
+                return vec![self.chunk(json!({"index": choice, "delta": {"content": call.into_text()}, "logprobs": null, "finish_reason": reason.as_str()}))];
+            }
+            // A call cut off inside its arguments keeps the engine's reason (`length`).
+            let reason = if call.complete() { "tool_calls" } else { reason.as_str() };
+            let mut out: Vec<Value> = last.map(|c| self.chunk(json!({"index": choice, "delta": {"tool_calls": [c]}, "logprobs": null, "finish_reason": null}))).into_iter().collect();
+            out.push(self.chunk(json!({"index": choice, "delta": {}, "logprobs": null, "finish_reason": reason})));
+            return out;
         }
         if self.parsers.is_some() {
             let delta = self.parse(*choice, text, None, true);

@@ -8,6 +8,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod extract;
+mod forced_call_stream;
 pub mod generation;
 pub mod logprobs;
 pub mod metrics;
