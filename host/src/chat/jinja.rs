@@ -89,8 +89,34 @@ impl ChatTemplate for JinjaChatTemplate {
     }
 }
 
+/// The transformers reference fixtures the renderer's tests, and the server's, compare with.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use std::path::{Path, PathBuf};
+
+    fn dir() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference")
+    }
+
+    /// A JSON file under tests/reference/.
+    pub fn reference(file: &str) -> serde_json::Value {
+        let path = dir().join(file);
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+    }
+
+    /// The source of a template named in templates/expected.json: SmolLM2's from its fixtures,
+    /// the others from templates/<name>.jinja.
+    pub fn template_source(name: &str) -> String {
+        match name {
+            "SmolLM2-135M-Instruct" => reference("smollm2/fixtures.json")["chat_template"].as_str().unwrap().to_string(),
+            _ => std::fs::read_to_string(dir().join(format!("templates/{name}.jinja"))).unwrap(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::fixtures::{reference, template_source};
     use super::*;
     use serde_json::json;
 
@@ -114,10 +140,6 @@ mod tests {
         assert!(t.render(&ChatTemplateInput::default()).unwrap_err().to_string().contains("no system"));
     }
 
-    fn reference(file: &str) -> serde_json::Value {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference").join(file);
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
-    }
 
     /// `tojson` with ensure_ascii / indent / separators / sort_keys writes what Python's
     /// json.dumps writes (tests/reference/templates/tojson_expected.json, made by transformers).
@@ -145,19 +167,13 @@ mod tests {
     #[test]
     fn real_templates_match_transformers() {
         let data = reference("templates/expected.json");
-        let smol = reference("smollm2/fixtures.json");
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/templates");
         let mut templates = std::collections::HashMap::new();
         let (mut same, mut refused, mut failures) = (0, 0, Vec::new());
         for case in data["cases"].as_array().unwrap() {
             let name = case["template"].as_str().unwrap();
-            let t = templates.entry(name.to_string()).or_insert_with(|| {
-                let src = match name {
-                    "SmolLM2-135M-Instruct" => smol["chat_template"].as_str().unwrap().to_string(),
-                    _ => std::fs::read_to_string(dir.join(format!("{name}.jinja"))).unwrap(),
-                };
-                JinjaChatTemplate::new(&src, case["bos_token"].as_str(), case["eos_token"].as_str()).unwrap()
-            });
+            let t = templates
+                .entry(name.to_string())
+                .or_insert_with(|| JinjaChatTemplate::new(&template_source(name), case["bos_token"].as_str(), case["eos_token"].as_str()).unwrap());
             let input = ChatTemplateInput {
                 messages: case["messages"].as_array().unwrap().clone(),
                 tools: case["tools"].as_array().cloned(),

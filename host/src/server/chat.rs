@@ -21,6 +21,7 @@ use super::state::{unix_now, AppState, ServerState};
 use crate::chat::{ChatTemplateInput, RenderError};
 use crate::sampling::constraint::ConstraintSpec;
 use crate::model::LoadedModel;
+use crate::engine::TokenLogprob;
 use crate::tenancy::http::{self as tenancy, CallerExt};
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool", "function"];
@@ -510,6 +511,14 @@ impl ChatChunks {
 }
 
 impl ChatChunks {
+    /// A token's chunk `logprobs`: its entry when the request asked for them, else null.
+    fn token_logprobs(&self, logprob: Option<&TokenLogprob>) -> Value {
+        match logprob {
+            Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, self.names, l)]}),
+            _ => Value::Null,
+        }
+    }
+
     fn chunk(&self, choice: Value) -> Value {
         json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [choice]})
     }
@@ -533,31 +542,26 @@ impl ChunkFormatter for ChatChunks {
                 self.forced.resize_with(choice + 1, ForcedCallStream::default);
             }
             let call = self.forced[*choice].push(text);
-            let lp = match logprob {
-                Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, self.names, l)]}),
-                _ if call.is_none() => return None,
-                _ => Value::Null,
-            };
+            let lp = self.token_logprobs(logprob.as_ref());
+            if call.is_none() && lp.is_null() {
+                return None;
+            }
             let delta = call.map_or_else(|| json!({}), |c| json!({"tool_calls": [c]}));
             return Some(self.chunk(json!({"index": choice, "delta": delta, "logprobs": lp, "finish_reason": null})));
         }
         if self.parsers.is_some() {
             let GenEvent::Token { choice, token, text, logprob } = ev else { return None };
-            let lp = match logprob {
-                Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, self.names, l)]}),
-                _ => Value::Null,
-            };
+            let lp = self.token_logprobs(logprob.as_ref());
             let delta = self.parse(*choice, text, Some(*token), false);
             if delta.is_none() && lp.is_null() {
                 return None;
             }
             return Some(self.chunk(json!({"index": choice, "delta": delta.unwrap_or(json!({})), "logprobs": lp, "finish_reason": null})));
         }
-        let lp = match logprob {
-            Some(l) if self.logprobs => json!({"content": [chat_entry(&self.m.tokenizer, self.names, l)]}),
-            _ if text.is_empty() => return None,
-            _ => Value::Null,
-        };
+        let lp = self.token_logprobs(logprob.as_ref());
+        if text.is_empty() && lp.is_null() {
+            return None;
+        }
         Some(self.chunk(json!({"index": choice, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})))
     }
 
@@ -616,13 +620,9 @@ impl ChunkFormatter for ChatChunks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::chat::jinja::fixtures::{reference, template_source};
     use crate::chat::jinja::JinjaChatTemplate;
     use crate::chat::{ChatTemplate, ChatTemplateInput};
-
-    fn reference(file: &str) -> Value {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference").join(file);
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
-    }
 
     /// A conversation as an OpenAI client sends it back: a tool-calling assistant turn with null
     /// content and its arguments as a JSON string (what the API returned).
@@ -647,8 +647,6 @@ mod tests {
     #[test]
     fn a_clients_tool_call_turns_render_as_transformers_renders_decoded_arguments() {
         let data = reference("templates/expected.json");
-        let smol = reference("smollm2/fixtures.json");
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/templates");
         let (mut same, mut null_content, mut failures) = (0, 0, Vec::new());
         for case in data["cases"].as_array().unwrap() {
             let messages = case["messages"].as_array().unwrap();
@@ -657,10 +655,7 @@ mod tests {
                 continue;
             }
             let name = case["template"].as_str().unwrap();
-            let src = match name {
-                "SmolLM2-135M-Instruct" => smol["chat_template"].as_str().unwrap().to_string(),
-                _ => std::fs::read_to_string(dir.join(format!("{name}.jinja"))).unwrap(),
-            };
+            let src = template_source(name);
             let sent = as_sent_by_a_client(messages);
             assert!(sent.iter().any(|m| m.get("tool_calls").is_some_and(|c| c[0]["function"]["arguments"].is_string())));
             null_content += sent.iter().filter(|m| m.get("content") == Some(&Value::Null)).count();

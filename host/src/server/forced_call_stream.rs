@@ -10,6 +10,8 @@
 
 use serde_json::{json, Value};
 
+use super::tool_choice::forced_call_id;
+
 /// One choice's forced call, fed the output's text deltas in order.
 #[derive(Debug, Default)]
 pub struct ForcedCallStream {
@@ -44,7 +46,7 @@ impl ForcedCallStream {
                 self.sent_to = Some(end);
                 Some(json!({
                     "index": 0,
-                    "id": format!("call_{:024x}", rand::random::<u128>() >> 32),
+                    "id": forced_call_id(),
                     "type": "function",
                     "function": {"name": name, "arguments": &self.text[start..end]},
                 }))

@@ -83,12 +83,17 @@ fn rebase_refs(v: &mut Value, base: &str) {
     }
 }
 
+/// A fresh id for a forced tool call (streamed or not).
+pub fn forced_call_id() -> String {
+    format!("call_{:024x}", rand::random::<u128>() >> 32)
+}
+
 /// The `tool_calls` entry for a finished constrained output, `None` if it was cut short.
 pub fn tool_call_json(text: &str, index: usize) -> Option<Value> {
     let (name, arguments) = parse_tool_call(text)?;
     Some(json!({
         "index": index,
-        "id": format!("call_{:024x}", rand::random::<u128>() >> 32),
+        "id": forced_call_id(),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }))

@@ -537,8 +537,8 @@ const ROWS_PER_PASS: usize = 32;
 /// holds two weight rows per register, so it has the registers for 1 × 8 and 4 × 8
 /// (`bench_packed`: 1 × 8 decodes 4-18% faster than 1 × 4, and 4 × 4 batches 15-20% slower
 /// than 4 × 8).
-fn tile_shape(path: Int8Path, n: usize) -> (usize, usize) {
-    match (path == Int8Path::Avx512Vnni, n) {
+fn tile_shape(pairs: bool, n: usize) -> (usize, usize) {
+    match (pairs, n) {
         (false, 1) => (1, 4),
         (false, _) => (4, 2),
         (true, 1) => (1, 8),
@@ -549,8 +549,9 @@ fn tile_shape(path: Int8Path, n: usize) -> (usize, usize) {
 /// Weight rows `start..end` against every activation row in tiles of [`tile_shape`] (narrower
 /// at the edges: a pair of weight rows, then one row on AVX2).
 fn run_rows(job: Job<'_>, n: usize, start: usize, end: usize) {
+    // AVX-512 VNNI tiles take weight rows in pairs.
     let pairs = job.path == Int8Path::Avx512Vnni;
-    let (th, tw) = tile_shape(job.path, n);
+    let (th, tw) = tile_shape(pairs, n);
     let mut i0 = 0;
     while i0 < n {
         let i_end = (i0 + ROWS_PER_PASS).min(n);
