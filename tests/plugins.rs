@@ -225,7 +225,7 @@ fn wasm_parsers_match_vllm_fixtures() {
 /// (vllm_expected.json), for the whole text and streamed one char per delta.
 #[test]
 fn wasm_parser_chain_matches_vllm_for_kimi_k3_and_qwen3() {
-    use wasmserve::plugins::chat::ChatParsers;
+    use wasmserve::plugins::output_parsers::ChatParsers;
     use wasmserve::plugins::registry::{DeploymentSpec, Kind, Registry};
     let names = ["reasoning-kimi-k3", "tool-kimi-k3", "reasoning-qwen3", "tool-qwen3"];
     let mut bytes = std::collections::HashMap::new();

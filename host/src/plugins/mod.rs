@@ -1,4 +1,4 @@
-//! Wasm component plugins (issue #5): chat templates, reasoning parsers, tool parsers and
+//! Wasm component plugins: chat templates, reasoning parsers, tool parsers and
 //! request policies, run in wasmtime under per-call limits.
 //!
 //! - `runtime`: the engine, the epoch deadline ticker, the compiled-component cache, store limits.
@@ -6,17 +6,21 @@
 //! - `parsers`, `policy`, `template`: typed calls for each world, with output checks.
 //! - `registry`: named deployments, swapped atomically (in-flight requests keep the old one).
 //! - `defaults`: the parsers a model gets without a config (`--reasoning-parser` / `--tool-call-parser`).
+//! - `output_parsers`: reasoning and tool parsers applied to a chat's output; `apply`: request
+//!   policies applied to an engine request.
+//!
+//! Nothing here knows HTTP: calls fail with [`PluginError`] / `apply::PolicyError`, which the
+//! server maps to its responses; the admin endpoints live in `server::admin`.
 //!
 //! The plugins only get what the WIT world passes them: no WASI, so no filesystem, network,
 //! clock or randomness (the host assigns random tool-call ids when a parser leaves them empty).
 
 pub mod apply;
 pub mod bindings;
-pub mod chat;
 pub mod defaults;
 pub mod error;
-pub mod http;
 pub mod metrics;
+pub mod output_parsers;
 pub mod parsers;
 pub mod policy;
 pub mod registry;

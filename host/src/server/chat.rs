@@ -1,28 +1,28 @@
 //! `POST /v1/chat/completions`: messages → chat template → engine, answered whole or streamed.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, ApiResult};
-use crate::plugins::chat::{api_error as plugin_api_error, ChatParsers, StreamParsers};
+use crate::plugins::output_parsers::{ChatParsers, StreamParsers};
 use super::extract::OpenAiJson;
-use super::generation::{collect, GenEvent, Generation, Usage};
+use super::generation::{collect, GenEvent, Usage};
 use super::logprobs::{chat_entry, vllm_prompt_logprobs, TokenNames};
 use super::openai::ChatCompletionRequest;
 use super::sse::{stream_response, ChunkFormatter};
 use super::token_ids::StreamTokenIds;
 use super::forced_call_stream::ForcedCallStream;
 use super::tool_choice::{forced_constraint, tool_call_json};
+use super::admission::Gate;
 use super::state::{unix_now, AppState, ServerState};
 use crate::chat::{ChatTemplateInput, RenderError};
 use crate::sampling::constraint::ConstraintSpec;
 use crate::model::LoadedModel;
 use crate::engine::TokenLogprob;
-use crate::tenancy::http::{self as tenancy, CallerExt};
+use super::tenancy::{self as tenancy, CallerExt};
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool", "function"];
 
@@ -285,14 +285,10 @@ pub async fn handler(
     caller: CallerExt,
     OpenAiJson(req): OpenAiJson<ChatCompletionRequest>,
 ) -> ApiResult<Response> {
-    let started = Instant::now();
-    state.check_model(req.model.as_deref())?;
-    tenancy::check_model(&caller, &state.served_model_name)?;
-    check_unsupported(&req)?;
-    let opts = prompt_options(req.continue_final_message, req.add_generation_prompt, req.add_special_tokens)?;
-    // Before the tokenizing: a caller at its limits gets its 429 without costing that work.
-    tenancy::precheck(&state, &caller)?;
-    let in_flight = state.enter()?;
+    let (gate, opts) = Gate::open(&state, &caller, "/v1/chat/completions", req.model.as_deref(), || {
+        check_unsupported(&req)?;
+        prompt_options(req.continue_final_message, req.add_generation_prompt, req.add_special_tokens)
+    })?;
     let messages = normalize_messages(req.messages)?;
     let tools = match (&req.tools, req.tool_choice.as_ref().and_then(Value::as_str)) {
         (Some(t), _) if t.is_empty() => None,
@@ -336,9 +332,8 @@ pub async fn handler(
     }
     // Reasoning / tool-call plugins (a forced tool call is already structured output).
     let parse_tools = req.tools.as_deref().filter(|t| !t.is_empty() && req.tool_choice.as_ref().and_then(Value::as_str) != Some("none"));
-    let tenant = caller.as_ref().map_or("", |c| c.0.principal.tenant.id.as_str());
     let parsers = match (&state.plugins, forced_tool) {
-        (Some(reg), false) => ChatParsers::select(reg, &state.served_model_name, tenant, parse_tools, req.chat_template_kwargs.as_ref()),
+        (Some(reg), false) => ChatParsers::select(reg, &state.served_model_name, gate.tenant(), parse_tools, req.chat_template_kwargs.as_ref()),
         _ => None,
     };
     if parsers.as_ref().is_some_and(ChatParsers::needs_special_tokens) {
@@ -346,28 +341,13 @@ pub async fn handler(
     }
     let want_logprobs = req.logprobs == Some(true);
     ereq.logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0) as usize);
-    let policies = match &state.plugins {
-        Some(reg) => {
-            // Validated before and after the policies: what they make invalid (a rewrite to
-            // top_p 0, too many stop strings) is the policy's error, not the client's.
-            state.engine.validate(&ereq)?;
-            let applied = crate::plugins::apply::apply(reg, &state.served_model_name, tenant, &mut ereq)?;
-            state.engine.validate(&ereq).map_err(|e| ApiError::internal(format!("a request policy made the request invalid: {e}")).with_code("policy_error"))?;
-            Some(applied)
-        }
-        None => None,
-    };
-    let prompt_len = ereq.prompt_ids.len();
     let vllm_prompt_k = ereq.prompt_logprobs;
     let prompt_ids = req.sampling.returns_token_ids().then(|| ereq.prompt_ids.clone());
     let names = req.sampling.token_names();
-    let admission = tenancy::admit(&state, &caller, "/v1/chat/completions", started, std::slice::from_mut(&mut ereq))?;
-    let mut gen = Generation::submit(&state, in_flight, started, vec![ereq])
-        .map_err(|e| match e.code {
-            Some("context_length_exceeded") => e.with_param("messages"),
-            _ => e,
-        })?
-        .with_admission(admission);
+    let mut gen = gate.submit(vec![ereq], |e| match e.code {
+        Some("context_length_exceeded") => e.with_param("messages"),
+        _ => e,
+    })?;
     let rate_headers = gen.rate_headers();
 
     let id = format!("chatcmpl-{:032x}", rand::random::<u128>());
@@ -387,8 +367,6 @@ pub async fn handler(
             parsers,
             streams: Vec::new(),
             error: None,
-            policies: policies.map(|p| (p, prompt_len)),
-            counted: (0, 0, 0),
         };
         let token_ids = prompt_ids.map(|p| StreamTokenIds::new(vec![p], 1, true, true));
         let mut resp = stream_response(gen, fmt, req.sampling.stream_settings(token_ids));
@@ -401,10 +379,6 @@ pub async fn handler(
         (Some(k), Some(scored)) => Some(vllm_prompt_logprobs(&state.model.tokenizer, scored, k)),
         _ => None,
     };
-    if let Some(p) = &policies {
-        let reason = choices.first().and_then(|c| c.finish_reason).map_or("error", |r| r.as_str());
-        p.observe(usage.prompt_tokens, usage.completion_tokens, reason);
-    }
     let tok = &state.model.tokenizer;
     let choices: Vec<Value> = choices
         .into_iter()
@@ -419,7 +393,7 @@ pub async fn handler(
             let (message, finish_reason) = match (forced_call, &parsers) {
                 (Some(call), _) => (json!({"role": "assistant", "content": null, "tool_calls": [call]}), Some("tool_calls")),
                 (None, Some(p)) => {
-                    let (msg, called) = p.message(&c.text).map_err(|e| plugin_api_error(&e))?;
+                    let (msg, called) = p.message(&c.text).map_err(|e| ApiError::from(&e))?;
                     (msg, if called { Some("tool_calls") } else { c.finish_reason.map(|r| r.as_str()) })
                 }
                 (None, None) => (assistant_message(c.text), c.finish_reason.map(|r| r.as_str())),
@@ -476,10 +450,6 @@ struct ChatChunks {
     parsers: Option<ChatParsers>,
     streams: Vec<Option<StreamParsers>>,
     error: Option<ApiError>,
-    /// Request policies to tell the outcome (with the prompt length), once every choice ended.
-    policies: Option<(crate::plugins::apply::Applied, usize)>,
-    /// (choices, finished choices, generated tokens) for that.
-    counted: (usize, usize, usize),
 }
 
 impl ChatChunks {
@@ -494,7 +464,7 @@ impl ChatChunks {
             match p.stream() {
                 Ok(s) => self.streams[choice] = Some(s),
                 Err(e) => {
-                    self.error = Some(plugin_api_error(&e));
+                    self.error = Some(ApiError::from(&e));
                     return None;
                 }
             }
@@ -503,7 +473,7 @@ impl ChatChunks {
         match s.delta(text, token.as_slice(), last) {
             Ok(d) => d,
             Err(e) => {
-                self.error = Some(plugin_api_error(&e));
+                self.error = Some(ApiError::from(&e));
                 None
             }
         }
@@ -526,7 +496,6 @@ impl ChatChunks {
 
 impl ChunkFormatter for ChatChunks {
     fn start(&mut self, choices: usize) -> Vec<Value> {
-        self.counted.0 = choices;
         (0..choices)
             .map(|i| {
                 self.chunk(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
@@ -536,7 +505,6 @@ impl ChunkFormatter for ChatChunks {
 
     fn token(&mut self, ev: &GenEvent) -> Option<Value> {
         let GenEvent::Token { choice, text, logprob, .. } = ev else { return None };
-        self.counted.2 += 1;
         if self.forced_tool {
             if self.forced.len() <= *choice {
                 self.forced.resize_with(choice + 1, ForcedCallStream::default);
@@ -567,12 +535,6 @@ impl ChunkFormatter for ChatChunks {
 
     fn finish(&mut self, ev: &GenEvent) -> Vec<Value> {
         let GenEvent::Finished { choice, reason, text } = ev else { return vec![] };
-        self.counted.1 += 1;
-        if self.counted.1 == self.counted.0 {
-            if let Some((p, prompt)) = self.policies.take() {
-                p.observe(prompt, self.counted.2, reason.as_str());
-            }
-        }
         if self.forced_tool {
             let mut call = self.forced.get_mut(*choice).map(std::mem::take).unwrap_or_default();
             let last = call.push(text);

@@ -1,7 +1,6 @@
 //! `POST /v1/completions`: the legacy text completion API (raw prompts, no chat template).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -9,14 +8,15 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, ApiResult};
 use super::extract::OpenAiJson;
-use super::generation::{collect, GenEvent, Generation, Usage};
+use super::generation::{collect, GenEvent, Usage};
 use super::logprobs::{vllm_prompt_logprobs, LegacyLogprobs, TokenNames};
 use super::openai::{parse_prompts, CompletionRequest, PromptInput};
 use super::sse::{stream_response, ChunkFormatter};
 use super::token_ids::StreamTokenIds;
+use super::admission::Gate;
 use super::state::{unix_now, AppState};
 use crate::model::LoadedModel;
-use crate::tenancy::http::{self as tenancy, CallerExt};
+use super::tenancy::{self as tenancy, CallerExt};
 
 /// Prompts one request may carry, and choices (prompts x n) in all.
 const MAX_PROMPTS: usize = 64;
@@ -31,23 +31,20 @@ const MAX_PROMPT_LOGPROB_ENTRIES: usize = 1 << 19;
 const DEFAULT_MAX_TOKENS: usize = 16;
 
 pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<CompletionRequest>) -> ApiResult<Response> {
-    let started = Instant::now();
-    state.check_model(req.model.as_deref())?;
-    tenancy::check_model(&caller, &state.served_model_name)?;
-    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::not_supported("suffix", "'suffix' is not supported"));
-    }
+    let (gate, ()) = Gate::open(&state, &caller, "/v1/completions", req.model.as_deref(), || {
+        if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::not_supported("suffix", "'suffix' is not supported"));
+        }
+        if req.best_of.is_some_and(|b| b != req.sampling.n.unwrap_or(1)) {
+            return Err(ApiError::not_supported("best_of", "'best_of' other than 'n' is not supported"));
+        }
+        Ok(())
+    })?;
     let n = req.sampling.n.unwrap_or(1);
-    if req.best_of.is_some_and(|b| b != n) {
-        return Err(ApiError::not_supported("best_of", "'best_of' other than 'n' is not supported"));
-    }
     let echo = req.echo.unwrap_or(false);
     // echo + logprobs scores the prompt too (what lm-evaluation-harness's loglikelihood tasks
     // ask for); a stream holds each echo back until its prompt's scores are in.
     let score_prompt = echo && req.logprobs.is_some();
-    // Before the tokenizing: a caller at its limits gets its 429 without costing that work.
-    tenancy::precheck(&state, &caller)?;
-    let in_flight = state.enter()?;
     let tok = &state.model.tokenizer;
     let prompts = parse_prompts(&req.prompt)?;
     // One request may not take the whole queue (nor get a "queue full" no retry can cure).
@@ -81,7 +78,7 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     let n = base.n;
     let mut echoes = Vec::new();
     let mut first_tokens = Vec::new();
-    let mut reqs: Vec<_> = prompts
+    let reqs: Vec<_> = prompts
         .into_iter()
         .map(|mut ids| {
             req.sampling.truncate_prompt(&mut ids, state.engine.max_model_len());
@@ -113,14 +110,11 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
             format!("scoring these prompts would return {entries} logprob entries (prompt tokens x n x alternatives); at most {MAX_PROMPT_LOGPROB_ENTRIES}: ask for fewer prompts, choices or alternatives"),
         ));
     }
-    let admission = tenancy::admit(&state, &caller, "/v1/completions", started, &mut reqs)?;
     let prompt_ids: Vec<Vec<u32>> = if req.sampling.returns_token_ids() { reqs.iter().map(|r| r.prompt_ids.clone()).collect() } else { Vec::new() };
-    let mut gen = Generation::submit(&state, in_flight, started, reqs)
-        .map_err(|e| match e.code {
-            Some("context_length_exceeded") => e.with_param("prompt"),
-            _ => legacy_logprobs_param(e),
-        })?
-        .with_admission(admission);
+    let mut gen = gate.submit(reqs, |e| match e.code {
+        Some("context_length_exceeded") => e.with_param("prompt"),
+        _ => legacy_logprobs_param(e),
+    })?;
     let rate_headers = gen.rate_headers();
     // Choice i belongs to prompt i / n, so its echo is that prompt's text.
     let echo_of = |choice: usize| echoes.get(choice / n).cloned().unwrap_or_default();

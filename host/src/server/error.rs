@@ -8,6 +8,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 use crate::engine::SubmitError;
+use crate::plugins::apply::PolicyError;
+use crate::plugins::PluginError;
 
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -102,6 +104,40 @@ impl From<SubmitError> for ApiError {
     }
 }
 
+/// A plugin call that failed: its kind's status and code, the message naming the deployment.
+impl From<&PluginError> for ApiError {
+    fn from(e: &PluginError) -> Self {
+        let status = StatusCode::from_u16(e.kind.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
+        ApiError::new(status, kind, e.to_string()).with_code(e.kind.code())
+    }
+}
+
+impl From<PluginError> for ApiError {
+    fn from(e: PluginError) -> Self {
+        ApiError::from(&e)
+    }
+}
+
+impl From<PolicyError> for ApiError {
+    fn from(e: PolicyError) -> Self {
+        let message = e.to_string();
+        match e {
+            PolicyError::Rejected { status, .. } => {
+                let status = StatusCode::from_u16(status).unwrap_or(StatusCode::FORBIDDEN);
+                let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
+                ApiError::new(status, kind, message).with_code("policy_rejected")
+            }
+            PolicyError::Plugin(p) => ApiError::from(&p),
+            PolicyError::Misbehaved { .. } => ApiError::internal(message).with_code("policy_error"),
+            // Fails closed: a bound policy is a control the operator asked for.
+            PolicyError::BindingMissing { .. } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error", message).with_code("policy_unavailable")
+            }
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if self.status.is_server_error() {
@@ -110,7 +146,7 @@ impl IntoResponse for ApiError {
             tracing::debug!(status = self.status.as_u16(), message = %self.message, "request rejected");
         }
         let mut resp = (self.status, axum::Json(self.body())).into_response();
-        crate::tenancy::http::add_headers(&mut resp, &self.headers);
+        super::tenancy::add_headers(&mut resp, &self.headers);
         resp
     }
 }

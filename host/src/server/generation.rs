@@ -9,11 +9,13 @@ use std::time::Instant;
 
 use futures_util::stream::{self, SelectAll, Stream, StreamExt};
 
+use super::admission::Admitted;
 use super::error::ApiError;
 use super::state::{AppState, InFlight};
-use crate::engine::{EngineEvent, EngineRequest, RequestStream, TokenLogprob};
+use super::tenancy::Admission;
+use crate::engine::{EngineEvent, RequestStream, TokenLogprob};
 use crate::generate::FinishReason;
-use crate::tenancy::http::Admission;
+use crate::plugins::apply::Applied;
 
 type Events = Pin<Box<dyn Stream<Item = (usize, EngineEvent)> + Send>>;
 
@@ -62,13 +64,19 @@ pub struct Generation {
     failed: bool,
     /// The tenant's admission (`serve --db`): settled, with its usage row, when the request ends.
     admission: Option<Admission>,
+    /// Per prompt, the request policies that saw it, told the outcome once its choices ended
+    /// (taken then, so each is told once); empty when no policy applies.
+    policies: Vec<Option<Applied>>,
+    /// Per prompt: choices finished, completion tokens, and the last finish reason.
+    prompt_progress: Vec<(usize, usize, &'static str)>,
     _in_flight: InFlight,
 }
 
 impl Generation {
-    /// Submits every request (all with the same `n`); if one is refused the others are
-    /// aborted and the refusal is returned.
-    pub fn submit(state: &AppState, in_flight: InFlight, started: Instant, reqs: Vec<EngineRequest>) -> Result<Self, ApiError> {
+    /// Submits every request of an admitted API request (all with the same `n`); if one is
+    /// refused the others are aborted and the refusal is returned.
+    pub(super) fn submit(state: &AppState, admitted: Admitted) -> Result<Self, ApiError> {
+        let Admitted { reqs, policies, tenancy: admission, in_flight, started } = admitted;
         let n = reqs.first().map_or(1, |r| r.n);
         let num_prompts = reqs.len();
         let prompt_lens = reqs.iter().map(|r| r.prompt_ids.len()).collect();
@@ -98,18 +106,30 @@ impl Generation {
             first_token: None,
             last_token: vec![None; n * num_prompts],
             failed: false,
-            admission: None,
+            admission,
+            policies: policies.into_iter().map(Some).collect(),
+            prompt_progress: vec![(0, 0, ""); num_prompts],
             _in_flight: in_flight,
         })
     }
 
-    pub fn state(&self) -> &AppState {
-        &self.state
+    /// Tells prompt `p`'s policies how it ended (once).
+    fn observe(&mut self, p: usize, reason: &str) {
+        if let Some(applied) = self.policies.get_mut(p).and_then(Option::take) {
+            let prompt_tokens = self.prompts[p].map_or(self.prompt_lens[p], |(t, _)| t);
+            applied.observe(prompt_tokens, self.prompt_progress[p].1, reason);
+        }
     }
 
-    pub fn with_admission(mut self, admission: Option<Admission>) -> Self {
-        self.admission = admission;
-        self
+    /// Tells every policy not yet told that the request ended as `reason` (an error, an abort).
+    fn observe_all(&mut self, reason: &str) {
+        for p in 0..self.policies.len() {
+            self.observe(p, reason);
+        }
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.state
     }
 
     /// Names the usage row after the response id.
@@ -164,10 +184,12 @@ impl Generation {
         let Some((p, ev)) = self.events.next().await else {
             self.failed = true;
             self.state.metrics.count_finished("error");
+            self.observe_all("error");
             return Some(GenEvent::Error("the engine stopped before the request finished".into()));
         };
         let now = Instant::now();
-        let m = &self.state.metrics;
+        let state = self.state.clone();
+        let m = &state.metrics;
         Some(match ev {
             EngineEvent::Token { index, token, text, logprob } => {
                 let choice = p * self.n + index;
@@ -187,6 +209,11 @@ impl Generation {
                 self.prompts[p] = Some((prompt_tokens, cached_tokens));
                 self.completion_tokens += completion_tokens;
                 self.finished += 1;
+                let progress = &mut self.prompt_progress[p];
+                *progress = (progress.0 + 1, progress.1 + completion_tokens, reason.as_str());
+                if progress.0 == self.n {
+                    self.observe(p, reason.as_str());
+                }
                 if self.finished == self.total_choices {
                     let u = self.usage();
                     m.e2e.observe_duration(now - self.started);
@@ -200,6 +227,7 @@ impl Generation {
             EngineEvent::Error(msg) => {
                 self.failed = true;
                 m.count_finished("error");
+                self.observe_all("error");
                 GenEvent::Error(msg)
             }
         })
@@ -214,6 +242,7 @@ impl Drop for Generation {
         }
         if !self.is_done() {
             // The client went away (or the handler gave up): the engine streams drop with us.
+            self.observe_all("abort");
             self.state.metrics.count_finished("abort");
             tracing::info!(finished = self.finished, choices = self.total_choices, "request aborted before it finished");
         }

@@ -4,6 +4,8 @@
 //! Shutdown: the first SIGTERM/SIGINT stops new generation work (503) while in-flight requests
 //! and streams run to completion, then the listener closes; a second signal exits at once.
 
+pub mod admin;
+pub mod admission;
 pub mod chat;
 pub mod completions;
 pub mod error;
@@ -17,6 +19,7 @@ pub mod routes;
 pub mod sse;
 pub mod state;
 mod structured;
+pub mod tenancy;
 mod token_ids;
 mod tool_choice;
 

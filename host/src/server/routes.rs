@@ -16,7 +16,7 @@ use super::openai::{DetokenizeRequest, TokenizeRequest};
 use super::state::AppState;
 use super::{chat, completions};
 use crate::chat::ChatTemplateInput;
-use crate::tenancy::http::{admitted_call, check_model as check_tenant_model, model_visible, CallerExt};
+use super::tenancy::{admitted_call, check_model as check_tenant_model, model_visible, CallerExt};
 
 pub fn router(state: AppState) -> Router {
     let api = Router::new()
@@ -26,14 +26,14 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{*model}", get(get_model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .route("/v1/usage", get(crate::tenancy::http::own_usage))
+        .route("/v1/usage", get(super::tenancy::own_usage))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
     let mut app = Router::new().merge(api);
     if state.tenancy.is_some() {
-        app = app.merge(crate::tenancy::http::admin_router(state.clone()));
+        app = app.merge(super::admin::tenants::admin_router(state.clone()));
     }
     if state.plugins.is_some() {
-        app = app.merge(crate::plugins::http::admin_router(state.clone()));
+        app = app.merge(super::admin::plugins::admin_router(state.clone()));
     }
     app
         .route("/health", get(health))
@@ -47,18 +47,16 @@ pub fn router(state: AppState) -> Router {
 }
 
 /// Compares without an early exit, so response time does not reveal how much of a guess matched.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
+pub(super) fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(t) = state.tenancy.clone() {
-        return crate::tenancy::http::require_key(t, req, next).await;
+        return super::tenancy::require_key(t, req, next).await;
     }
     if let Some(key) = &state.api_key {
-        let given =
-            req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
-        if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+        if !super::tenancy::bearer(&req).is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();
         }
     }

@@ -154,7 +154,7 @@ pub fn keys(cmd: KeysCommand) -> Result<()> {
         KeysCommand::Create { tenant, name, expires_in, expires_at, settings, db } => {
             let conn = db::open(&db.db)?;
             let secret = db::key_secret(&conn, db.key_secret.as_deref())?;
-            let expires = expires_at.or(expires_in.map(|s| db::unix_now() + s));
+            let expires = db::key_expiry(expires_at, expires_in)?;
             let (row, key) = db::create_key(&conn, &secret, &tenant, name.as_deref(), expires, &settings.settings())?;
             let mut v = serde_json::to_value(row)?;
             v["key"] = key.into();

@@ -249,6 +249,26 @@ pub fn disable_tenant(conn: &Connection, id: &str) -> Result<bool> {
     Ok(conn.execute("UPDATE tenants SET disabled_at = ?2 WHERE id = ?1 AND disabled_at IS NULL", params![id, unix_now()])? == 1)
 }
 
+/// A new key's expiry from `expires_at` (Unix seconds) or `expires_in` (seconds from now, at
+/// least 1). An explicit `expires_at` may lie in the past (a key born expired, for tests and
+/// hand-overs); one past the year 9999, or an `expires_in` that would overflow, is refused
+/// instead of wrapping to a negative expiry.
+pub fn key_expiry(expires_at: Option<i64>, expires_in: Option<i64>) -> Result<Option<i64>> {
+    const MAX_UNIX: i64 = 253_402_300_799; // 9999-12-31T23:59:59Z
+    let now = unix_now();
+    let at = match (expires_at, expires_in) {
+        (Some(_), Some(_)) => bail!("give 'expires_at' or 'expires_in', not both"),
+        (Some(at), None) => at,
+        (None, Some(secs)) if secs <= 0 => bail!("'expires_in' must be a positive number of seconds, got {secs}"),
+        (None, Some(secs)) => now.checked_add(secs).filter(|&at| at <= MAX_UNIX).ok_or_else(|| anyhow::anyhow!("'expires_in' of {secs} seconds is past the year 9999"))?,
+        (None, None) => return Ok(None),
+    };
+    if at > MAX_UNIX {
+        bail!("the expiry {at} (Unix seconds) is past the year 9999");
+    }
+    Ok(Some(at))
+}
+
 /// Creates a key; returns its row and the key itself (shown once, never stored).
 pub fn create_key(
     conn: &Connection,
@@ -453,6 +473,18 @@ pub fn tokens_since(conn: &Connection, id: &str, key: bool, since: i64) -> Resul
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn key_expiry_never_wraps() {
+        use super::key_expiry;
+        assert_eq!(key_expiry(None, None).unwrap(), None);
+        assert_eq!(key_expiry(Some(5), None).unwrap(), Some(5));
+        let soon = key_expiry(None, Some(60)).unwrap().unwrap();
+        assert!(soon > super::unix_now());
+        for bad in [(None, Some(i64::MAX)), (None, Some(0)), (None, Some(-5)), (Some(i64::MAX), None), (Some(1), Some(1))] {
+            assert!(key_expiry(bad.0, bad.1).is_err(), "{bad:?}");
+        }
+    }
+
     use super::*;
 
     fn tmp_db(name: &str) -> std::path::PathBuf {

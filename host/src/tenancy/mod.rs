@@ -4,12 +4,13 @@
 //! - [`keys`]: key format and HMAC-SHA256 hashing.
 //! - [`limits`]: the atomic rate limiter with token reservations.
 //! - [`usage`]: the durable usage writer.
-//! - [`http`]: the server side: key authentication, admission, admin and usage endpoints.
+//!
+//! Nothing here knows HTTP: the server side (key check, admission, usage and admin endpoints) is
+//! `server::tenancy` and `server::admin::tenants`.
 //! - [`cli`]: `wasmserve tenants ...` and `wasmserve keys ...`.
 
 pub mod cli;
 pub mod db;
-pub mod http;
 pub mod keys;
 pub mod limits;
 pub mod usage;

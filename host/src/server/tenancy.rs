@@ -1,31 +1,29 @@
 //! The server side of tenancy: the key check on `/v1`, admission against the limits before a
-//! request reaches the engine, settlement and the usage row when it ends, `GET /v1/usage`, and
-//! the admin API under `/admin` (admin key only; tenant keys get 403).
+//! request reaches the engine, settlement and the usage row when it ends, and `GET /v1/usage`.
+//! The admin API under `/admin` is `server::admin::tenants`.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::{Path, Request, State};
-use axum::http::{header, HeaderName, HeaderValue, StatusCode};
-use axum::middleware::{self, Next};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderName, HeaderValue};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
-use serde::Deserialize;
+use axum::{Extension, Json};
 use serde_json::{json, Value};
 
-use super::db::{self, Settings, UsageQuery, UsageRow};
-use super::limits::{Scope, Refusal};
-use super::{Caller, Tenancy};
+use super::error::{ApiError, ApiResult};
+use super::extract::OpenAiQuery;
+use super::generation::Usage;
+use super::state::AppState;
 use crate::engine::EngineRequest;
-use crate::server::error::{ApiError, ApiResult};
-use crate::server::extract::{JsonBody, OpenAiJson, OpenAiQuery};
-use crate::server::generation::Usage;
-use crate::server::state::AppState;
+use crate::tenancy::db::{self, UsageQuery, UsageRow};
+use crate::tenancy::limits::{Refusal, Scope};
+use crate::tenancy::{Caller, Tenancy};
 
 pub type CallerExt = Option<Extension<Arc<Caller>>>;
 
-fn bearer(req: &Request) -> Option<String> {
+pub(super) fn bearer(req: &Request) -> Option<String> {
     req.headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -44,25 +42,6 @@ pub async fn require_key(t: Arc<Tenancy>, mut req: Request, next: Next) -> Respo
         Ok(None) => ApiError::unauthorized().into_response(),
         Err(e) => ApiError::internal(format!("authentication failed: {e:#}")).into_response(),
     }
-}
-
-async fn require_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let Some(t) = state.tenancy.clone() else { return ApiError::not_found("Unknown endpoint").into_response() };
-    let Some(key) = bearer(&req) else { return ApiError::unauthorized().into_response() };
-    if t.is_admin(&key) {
-        return next.run(req).await;
-    }
-    // A working tenant key is authenticated but not allowed here.
-    match t.authenticate(key).await {
-        Ok(Some(_)) => forbidden("The admin API needs the admin key").into_response(),
-        Ok(None) if !t.has_admin() => forbidden("The admin API is disabled: start the server with --admin-key").into_response(),
-        Ok(None) => ApiError::unauthorized().into_response(),
-        Err(e) => ApiError::internal(format!("authentication failed: {e:#}")).into_response(),
-    }
-}
-
-fn forbidden(msg: &str) -> ApiError {
-    ApiError::new(StatusCode::FORBIDDEN, "permission_error", msg).with_code("insufficient_permissions")
 }
 
 fn caller_of(c: &CallerExt) -> Option<&Caller> {
@@ -86,7 +65,7 @@ pub fn model_visible(caller: &CallerExt, model: &str) -> bool {
 /// An admitted request: its reservation and the usage row to write when it ends.
 pub struct Admission {
     tenancy: Arc<Tenancy>,
-    reservation: Option<super::limits::Reservation>,
+    reservation: Option<crate::tenancy::limits::Reservation>,
     row: UsageRow,
     started: Instant,
     headers: Vec<(&'static str, String)>,
@@ -166,7 +145,7 @@ fn scopes_of(c: &Caller) -> [Scope<'_>; 2] {
 /// An admitted call to an endpoint that generates nothing; holds a concurrency slot until
 /// finished.
 pub struct CallAdmission {
-    reservation: super::limits::Reservation,
+    reservation: crate::tenancy::limits::Reservation,
 }
 
 impl CallAdmission {
@@ -247,15 +226,10 @@ pub fn add_headers(resp: &mut Response, headers: &[(&'static str, String)]) {
     }
 }
 
-fn bad(e: anyhow::Error) -> ApiError {
-    ApiError::bad_request(format!("{e:#}"))
-}
-
-fn internal(e: anyhow::Error) -> ApiError {
+pub(super) fn internal(e: anyhow::Error) -> ApiError {
     ApiError::internal(format!("{e:#}"))
 }
 
-/// `GET /v1/usage`: the caller's tenant's own usage (rows newest first, and totals).
 /// `GET /v1/usage`: the caller's tenant's rows. A report reads the database, so it counts
 /// against the caller's request rate and concurrency like `/tokenize` (see `admit_call`): a
 /// tenant cannot query it in a loop without limit.
@@ -285,112 +259,8 @@ where
     resp
 }
 
-async fn usage_json(t: &Arc<Tenancy>, q: UsageQuery) -> ApiResult<Json<Value>> {
+pub(super) async fn usage_json(t: &Arc<Tenancy>, q: UsageQuery) -> ApiResult<Json<Value>> {
     let (rows, totals) = t.with_reports_conn(move |conn| db::query_usage(conn, &q)).await.map_err(internal)?;
     Ok(Json(json!({"object": "list", "data": rows, "totals": totals})))
 }
 
-#[derive(Deserialize)]
-struct CreateTenant {
-    id: String,
-    weight: Option<f64>,
-    #[serde(flatten)]
-    settings: Settings,
-}
-
-#[derive(Deserialize)]
-struct CreateKey {
-    tenant: String,
-    name: Option<String>,
-    /// Unix seconds.
-    expires_at: Option<i64>,
-    /// Seconds from now (instead of `expires_at`).
-    expires_in: Option<i64>,
-    #[serde(flatten)]
-    settings: Settings,
-}
-
-macro_rules! json_body {
-    ($t:ty) => {
-        impl JsonBody for $t {
-            fn from_json(v: Value) -> Result<Self, ApiError> {
-                serde_json::from_value(v).map_err(|e| ApiError::bad_request(e.to_string()))
-            }
-        }
-    };
-}
-json_body!(CreateTenant);
-json_body!(CreateKey);
-
-fn tenancy(state: &AppState) -> Arc<Tenancy> {
-    state.tenancy.clone().expect("admin routes exist only with a database")
-}
-
-async fn list_tenants(State(state): State<AppState>) -> ApiResult<Json<Value>> {
-    let rows = tenancy(&state).with_conn(|c, _| db::list_tenants(c)).await.map_err(internal)?;
-    Ok(Json(json!({"object": "list", "data": rows})))
-}
-
-async fn create_tenant(State(state): State<AppState>, OpenAiJson(b): OpenAiJson<CreateTenant>) -> ApiResult<Response> {
-    let t = tenancy(&state)
-        .with_conn(move |c, _| db::create_tenant(c, &b.id, b.weight.unwrap_or(1.0), &b.settings))
-        .await
-        .map_err(bad)?;
-    Ok((StatusCode::CREATED, Json(t)).into_response())
-}
-
-async fn disable_tenant(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    let i = id.clone();
-    let done = tenancy(&state).with_conn(move |c, _| db::disable_tenant(c, &i)).await.map_err(internal)?;
-    if !done {
-        return Err(ApiError::not_found(format!("no enabled tenant '{id}'")));
-    }
-    Ok(Json(json!({"id": id, "disabled": true})))
-}
-
-#[derive(Deserialize)]
-struct KeyFilter {
-    tenant: Option<String>,
-}
-
-async fn list_keys(State(state): State<AppState>, OpenAiQuery(f): OpenAiQuery<KeyFilter>) -> ApiResult<Json<Value>> {
-    let rows = tenancy(&state).with_conn(move |c, _| db::list_keys(c, f.tenant.as_deref())).await.map_err(internal)?;
-    Ok(Json(json!({"object": "list", "data": rows})))
-}
-
-async fn create_key(State(state): State<AppState>, OpenAiJson(b): OpenAiJson<CreateKey>) -> ApiResult<Response> {
-    let expires = b.expires_at.or(b.expires_in.map(|s| db::unix_now() + s));
-    let (row, key) = tenancy(&state)
-        .with_conn(move |c, secret| db::create_key(c, secret, &b.tenant, b.name.as_deref(), expires, &b.settings))
-        .await
-        .map_err(bad)?;
-    let mut v = serde_json::to_value(row).map_err(|e| ApiError::internal(e.to_string()))?;
-    v["key"] = Value::String(key);
-    Ok((StatusCode::CREATED, Json(v)).into_response())
-}
-
-async fn revoke_key(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    let i = id.clone();
-    let done = tenancy(&state).with_conn(move |c, _| db::revoke_key(c, &i)).await.map_err(internal)?;
-    if !done {
-        return Err(ApiError::not_found(format!("no unrevoked key '{id}'")));
-    }
-    Ok(Json(json!({"id": id, "revoked": true})))
-}
-
-async fn any_usage(State(state): State<AppState>, OpenAiQuery(q): OpenAiQuery<UsageQuery>) -> ApiResult<Json<Value>> {
-    usage_json(&tenancy(&state), q).await
-}
-
-/// `/admin/...`: tenants, keys and usage, behind the admin key.
-pub fn admin_router(state: AppState) -> Router<AppState> {
-    Router::new()
-        .route("/admin/tenants", get(list_tenants).post(create_tenant))
-        .route("/admin/tenants/{id}", axum::routing::delete(disable_tenant))
-        .route("/admin/tenants/{id}/disable", post(disable_tenant))
-        .route("/admin/keys", get(list_keys).post(create_key))
-        .route("/admin/keys/{id}", axum::routing::delete(revoke_key))
-        .route("/admin/keys/{id}/revoke", post(revoke_key))
-        .route("/admin/usage", get(any_usage))
-        .route_layer(middleware::from_fn_with_state(state, require_admin))
-}

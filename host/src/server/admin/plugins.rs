@@ -8,15 +8,17 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use super::registry::{DeploymentSpec, Registry};
+use crate::plugins::registry::{DeploymentSpec, Registry};
 use crate::server::error::ApiError;
+use crate::server::routes::same_secret;
+use crate::server::tenancy::bearer;
 use crate::server::state::AppState;
 
 /// Largest component accepted by upload.
@@ -26,17 +28,12 @@ fn registry(state: &AppState) -> &Arc<Registry> {
     state.plugins.as_ref().expect("plugin admin routes exist only with a registry")
 }
 
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 async fn require_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let Some(key) = registry(&state).admin_key() else {
         return ApiError::new(StatusCode::FORBIDDEN, "permission_error", "The plugin admin API is disabled: start the server with --admin-key")
             .into_response();
     };
-    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
-    if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+    if !bearer(&req).is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
         return ApiError::new(StatusCode::FORBIDDEN, "permission_error", "The plugin admin API needs the admin key").into_response();
     }
     next.run(req).await

@@ -11,7 +11,6 @@ use super::error::PluginError;
 use super::parsers::{self, ReasoningSession, ToolSession};
 use super::registry::{Deployment, Kind, Pools, Registry};
 use super::{random_tool_call_id, RequestContext};
-use crate::server::error::ApiError;
 
 /// The parser deployments serving one request, pinned for its lifetime (a hot swap does not
 /// change parsers under a running request).
@@ -20,12 +19,6 @@ pub struct ChatParsers {
     reasoning: Option<Arc<Deployment>>,
     tool: Option<Arc<Deployment>>,
     ctx: RequestContext,
-}
-
-pub fn api_error(e: &PluginError) -> ApiError {
-    let status = axum::http::StatusCode::from_u16(e.kind.status()).unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR);
-    let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
-    ApiError::new(status, kind, e.to_string()).with_code(e.kind.code())
 }
 
 impl ChatParsers {
