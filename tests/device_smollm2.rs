@@ -40,7 +40,7 @@ fn sim_model(test: &str) -> Option<LoadedModel> {
         }
     };
     let m = wasmserve::model::load(&common::default_model_path()).expect("loading SmolLM2");
-    Some(wasmserve::model::device_llama::place_on_device(m, gpu).expect("placing SmolLM2 on the simulator"))
+    Some(wasmserve::model::arch::llama::device::place_on_device(m, gpu).expect("placing SmolLM2 on the simulator"))
 }
 
 /// The same model on CUDA device 0 (skips without one, fails under `WASMSERVE_REQUIRE_GPU=1`).
@@ -56,7 +56,7 @@ fn cuda_model(test: &str) -> Option<LoadedModel> {
         }
     };
     let m = wasmserve::model::load(&common::default_model_path()).expect("loading SmolLM2");
-    Some(wasmserve::model::device_llama::place_on_device(m, gpu).expect("placing SmolLM2 on CUDA device 0"))
+    Some(wasmserve::model::arch::llama::device::place_on_device(m, gpu).expect("placing SmolLM2 on CUDA device 0"))
 }
 
 #[test]
@@ -261,7 +261,7 @@ fn random_smollm2_on_the_cpu_matches_transformers() {
 /// The device forward (`place_on_device` on `gpu`) against the random model's reference.
 fn random_smollm2_on_device<R: kernels::gpu::Runtime + 'static>(gpu: kernels::gpu::Kernels<R>, on: &str, dir: &std::path::Path, cases: &[common::ReferenceCase]) {
     let m = wasmserve::model::load(dir).expect("loading the random SmolLM2");
-    let m = wasmserve::model::device_llama::place_on_device(m, gpu).unwrap_or_else(|e| panic!("placing it on the {on}: {e}"));
+    let m = wasmserve::model::arch::llama::device::place_on_device(m, gpu).unwrap_or_else(|e| panic!("placing it on the {on}: {e}"));
     m.model.device_kv().expect("a device model").allocate(32, 16, kernels::gpu::kv_pool::KvStorage::F32).unwrap();
     let (worst, agree, total) = random_smollm2_error(&m, cases, true);
     eprintln!("random SmolLM2 on the {on}: worst relative logit error {worst:.2e}, greedy {agree}/{total}");

@@ -14,11 +14,12 @@ mod common;
 
 use std::path::PathBuf;
 
-use wasmserve::mesh::ep::experts_of;
-use wasmserve::mesh::{DeviceMesh, DispatchStats, ExpertParallelMoe, LocalCollective};
-use wasmserve::model::hf_source::SafetensorsSource;
-use wasmserve::model::moe::{MoeConfig, MoeLayer};
-use wasmserve::model::source::WeightSource;
+use wasmserve::model::layers::moe::expert_parallel::experts_of;
+use wasmserve::model::layers::moe::{DispatchStats, ExpertParallelMoe};
+use wasmserve::parallel::{DeviceMesh, LocalCollective};
+use wasmserve::model::format::hf_source::SafetensorsSource;
+use wasmserve::model::layers::moe::{MoeConfig, MoeLayer};
+use wasmserve::model::format::source::WeightSource;
 
 const CASES: [&str; 4] = ["deepseek_v3", "deepseek_v2", "kimi_linear", "kimi_latent"];
 
@@ -105,13 +106,13 @@ fn each_token_row_is_sent_once_per_owning_rank() {
     let h = c.cfg.hidden_size;
     let routing = MoeLayer::load(&c.cfg, &c.src, &c.cfg.prefix(1)).unwrap().route(&c.input, c.n);
     let stats: Vec<DispatchStats> = on_ranks(&ranks, |r, m, comm| {
-        let mine = wasmserve::mesh::even_range(c.n, ep, r);
+        let mine = wasmserve::model::shard::even_range(c.n, ep, r);
         m.forward_tokens(&c.input[mine.start * h..mine.end * h], mine.len(), comm).unwrap().1
     });
     let mut want_sent = vec![0usize; ep];
     let mut want_recv = vec![0usize; ep];
     for (r, want) in want_sent.iter_mut().enumerate() {
-        for t in wasmserve::mesh::even_range(c.n, ep, r) {
+        for t in wasmserve::model::shard::even_range(c.n, ep, r) {
             let mut owners: Vec<usize> = routing.token(t).0.iter().map(|&e| (0..ep).find(|&o| experts_of(c.cfg.num_experts, ep, o).contains(&(e as usize))).unwrap()).collect();
             owners.sort_unstable();
             owners.dedup();

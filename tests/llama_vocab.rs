@@ -7,7 +7,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use wasmserve::model::gguf::GgufFile;
+use wasmserve::model::format::gguf::GgufFile;
 use wasmserve::tokenizer::Tokenizer;
 
 fn vocab_dir() -> PathBuf {

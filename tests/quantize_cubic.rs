@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use half::f16;
 use safetensors::SafeTensors;
 use serde_json::Value;
-use wasmserve::model::hf_source::SafetensorsSource;
+use wasmserve::model::format::hf_source::SafetensorsSource;
 use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
-use wasmserve::model::quant::cubic::{load_cubic, CubicConfig};
-use wasmserve::model::source::WeightSource;
+use wasmserve::model::format::quant::cubic::{load_cubic, CubicConfig};
+use wasmserve::model::format::source::WeightSource;
 use wasmserve::quantize::{quantize, FormatArg, QuantizeArgs};
 
 fn tmp(tag: &str) -> PathBuf {

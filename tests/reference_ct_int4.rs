@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use half::bf16;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
-use wasmserve::model::hf_source::SafetensorsSource;
+use wasmserve::model::format::hf_source::SafetensorsSource;
 use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
-use wasmserve::model::quant::ct_config::CtConfig;
-use wasmserve::model::quant::ct_linear::load_int_linear;
+use wasmserve::model::format::quant::ct_config::CtConfig;
+use wasmserve::model::format::quant::ct_linear::load_int_linear;
 
 /// Max |ours − transformers| when transformers multiplies with the exact dequantised weights
 /// (compressed-tensors' decompression with f32 scales): both are f32 forward passes over the same

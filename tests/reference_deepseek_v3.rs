@@ -20,11 +20,11 @@ use tokio::sync::mpsc::unbounded_channel;
 use wasmserve::engine::block_pool::{KvDtype, PoolShape};
 use wasmserve::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
 use wasmserve::model::error::LoadError;
-use wasmserve::model::hf_source::SafetensorsSource;
+use wasmserve::model::format::hf_source::SafetensorsSource;
 use kernels::cpu::fp8::{quantize_e4m3, E4M3_TO_F32};
 use wasmserve::model::kv::{BatchRow, CacheLayout, ContiguousKvCache, KvCache, KvRow};
-use wasmserve::model::mla::{MlaConfig, MlaLayer};
-use wasmserve::model::source::WeightSource;
+use wasmserve::model::layers::mla::{MlaConfig, MlaLayer};
+use wasmserve::model::format::source::WeightSource;
 use wasmserve::model::LoadedModel;
 use wasmserve::sampling::SamplingParams;
 

@@ -8,11 +8,11 @@
 mod common;
 
 use serde_json::{json, Value};
-use wasmserve::model::hf_source::SafetensorsSource;
-use wasmserve::model::kda::state::KdaState;
-use wasmserve::model::kda::{KdaConfig, KdaLayer};
+use wasmserve::model::format::hf_source::SafetensorsSource;
+use wasmserve::model::layers::kda::state::KdaState;
+use wasmserve::model::layers::kda::{KdaConfig, KdaLayer};
 use wasmserve::model::kv::BatchRow;
-use wasmserve::model::source::WeightSource;
+use wasmserve::model::format::source::WeightSource;
 
 /// Max |ours − transformers|; outputs are O(1–4), both in f32 (different summation orders, and
 /// transformers' chunked form of the recurrence for whole prompts).

@@ -11,11 +11,11 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 use wasmserve::model::error::LoadError;
-use wasmserve::model::hf_source::SafetensorsSource;
-use wasmserve::model::linear::Linear;
-use wasmserve::model::moe::{MoeConfig, MoeLayer};
-use wasmserve::model::quant::QuantizedSource;
-use wasmserve::model::source::WeightSource;
+use wasmserve::model::format::hf_source::SafetensorsSource;
+use wasmserve::model::layers::linear::Linear;
+use wasmserve::model::layers::moe::{MoeConfig, MoeLayer};
+use wasmserve::model::format::quant::QuantizedSource;
+use wasmserve::model::format::source::WeightSource;
 use wasmserve::model::tensor::Tensor;
 use wasmserve::quantize::{quantize, FormatArg, QuantizeArgs};
 
@@ -228,7 +228,7 @@ fn bad_checkpoints_give_clear_errors() {
     assert!(e.contains("missing tensor 'model.layers.2.mlp.gate.weight'"), "{e}");
     // Kimi names are not DeepSeek names: the wrong family fails on the first expert.
     let mut kimi = cfg.clone();
-    kimi.naming = wasmserve::model::moe::config::ExpertNaming::W1W3W2;
+    kimi.naming = wasmserve::model::layers::moe::config::ExpertNaming::W1W3W2;
     let e = err(&kimi, &cfg.prefix(1));
     assert!(e.contains("experts.0.w1.weight"), "{e}");
 }

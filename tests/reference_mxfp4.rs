@@ -9,9 +9,9 @@ use std::path::PathBuf;
 use half::bf16;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
-use wasmserve::model::hf_source::SafetensorsSource;
+use wasmserve::model::format::hf_source::SafetensorsSource;
 use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
-use wasmserve::model::quant::mxfp4_linear::{load_ct_mxfp4, load_gpt_oss_expert};
+use wasmserve::model::format::quant::mxfp4_linear::{load_ct_mxfp4, load_gpt_oss_expert};
 
 /// Max |ours − transformers| logits. MXFP4 weights are exact in bf16, so transformers' bf16
 /// decompression holds the same weight values we multiply with; only f32 summation order differs.

@@ -12,7 +12,7 @@
 mod common;
 
 use serde_json::Value;
-use wasmserve::mesh::{Collective, CollectiveError, LocalCollective};
+use wasmserve::parallel::{Collective, CollectiveError, LocalCollective};
 use wasmserve::model::kv::{BatchRow, ContiguousKvCache, KvCache};
 
 /// Runs `f(rank, comm)` on one thread per rank and returns the results in rank order.

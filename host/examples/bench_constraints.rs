@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use wasmserve::model::gguf::GgufFile;
+use wasmserve::model::format::gguf::GgufFile;
 use wasmserve::sampling::json_constraint::JsonState;
 use wasmserve::sampling::json_schema::Schema;
 use wasmserve::sampling::schema_constraint::SchemaState;

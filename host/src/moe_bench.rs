@@ -19,12 +19,12 @@ use kernels::cpu::bitpack::{row_bytes, PackedRows};
 use kernels::cpu::cubic::AnyCubic;
 use kernels::cpu::quant_int::IntMatrix;
 
-use crate::model::linear::Linear;
-use crate::model::moe::config::MoeConfig;
-use crate::model::moe::experts::Experts;
-use crate::model::moe::mlp::{Activation, GatedMlp};
-use crate::model::moe::router::Router;
-use crate::model::quant::IntLinear;
+use crate::model::layers::linear::Linear;
+use crate::model::layers::moe::config::MoeConfig;
+use crate::model::layers::moe::experts::Experts;
+use crate::model::layers::moe::mlp::{Activation, GatedMlp};
+use crate::model::layers::moe::router::Router;
+use crate::model::format::quant::IntLinear;
 use crate::model::tensor::Tensor;
 
 #[derive(clap::Args)]

@@ -21,8 +21,8 @@ use kernels::cuda::launch::CudaRuntime;
 use kernels::cuda::nvrtc::guarded;
 use kernels::cuda::{device, CudaError};
 
-use crate::mesh::collective::{Collective, CollectiveError, Element, ReduceElement};
-use crate::mesh::device_collective::{DeviceCollective, DeviceGroup};
+use crate::parallel::collective::{Collective, CollectiveError, Element, ReduceElement};
+use crate::parallel::device_collective::{DeviceCollective, DeviceGroup};
 use crate::model::ForwardError;
 
 pub struct NcclCollective {

@@ -6,7 +6,7 @@
 //! naming the cause for an explicit `cuda:N`, and a logged fallback for `auto`.
 
 use super::DeviceSpec;
-use crate::mesh::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
+use crate::parallel::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
 use crate::model::device::weights::DenseWeights;
 use crate::model::device::{device_ranks, place_on_devices};
 use crate::model::LoadedModel;

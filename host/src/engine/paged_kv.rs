@@ -3,7 +3,7 @@
 
 use super::block_pool::{BlockId, BlockPool};
 use super::recurrent_slots::SlotId;
-use crate::model::kda::state::{KdaState, RecurrentStates};
+use crate::model::layers::kda::state::{KdaState, RecurrentStates};
 use crate::model::kv::{BlockCopy, KvCache, KvRow, PagedView, SlotOp};
 
 pub struct PagedKv<'a> {

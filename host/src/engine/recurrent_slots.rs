@@ -6,7 +6,7 @@
 //! in every token before `num_computed`; it cannot be rewound or rebuilt from cached KV blocks, so
 //! a preempted sequence loses its slot and recomputes from its first token.
 
-use crate::model::kda::state::{KdaState, SequenceState};
+use crate::model::layers::kda::state::{KdaState, SequenceState};
 use crate::model::kv::SlotOp;
 
 /// Index of a slot in the pool.
@@ -144,7 +144,7 @@ impl RecurrentSlots {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::kda::KdaConfig;
+    use crate::model::layers::kda::KdaConfig;
 
     fn cfgs() -> Vec<KdaConfig> {
         let c = KdaConfig { hidden_size: 8, num_heads: 2, head_dim: 2, conv_kernel: 3, rms_norm_eps: 1e-6, gate_lower_bound: None, full_rank_gate: false };

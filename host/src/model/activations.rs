@@ -10,13 +10,13 @@
 
 use std::path::PathBuf;
 
-use crate::mesh::split::Split;
+use crate::model::shard::Split;
 
-use super::error::LoadError;
-use super::linear::Linear;
-use super::quant::int_linear::IntLinear;
-use super::source::WeightSource;
-use super::tensor::Tensor;
+use crate::model::error::LoadError;
+use crate::model::layers::linear::Linear;
+use crate::model::format::quant::int_linear::IntLinear;
+use crate::model::format::source::WeightSource;
+use crate::model::tensor::Tensor;
 
 /// How a CPU forward feeds packed integer layers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]

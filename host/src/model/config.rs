@@ -7,8 +7,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::error::LoadError;
-use super::gguf::{GgufFile, MetaValue};
+use crate::model::error::LoadError;
+use crate::model::format::gguf::{GgufFile, MetaValue};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Architecture {

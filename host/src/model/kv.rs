@@ -6,7 +6,7 @@
 use kernels::cpu::dot::dot;
 use kernels::cpu::fp8::E4M3_TO_F32;
 
-use super::kda::state::{OwnedStates, RecurrentStates, SequenceState};
+use crate::model::layers::kda::state::{OwnedStates, RecurrentStates, SequenceState};
 
 /// Position of one token of a batch: which sequence of the batch it belongs to, and where.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,37 +1,24 @@
 //! Model loading: checkpoint formats, the architecture registry and the forward pass.
 
 pub mod activations;
+pub mod arch;
 pub mod config;
-pub mod decoder;
-pub mod deepseek;
 pub mod device;
-pub mod device_deepseek;
-pub mod device_llama;
 pub mod error;
-pub mod ggml;
-pub mod gguf;
-pub mod gguf_packed;
-pub mod gguf_source;
-pub mod hf_source;
-pub mod kda;
-pub mod kimi_linear;
+pub mod format;
 pub mod kv;
-pub mod linear;
-pub mod llama;
-pub mod mla;
-pub mod moe;
-pub mod quant;
-pub mod source;
+pub mod layers;
+pub mod registry;
+pub mod shard;
 pub mod tensor;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use config::{Architecture, ModelConfig};
+use config::ModelConfig;
 use error::LoadError;
+use format::source::WeightSource;
 use kv::{BatchRow, CacheLayout, KvCache};
-use llama::LlamaModel;
-use source::WeightSource;
 
 use crate::tokenizer::Tokenizer;
 
@@ -71,28 +58,22 @@ pub trait LanguageModel: Send + Sync {
         None
     }
 
-    /// The Llama ranks behind this model, if it is a Llama (to move it onto devices): one for a
-    /// whole model, one per tensor-parallel rank otherwise, in rank order.
-    fn llama_ranks(&self) -> Option<&[LlamaModel]> {
+    /// How this model moves onto devices (one per rank), if its architecture has a device
+    /// forward (`model::device::placement`).
+    fn device_form(&self) -> Option<&dyn device::placement::Placeable> {
         None
     }
 
-    /// The DeepSeek-V3 ranks behind this model, if it is one (to move it onto devices): one for a
-    /// whole model, one per expert-parallel (or tensor-parallel) rank otherwise, in rank order.
-    fn deepseek_ranks(&self) -> Option<&[deepseek::DeepseekV3Model]> {
-        None
-    }
-
-    /// The Kimi-Linear ranks behind this model, if it is one (to move it onto devices): one for a
-    /// whole model, one per expert-parallel rank otherwise, in rank order.
-    fn kimi_linear_ranks(&self) -> Option<&[kimi_linear::KimiLinearModel]> {
+    /// The concrete CPU model, for tests that need what is behind a loaded one.
+    #[cfg(test)]
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }
 
     /// A fresh (no tokens yet) recurrent state for one sequence, for models with linear-attention
     /// layers (`cache_layout().recurrent_bytes_per_seq > 0`); their `forward` reads the batch's
     /// states from `KvCache::recurrent`.
-    fn new_recurrent_state(&self) -> Option<kda::state::SequenceState> {
+    fn new_recurrent_state(&self) -> Option<layers::kda::state::SequenceState> {
         None
     }
 
@@ -125,46 +106,7 @@ pub trait DeviceKv: Send + Sync {
     }
 }
 
-/// Builds the architecture `cfg` names from a checkpoint's weights.
-pub fn build(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Box<dyn LanguageModel>, LoadError> {
-    match cfg.architecture {
-        Architecture::Llama => Ok(Box::new(LlamaModel::load(cfg, src)?)),
-        Architecture::DeepseekV3 => Ok(Box::new(deepseek::DeepseekV3Model::load(cfg, src)?)),
-        Architecture::KimiLinear => Ok(Box::new(kimi_linear::KimiLinearModel::load(cfg, src)?)),
-    }
-}
-
-/// As [`build`], split over `tp` simulated tensor-parallel devices when `tp != 1`
-/// (`mesh::TensorParallel`; clear errors when the shapes do not divide or `tp` is 0).
-pub fn build_tp(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
-    if tp == 1 {
-        return build(cfg, src);
-    }
-    match cfg.architecture {
-        Architecture::Llama => Ok(Box::new(crate::mesh::TensorParallel::load(cfg, src, tp)?)),
-        // MLA heads split over the ranks, the routed experts over the same ranks.
-        Architecture::DeepseekV3 => Ok(Box::new(crate::mesh::ExpertParallelDeepseek::load_tensor_parallel(cfg, src, tp)?)),
-        // KDA and MLA heads split over the ranks, the routed experts over the same ranks.
-        Architecture::KimiLinear => Ok(Box::new(crate::mesh::ExpertParallelKimiLinear::load_tensor_parallel(cfg, src, tp)?)),
-    }
-}
-
-/// As [`build`], with the routed experts split over `ep` simulated expert-parallel devices when
-/// `ep != 1` (`mesh::ExpertParallelDeepseek`, `mesh::ExpertParallelKimiLinear`; clear errors for
-/// architectures without experts).
-pub fn build_ep(cfg: ModelConfig, src: &dyn WeightSource, ep: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
-    if ep == 1 {
-        return build(cfg, src);
-    }
-    match cfg.architecture {
-        Architecture::DeepseekV3 => Ok(Box::new(crate::mesh::ExpertParallelDeepseek::load(cfg, src, ep)?)),
-        Architecture::KimiLinear => Ok(Box::new(crate::mesh::ExpertParallelKimiLinear::load(cfg, src, ep)?)),
-        other => Err(LoadError::Config {
-            file: src.file_of("model.embed_tokens.weight"),
-            detail: format!("expert parallelism is implemented for DeepSeek-V3 and Kimi-Linear models only, not {other:?}"),
-        }),
-    }
-}
+pub use registry::{build, build_ep, build_tp};
 
 /// A model ready to run: weights, tokenizer and chat template.
 pub struct LoadedModel {
@@ -230,14 +172,14 @@ pub fn load_with_options(path: &Path, opts: &LoadOptions) -> Result<LoadedModel,
         let raw: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| LoadError::Corrupt { file: cfg_path.clone(), detail: format!("invalid JSON: {e}") })?;
         let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
-        let src = quant::QuantizedSource::wrap(hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
+        let src = format::quant::QuantizedSource::wrap(format::hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
         let tokenizer = Tokenizer::from_hf_dir(path, &raw)?;
         (build_with_options(cfg, src.as_ref(), opts)?, tokenizer)
     } else {
-        let file = gguf::GgufFile::open(path)?;
+        let file = format::gguf::GgufFile::open(path)?;
         let cfg = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
-        let src = gguf_source::GgufSource::new(file);
+        let src = format::gguf_source::GgufSource::new(file);
         (build_with_options(cfg, &src, opts)?, tokenizer)
     };
     let cfg = model.config();

@@ -21,7 +21,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
-use crate::model::hf_source::SafetensorsSource;
+use crate::model::format::hf_source::SafetensorsSource;
 use policy::{Format, LayerPlan, Policy};
 use source::Stored;
 use stats::Report;

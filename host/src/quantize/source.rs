@@ -8,9 +8,9 @@ use anyhow::{bail, Result};
 use safetensors::Dtype;
 use serde_json::Value;
 
-use crate::model::hf_source::SafetensorsSource;
-use crate::model::quant::mxfp4_linear::load_ct_mxfp4;
-use crate::model::source::WeightSource;
+use crate::model::format::hf_source::SafetensorsSource;
+use crate::model::format::quant::mxfp4_linear::load_ct_mxfp4;
+use crate::model::format::source::WeightSource;
 
 /// How a Linear weight is stored in the source checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use serde_json::{json, Map, Value};
 
 use super::Tokenizer;
 use crate::model::error::LoadError;
-use crate::model::gguf::{GgufFile, MetaValue};
+use crate::model::format::gguf::{GgufFile, MetaValue};
 
 /// llama.cpp token types.
 const TOKEN_TYPE_CONTROL: i64 = 3;

@@ -9,7 +9,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::model::error::LoadError;
-use crate::model::gguf::GgufFile;
+use crate::model::format::gguf::GgufFile;
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,

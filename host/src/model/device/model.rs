@@ -6,10 +6,10 @@
 use kernels::gpu::kv_pool::KvStorage;
 use kernels::gpu::Runtime;
 
-use super::ranks::{run_step, RankState};
-use super::step::{checked_step, recurrent_rows, StepInputs};
-use crate::mesh::device_collective::{DeviceCollective, DeviceGroup};
-use crate::mesh::even_range;
+use crate::model::device::ranks::{run_step, RankState};
+use crate::model::device::step::{checked_step, recurrent_rows, StepInputs};
+use crate::parallel::device_collective::{DeviceCollective, DeviceGroup};
+use crate::model::shard::even_range;
 use crate::model::config::ModelConfig;
 use crate::model::kv::{BatchRow, BlockCopy, CacheLayout, KvCache, PagedView};
 use crate::model::{DeviceKv, ForwardError, LanguageModel};

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kernels::gpu::Runtime;
 
-use crate::mesh::device_collective::{DeviceCollective, SoleRank};
+use crate::parallel::device_collective::{DeviceCollective, SoleRank};
 use crate::model::ForwardError;
 
 /// One device's state. Its buffers and runtime are only touched with the lock held, so one

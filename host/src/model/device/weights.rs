@@ -13,7 +13,7 @@ use kernels::cpu::bitpack::PackedRows;
 use kernels::gpu::kernels::{GemmScratch, QuantWeight};
 use kernels::gpu::{DevGrouped, DevMxfp4, Kernels, Runtime};
 
-use crate::model::linear::Linear;
+use crate::model::layers::linear::Linear;
 use crate::model::tensor::Tensor;
 use crate::model::ForwardError;
 

@@ -1,0 +1,103 @@
+//! A safetensors checkpoint with a quantization config: Linear layers the config targets come
+//! back packed; everything else (ignored layers, norms, embeddings) loads as before, in the
+//! checkpoint's dtype widened to f32.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::model::format::quant::ct_config::{CtConfig, CtFormat};
+use crate::model::format::quant::ct_linear::load_int_linear;
+use crate::model::format::quant::cubic::{load_cubic, CubicConfig};
+use crate::model::format::quant::mxfp4_linear::load_ct_mxfp4;
+use crate::model::error::LoadError;
+use crate::model::format::hf_source::SafetensorsSource;
+use crate::model::layers::linear::Linear;
+use crate::model::format::source::WeightSource;
+use crate::model::tensor::Tensor;
+
+enum Config {
+    CompressedTensors(CtConfig),
+    Cubic(CubicConfig),
+}
+
+pub struct QuantizedSource {
+    inner: SafetensorsSource,
+    config: Config,
+    config_file: PathBuf,
+}
+
+impl QuantizedSource {
+    /// Wraps `inner` when `config.json` has a `quantization_config`; returns it unchanged
+    /// (boxed) otherwise. Unknown quantization methods are refused rather than misread.
+    pub fn wrap(inner: SafetensorsSource, config_file: &Path, cfg: &Value) -> Result<Box<dyn WeightSource>, LoadError> {
+        let Some(q) = cfg.get("quantization_config").filter(|q| !q.is_null()) else {
+            return Ok(Box::new(inner));
+        };
+        let err = |detail: String| LoadError::Config { file: config_file.to_path_buf(), detail: format!("quantization_config: {detail}") };
+        let config = if let Some(ct) = CtConfig::parse(q).map_err(err)? {
+            Config::CompressedTensors(ct)
+        } else if let Some(c) = CubicConfig::parse(q).map_err(err)? {
+            Config::Cubic(c)
+        } else {
+            let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
+            return Err(err(format!("quant_method '{method}' is not supported (supported: compressed-tensors, cubic)")));
+        };
+        Ok(Box::new(Self { inner, config, config_file: config_file.to_path_buf() }))
+    }
+}
+
+impl WeightSource for QuantizedSource {
+    fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError> {
+        if let Some(module) = name.strip_suffix(".weight") {
+            if self.inner.contains(&format!("{module}.weight_packed")) || self.inner.contains(&format!("{module}.cubic_codes")) {
+                return Err(LoadError::BadTensor {
+                    file: self.inner.file_of(name),
+                    tensor: name.to_string(),
+                    detail: "stored quantized, but this weight is only supported unquantized".into(),
+                });
+            }
+        }
+        self.inner.load(name, shape)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+            || name
+                .strip_suffix(".weight")
+                .is_some_and(|m| self.inner.contains(&format!("{m}.weight_packed")) || self.inner.contains(&format!("{m}.cubic_codes")))
+    }
+
+    fn file_of(&self, name: &str) -> PathBuf {
+        self.inner.file_of(name)
+    }
+
+    fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        self.inner.shape_of(name)
+    }
+
+    fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
+        let ct = match &self.config {
+            Config::CompressedTensors(ct) => ct,
+            Config::Cubic(c) => {
+                return match c.modules.get(module) {
+                    Some(layer) => load_cubic(&self.inner, module, rows, cols, *layer).map(Linear::Cubic),
+                    None => self.inner.load(&format!("{module}.weight"), &[rows, cols]).map(Linear::Dense),
+                }
+            }
+        };
+        let Some(scheme) = ct.scheme_for(module) else {
+            return self.inner.load(&format!("{module}.weight"), &[rows, cols]).map(Linear::Dense);
+        };
+        if !self.inner.contains(&format!("{module}.weight_packed")) {
+            return Err(LoadError::Config {
+                file: self.config_file.clone(),
+                detail: format!("'{module}' is quantized by config group '{}' but the checkpoint has no {module}.weight_packed", scheme.group),
+            });
+        }
+        match scheme.format {
+            CtFormat::PackQuantized => load_int_linear(&self.inner, module, rows, cols, &scheme.weights).map(Linear::Int),
+            CtFormat::Mxfp4PackQuantized => load_ct_mxfp4(&self.inner, module, rows, cols).map(Linear::Mxfp4),
+        }
+    }
+}

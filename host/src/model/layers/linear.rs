@@ -1,0 +1,61 @@
+//! A linear layer `y = x · Wᵀ`. An enum so quantized storage formats can sit beside dense f32
+//! without the model code knowing which one it multiplies with.
+
+use kernels::cpu::cubic::AnyCubic;
+use kernels::cpu::matmul::matmul_t;
+use kernels::cpu::mxfp4::Mxfp4Matrix;
+
+use crate::model::format::quant::IntLinear;
+use crate::model::tensor::Tensor;
+
+pub enum Linear {
+    Dense(Tensor),
+    /// Integer codes kept packed (compressed-tensors pack-quantized), multiplied from the packed form.
+    Int(IntLinear),
+    /// MXFP4 codes and E8M0 block scales kept packed.
+    Mxfp4(Mxfp4Matrix),
+    /// Cubic codes (docs/cubic-format.md) with per-group scale and shape, kept packed.
+    Cubic(AnyCubic),
+}
+
+impl Linear {
+    pub fn out_features(&self) -> usize {
+        match self {
+            Linear::Dense(t) => t.shape[0],
+            Linear::Int(q) => q.out_features(),
+            Linear::Mxfp4(q) => q.rows(),
+            Linear::Cubic(q) => q.rows(),
+        }
+    }
+
+    pub fn in_features(&self) -> usize {
+        match self {
+            Linear::Dense(t) => t.shape[1],
+            Linear::Int(q) => q.in_features(),
+            Linear::Mxfp4(q) => q.cols(),
+            Linear::Cubic(q) => q.cols(),
+        }
+    }
+
+    /// Bytes of weight storage a forward pass reads (codes plus scales for quantized formats).
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            Linear::Dense(t) => t.len() * 4,
+            Linear::Int(q) => q.w.bytes(),
+            Linear::Mxfp4(q) => q.bytes(),
+            Linear::Cubic(q) => q.bytes(),
+        }
+    }
+
+    /// `x` holds `n` rows of `in_features`; returns `n` rows of `out_features`.
+    pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![0.0; n * self.out_features()];
+        match self {
+            Linear::Dense(t) => matmul_t(x, t.as_slice(), &mut out, n, self.in_features(), self.out_features()),
+            Linear::Int(q) => q.forward(x, n, &mut out),
+            Linear::Mxfp4(q) => q.matmul_t(x, &mut out, n),
+            Linear::Cubic(q) => q.matmul_t(x, &mut out, n),
+        }
+        out
+    }
+}
