@@ -8,7 +8,7 @@ mod common;
 use std::path::PathBuf;
 
 use wasmserve::model::format::gguf::GgufFile;
-use wasmserve::tokenizer::Tokenizer;
+use wasmserve::model::tokenizer::Tokenizer;
 
 fn vocab_dir() -> PathBuf {
     let d = common::repo_root().join("tests/data/llama-vocab");

@@ -5,8 +5,8 @@
 mod common;
 
 use serde_json::Value;
-use wasmserve::chat::jinja::JinjaChatTemplate;
-use wasmserve::chat::{ChatTemplate, ChatTemplateInput};
+use wasmserve::chat_template::jinja::JinjaChatTemplate;
+use wasmserve::chat_template::{ChatTemplate, ChatTemplateInput};
 use wasmserve::generate::{generate, GenerateRequest};
 use wasmserve::engine::block_pool::KvDtype;
 use wasmserve::model::kv::{BatchRow, ContiguousKvCache};

@@ -15,7 +15,7 @@ use wasmserve::model::format::gguf::GgufFile;
 use wasmserve::sampling::json_constraint::JsonState;
 use wasmserve::sampling::json_schema::Schema;
 use wasmserve::sampling::schema_constraint::SchemaState;
-use wasmserve::tokenizer::Tokenizer;
+use wasmserve::model::tokenizer::Tokenizer;
 
 /// Median time of `reps` masks, and how many tokens the mask allows.
 fn time_mask(vocab: &[Vec<u8>], accepts: impl Fn(&[u8]) -> bool, reps: usize) -> (Duration, usize) {

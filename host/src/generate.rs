@@ -11,7 +11,7 @@ use crate::model::kv::{BatchRow, ContiguousKvCache, KvCache};
 use crate::model::LoadedModel;
 use crate::sampling::stop::{StopChecker, StopOutcome};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::tokenizer::incremental::IncrementalDecoder;
+use crate::model::tokenizer::incremental::IncrementalDecoder;
 
 #[derive(Clone, Debug)]
 pub struct GenerateRequest {
@@ -25,20 +25,7 @@ pub struct GenerateRequest {
     pub kv_dtype: KvDtype,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    Stop,
-    Length,
-}
-
-impl FinishReason {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        }
-    }
-}
+pub use crate::engine::FinishReason;
 
 #[derive(Clone, Debug)]
 pub struct GenerateOutput {

@@ -2,7 +2,7 @@
 
 pub mod backend;
 pub mod bench;
-pub mod chat;
+pub mod chat_template;
 pub mod decode_bench;
 pub mod engine;
 pub mod generate;
@@ -15,7 +15,6 @@ pub mod sampling;
 pub mod quantize;
 pub mod server;
 pub mod tenancy;
-pub mod tokenizer;
 
 /// Where `scripts/fetch-default-model` puts the default model, relative to the repository root.
 pub const DEFAULT_MODEL_PATH: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -7,8 +7,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use serde_json::{json, Value};
 
-use wasmserve::chat::jinja::JinjaChatTemplate;
-use wasmserve::chat::{ChatTemplate, ChatTemplateInput};
+use wasmserve::chat_template::jinja::JinjaChatTemplate;
+use wasmserve::chat_template::{ChatTemplate, ChatTemplateInput};
 use wasmserve::generate::{generate, GenerateRequest};
 use wasmserve::sampling::SamplingParams;
 

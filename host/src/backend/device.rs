@@ -69,8 +69,8 @@ impl Selected {
 
 /// Checks that the devices `spec` asks for are usable, before the model is loaded: the driver,
 /// each device's primary context, and NVRTC (which compiles the kernels). Only probes: the kernels
-/// are compiled and loaded once, by `placement::place_model` (the device forward) or a
-/// [`super::Backend`] opened for kernel-level work, so nothing is held twice for the whole run.
+/// are compiled and loaded once, by `placement::place_model` (the device forward), so nothing is
+/// held twice for the whole run.
 pub fn select(spec: &DeviceSpec) -> Result<Selected, String> {
     match spec {
         // The simulator runs the model's forward only (backend::placement).

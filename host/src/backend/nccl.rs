@@ -22,8 +22,7 @@ use kernels::cuda::nvrtc::guarded;
 use kernels::cuda::{device, CudaError};
 
 use crate::parallel::collective::{Collective, CollectiveError, Element, ReduceElement};
-use crate::parallel::device_collective::{DeviceCollective, DeviceGroup};
-use crate::model::ForwardError;
+use crate::parallel::device_collective::{DeviceCollective, DeviceCollectiveError, DeviceGroup};
 
 pub struct NcclCollective {
     comm: Comm,
@@ -338,9 +337,9 @@ impl DeviceGroup<CudaRuntime> for NcclDeviceGroup {
         self.shared.comms.read().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, Vec::len)
     }
 
-    fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<CudaRuntime>>>, ForwardError> {
+    fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<CudaRuntime>>>, DeviceCollectiveError> {
         if let Some(reason) = self.shared.failure() {
-            return Err(ForwardError::Invalid(format!("the tensor-parallel NCCL group was aborted after an earlier failure ({reason}); restart the server")));
+            return Err(DeviceCollectiveError::Invalid(format!("the tensor-parallel NCCL group was aborted after an earlier failure ({reason}); restart the server")));
         }
         let world = self.world_size();
         Ok((0..world).map(|rank| Arc::new(NcclDeviceRank { rank, shared: self.shared.clone() }) as Arc<dyn DeviceCollective<CudaRuntime>>).collect())
@@ -356,9 +355,9 @@ impl DeviceCollective<CudaRuntime> for NcclDeviceRank {
         self.shared.comms.read().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, Vec::len)
     }
 
-    fn all_reduce_sum(&self, gpu: &kernels::cuda::launch::Gpu, buf: &mut CudaSlice<f32>, n: usize) -> Result<(), ForwardError> {
+    fn all_reduce_sum(&self, gpu: &kernels::cuda::launch::Gpu, buf: &mut CudaSlice<f32>, n: usize) -> Result<(), DeviceCollectiveError> {
         if n > buf.len() {
-            return Err(ForwardError::Invalid(format!("all_reduce_sum of {n} elements on a buffer of {}", buf.len())));
+            return Err(DeviceCollectiveError::Invalid(format!("all_reduce_sum of {n} elements on a buffer of {}", buf.len())));
         }
         if n == 0 {
             return Ok(());
@@ -377,7 +376,7 @@ impl DeviceCollective<CudaRuntime> for NcclDeviceRank {
         let r = unsafe {
             nccl_result::all_reduce(ptr as *const _, ptr as *mut _, n, nccl_sys::ncclDataType_t::ncclFloat32, nccl_sys::ncclRedOp_t::ncclSum, handles[self.rank], stream.cu_stream() as _)
         };
-        r.map(|_| ()).map_err(|e| ForwardError::Device(CudaError::Driver { what: "ncclAllReduce", msg: format!("{e:?}") }))
+        r.map(|_| ()).map_err(|e| DeviceCollectiveError::Device(CudaError::Driver { what: "ncclAllReduce", msg: format!("{e:?}") }))
     }
 
     /// Aborts every rank's communicator: peers spinning in an all-reduce this rank will never

@@ -5,12 +5,27 @@
 
 use serde::Serialize;
 
-use crate::generate::FinishReason;
 use crate::sampling::constraint::ConstraintSpec;
 use crate::sampling::SamplingParams;
 
 /// Engine-wide request id.
 pub type RequestId = u64;
+
+/// Why a choice stopped: a stop condition (EOS, stop string or id) or its length limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
 
 #[derive(Clone, Debug)]
 pub struct EngineRequest {

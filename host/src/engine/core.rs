@@ -18,13 +18,13 @@ use super::fair_share::SlotShares;
 use super::paged_kv::PagedKv;
 use super::recurrent_slots::RecurrentSlots;
 use super::sequence::Sequence;
-use crate::generate::FinishReason;
+use super::api::FinishReason;
 use crate::model::kv::BatchRow;
 use crate::model::LoadedModel;
 use crate::sampling::constraint::{Constraint, ConstraintSpec};
 use crate::sampling::stop::{StopChecker, StopOutcome};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::tokenizer::incremental::IncrementalDecoder;
+use crate::model::tokenizer::incremental::IncrementalDecoder;
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -72,9 +72,7 @@ pub const MAX_LOGIT_BIAS: usize = 1024;
 pub const MAX_CHOICES: usize = 256;
 pub const MAX_CHOICE_BYTES: usize = 16 * 1024;
 pub const MAX_TOOLS: usize = 128;
-/// Prompt rows of one sequence scheduled per step while it collects prompt logprobs: each row
-/// returns a vocabulary of logits (128 rows of a 150k vocabulary: 77 MB).
-pub const PROMPT_LOGPROB_ROWS: usize = 128;
+pub use super::sequence::PROMPT_LOGPROB_ROWS;
 
 /// The per-token work a request asks for, within the caps above.
 fn check_list_sizes(req: &EngineRequest) -> Result<(), SubmitError> {

@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-pub use self::api::{EngineEvent, EngineRequest, EngineStats, RequestId, SubmitError, TokenLogprob};
+pub use self::api::{EngineEvent, EngineRequest, EngineStats, FinishReason, RequestId, SubmitError, TokenLogprob};
 pub use self::core::{EngineConfig, EngineCore};
 use crate::model::LoadedModel;
 

@@ -3,10 +3,14 @@
 use super::api::RequestId;
 use super::block_pool::{hash_block, BlockHash, BlockId, BlockPool};
 use super::recurrent_slots::SlotId;
+
+/// Prompt rows of one sequence scheduled per step while it collects prompt logprobs: each row
+/// returns a vocabulary of logits (128 rows of a 150k vocabulary: 77 MB).
+pub const PROMPT_LOGPROB_ROWS: usize = 128;
 use crate::sampling::constraint::Constraint;
 use crate::sampling::stop::StopChecker;
 use crate::sampling::Sampler;
-use crate::tokenizer::incremental::IncrementalDecoder;
+use crate::model::tokenizer::incremental::IncrementalDecoder;
 
 pub struct Sequence {
     pub request: RequestId,
@@ -77,7 +81,7 @@ impl Sequence {
     /// row of logits per token, so its chunks are capped to bound that memory.
     pub fn chunk_limit(&self) -> usize {
         if self.prompt_logprobs.is_some() && !self.prompt_lp_sent {
-            super::core::PROMPT_LOGPROB_ROWS
+            PROMPT_LOGPROB_ROWS
         } else {
             usize::MAX
         }

@@ -11,6 +11,7 @@ pub mod layers;
 pub mod registry;
 pub mod shard;
 pub mod tensor;
+pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -20,7 +21,7 @@ use error::LoadError;
 use format::source::WeightSource;
 use kv::{BatchRow, CacheLayout, KvCache};
 
-use crate::tokenizer::Tokenizer;
+use tokenizer::Tokenizer;
 
 /// Runs a single-device CPU forward pass on one of rayon's worker threads and waits for it. Its
 /// parallel matmuls (seven per Llama layer per step) then fork inside the pool; started from
@@ -91,6 +92,23 @@ pub enum ForwardError {
     Device(#[from] kernels::cuda::CudaError),
     #[error("{0}")]
     Invalid(String),
+}
+
+impl From<crate::parallel::CollectiveError> for ForwardError {
+    fn from(e: crate::parallel::CollectiveError) -> Self {
+        ForwardError::Invalid(format!("tensor-parallel collective failed: {e}"))
+    }
+}
+
+impl From<crate::parallel::device_collective::DeviceCollectiveError> for ForwardError {
+    fn from(e: crate::parallel::device_collective::DeviceCollectiveError) -> Self {
+        use crate::parallel::device_collective::DeviceCollectiveError as E;
+        match e {
+            E::Device(d) => ForwardError::Device(d),
+            E::Group(g) => g.into(),
+            E::Invalid(m) => ForwardError::Invalid(m),
+        }
+    }
 }
 
 /// A device K/V pool a model owns, addressed by the engine's block ids.

@@ -15,11 +15,23 @@
 
 use std::sync::Arc;
 
+use kernels::cuda::CudaError;
 use kernels::gpu::{Kernels, Runtime};
 
-use crate::parallel::collective::{Collective, CollectiveError};
-use crate::parallel::local::LocalCollective;
-use crate::model::ForwardError;
+use super::collective::{Collective, CollectiveError};
+use super::local::LocalCollective;
+
+/// Why a device collective failed: the device (driver, NCCL) or the group (a peer aborted,
+/// mismatched arguments). The model's forward maps it to its own error.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceCollectiveError {
+    #[error("{0}")]
+    Device(#[from] CudaError),
+    #[error("tensor-parallel collective failed: {0}")]
+    Group(#[from] CollectiveError),
+    #[error("{0}")]
+    Invalid(String),
+}
 
 /// One rank's handle on a group of devices, for one forward step.
 pub trait DeviceCollective<R: Runtime>: Send + Sync {
@@ -27,7 +39,7 @@ pub trait DeviceCollective<R: Runtime>: Send + Sync {
     fn world_size(&self) -> usize;
     /// Sums `buf[..n]` element-wise over the group, in place, on every rank. `gpu` is this rank's
     /// device (the one `buf` lives on).
-    fn all_reduce_sum(&self, gpu: &Kernels<R>, buf: &mut R::Buf<f32>, n: usize) -> Result<(), ForwardError>;
+    fn all_reduce_sum(&self, gpu: &Kernels<R>, buf: &mut R::Buf<f32>, n: usize) -> Result<(), DeviceCollectiveError>;
     /// Marks the group failed so ranks waiting in (or later entering) a collective return an error
     /// instead of waiting for this rank forever.
     fn abort(&self, reason: &str);
@@ -36,13 +48,7 @@ pub trait DeviceCollective<R: Runtime>: Send + Sync {
 /// Where each forward step gets its ranks' handles (rank `r` gets element `r`).
 pub trait DeviceGroup<R: Runtime>: Send + Sync {
     fn world_size(&self) -> usize;
-    fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<R>>>, ForwardError>;
-}
-
-impl From<CollectiveError> for ForwardError {
-    fn from(e: CollectiveError) -> Self {
-        ForwardError::Invalid(format!("tensor-parallel collective failed: {e}"))
-    }
+    fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<R>>>, DeviceCollectiveError>;
 }
 
 /// The group of one device.
@@ -55,7 +61,7 @@ impl<R: Runtime> DeviceCollective<R> for SoleRank {
     fn world_size(&self) -> usize {
         1
     }
-    fn all_reduce_sum(&self, _gpu: &Kernels<R>, _buf: &mut R::Buf<f32>, _n: usize) -> Result<(), ForwardError> {
+    fn all_reduce_sum(&self, _gpu: &Kernels<R>, _buf: &mut R::Buf<f32>, _n: usize) -> Result<(), DeviceCollectiveError> {
         Ok(())
     }
     fn abort(&self, _reason: &str) {}
@@ -65,7 +71,7 @@ impl<R: Runtime> DeviceGroup<R> for SoleRank {
     fn world_size(&self) -> usize {
         1
     }
-    fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<R>>>, ForwardError> {
+    fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<R>>>, DeviceCollectiveError> {
         Ok(vec![Arc::new(SoleRank)])
     }
 }
@@ -80,10 +86,10 @@ impl<R: Runtime, C: Collective> DeviceCollective<R> for HostStaged<C> {
     fn world_size(&self) -> usize {
         self.0.world_size()
     }
-    fn all_reduce_sum(&self, gpu: &Kernels<R>, buf: &mut R::Buf<f32>, n: usize) -> Result<(), ForwardError> {
+    fn all_reduce_sum(&self, gpu: &Kernels<R>, buf: &mut R::Buf<f32>, n: usize) -> Result<(), DeviceCollectiveError> {
         let mut host = gpu.download(buf)?;
         if host.len() < n {
-            return Err(ForwardError::Invalid(format!("all_reduce_sum of {n} elements on a buffer of {}", host.len())));
+            return Err(DeviceCollectiveError::Invalid(format!("all_reduce_sum of {n} elements on a buffer of {}", host.len())));
         }
         self.0.all_reduce_sum(&mut host[..n])?;
         gpu.write(buf, 0, &host[..n])?;
@@ -104,7 +110,7 @@ impl<R: Runtime> DeviceGroup<R> for LocalDeviceGroup {
     fn world_size(&self) -> usize {
         self.world
     }
-    fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<R>>>, ForwardError> {
+    fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<R>>>, DeviceCollectiveError> {
         Ok(LocalCollective::group(self.world).into_iter().map(|c| Arc::new(HostStaged(c)) as Arc<dyn DeviceCollective<R>>).collect())
     }
 }

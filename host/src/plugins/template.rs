@@ -10,7 +10,7 @@ use super::bindings::chat_template as ct;
 use super::error::{FailureKind, PluginError};
 use super::pool::Pool;
 use super::registry::{Pools, Registry};
-use crate::chat::{ChatTemplate, ChatTemplateInput, RenderError};
+use crate::chat_template::{ChatTemplate, ChatTemplateInput, RenderError};
 
 pub type TemplatePool = Pool<ct::ChatTemplatePlugin>;
 

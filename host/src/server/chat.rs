@@ -18,7 +18,7 @@ use super::forced_call_stream::ForcedCallStream;
 use super::tool_choice::{forced_constraint, tool_call_json};
 use super::admission::Gate;
 use super::state::{unix_now, AppState, ServerState};
-use crate::chat::{ChatTemplateInput, RenderError};
+use crate::chat_template::{ChatTemplateInput, RenderError};
 use crate::sampling::constraint::ConstraintSpec;
 use crate::model::LoadedModel;
 use crate::engine::TokenLogprob;
@@ -582,9 +582,9 @@ impl ChunkFormatter for ChatChunks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::chat::jinja::fixtures::{reference, template_source};
-    use crate::chat::jinja::JinjaChatTemplate;
-    use crate::chat::{ChatTemplate, ChatTemplateInput};
+    use crate::chat_template::jinja::fixtures::{reference, template_source};
+    use crate::chat_template::jinja::JinjaChatTemplate;
+    use crate::chat_template::{ChatTemplate, ChatTemplateInput};
 
     /// A conversation as an OpenAI client sends it back: a tool-calling assistant turn with null
     /// content and its arguments as a JSON string (what the API returned).

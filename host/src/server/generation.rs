@@ -14,7 +14,7 @@ use super::error::ApiError;
 use super::state::{AppState, InFlight};
 use super::tenancy::Admission;
 use crate::engine::{EngineEvent, RequestStream, TokenLogprob};
-use crate::generate::FinishReason;
+use crate::engine::FinishReason;
 use crate::plugins::apply::Applied;
 
 type Events = Pin<Box<dyn Stream<Item = (usize, EngineEvent)> + Send>>;

@@ -5,7 +5,7 @@
 use serde_json::{json, Map, Value};
 
 use crate::engine::TokenLogprob;
-use crate::tokenizer::Tokenizer;
+use crate::model::tokenizer::Tokenizer;
 
 /// JSON has no -inf; OpenAI-compatible servers report impossible tokens as -9999.
 fn finite(lp: f32) -> f32 {

@@ -31,8 +31,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::chat::jinja::JinjaChatTemplate;
-use crate::chat::ChatTemplate;
+use crate::chat_template::jinja::JinjaChatTemplate;
+use crate::chat_template::ChatTemplate;
 use crate::engine::block_pool::{KvCacheDtype, KvDtype};
 use crate::engine::{Engine, EngineConfig};
 use state::{AppState, ServerState};

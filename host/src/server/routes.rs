@@ -15,7 +15,7 @@ use super::logprobs::piece;
 use super::openai::{DetokenizeRequest, TokenizeRequest};
 use super::state::AppState;
 use super::{chat, completions};
-use crate::chat::ChatTemplateInput;
+use crate::chat_template::ChatTemplateInput;
 use super::tenancy::{admitted_call, check_model as check_tenant_model, model_visible, CallerExt};
 
 pub fn router(state: AppState) -> Router {

@@ -8,7 +8,7 @@ use tokio::sync::Notify;
 
 use super::error::ApiError;
 use super::metrics::Metrics;
-use crate::chat::ChatTemplate;
+use crate::chat_template::ChatTemplate;
 use crate::engine::Engine;
 use crate::model::LoadedModel;
 
