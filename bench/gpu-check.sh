@@ -147,7 +147,7 @@ grep -E "worst relative logit error" /tmp/gpu-check-random.log | sed 's/^/FIGURE
 models+=("$random" "$random-int4")
 
 log "DeepSeek-V3 and Kimi-Linear device forwards (MLA latent cache, KDA state, MoE routing and expert GEMVs) vs transformers and the CPU model (CUDA)"
-step 180 t_wasmserve_lib device_deepseek::tests::cuda --nocapture --test-threads=1 2>&1 | tee /tmp/gpu-check-deepseek.log
+step 180 t_wasmserve_lib device::decoder::tests::cuda --nocapture --test-threads=1 2>&1 | tee /tmp/gpu-check-deepseek.log
 grep -E "max \|logit|median" /tmp/gpu-check-deepseek.log | sed 's/^/FIGURE device-deepseek /' || true
 models+=(tests/reference/deepseek_v3/model tests/reference/kimi_linear/model)
 

@@ -13,7 +13,7 @@ their weights).
   kimi_linear  transformers KimiLinearMoE (`block_sparse_moe`, experts w1/w3/w2): sigmoid,
                noaux_tc, 2 groups keep 1, top-4, renormalised, x1.7, 1 shared expert
   kimi_latent  Kimi K3 latent MoE. transformers has no latent MoE, so the reference is written
-               here from the formula in /work/shared/notes/formats.md §5.4-5.5 (routing still by
+               here from the formula in docs/formats.md §5.4-5.5 (routing still by
                transformers' KimiLinearTopkRouter): r = down(x); y = Σ w_k expert_k(r) in the
                latent width with SiTU experts; y = RMSNorm(y)·norm_w; out = up(y) + shared(x)
 
@@ -21,7 +21,7 @@ Router weights and biases are scaled so that grouping and the bias both change t
 some tokens (checked below), and every token's choice has a clear margin (no near-ties that f32
 summation order could flip).
 
-Run: /work/main/.venv/bin/python tests/reference/make_moe_layers.py
+Run: .venv/bin/python tests/reference/make_moe_layers.py
 """
 import json
 import os
@@ -198,7 +198,7 @@ def kimi_linear(notes):
 
 
 def situ(gate, up, beta=4.0, linear_beta=25.0):
-    # formats.md §5.5: sigmoid of the unclipped gate; both halves tanh-clipped.
+    # docs/formats.md §5.5: sigmoid of the unclipped gate; both halves tanh-clipped.
     return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (linear_beta * torch.tanh(up / linear_beta))
 
 
@@ -243,7 +243,7 @@ def kimi_latent(notes):
         no_bias = torch.topk(grouped_choice(scores, None, 2, 1, TOP_K, True), TOP_K)[1]
     margin, by_bias = check_routing(ids, choice, no_bias, "kimi_latent bias")
     notes["kimi_latent"] = {"module": "block_sparse_moe", "margin": margin, "tokens_changed_by_bias": by_bias,
-                            "reference": "own torch code from formats.md 5.4/5.5 (no transformers latent MoE); routing by transformers KimiLinearTopkRouter"}
+                            "reference": "own torch code from docs/formats.md 5.4/5.5 (no transformers latent MoE); routing by transformers KimiLinearTopkRouter"}
     save_case("kimi_latent", raw, {k: v.contiguous() for k, v in t.items()}, x, y, ids, w, notes)
 
 

@@ -9,12 +9,12 @@ Writes tests/reference/deepseek_v3/:
   mla_gated.safetensors + mla_gated.json  single gated-MLA layers: transformers' own attention
       module with the output gate `o = o * sigmoid(g_proj(x))` added before o_proj (a forward
       pre-hook on o_proj — transformers has no gated MLA; the gate is assumed as Kimi K3's,
-      /work/shared/notes/formats.md §5.6):
+      docs/formats.md §5.6):
         dsv3_gated: DeepseekV3Attention (q_lora, YaRN, interleaved rope) + gate
         kimi_gated: KimiLinearAttention (NoPE, plain q_proj) + gate
       inputs [T, hidden], causal whole-prompt outputs.
 
-Run: /work/main/.venv/bin/python tests/reference/make_tiny_deepseek_v3.py
+Run: .venv/bin/python tests/reference/make_tiny_deepseek_v3.py
 """
 import json
 import os

@@ -14,7 +14,7 @@ Writes tests/reference/kimi_linear/:
       (`linear_attn_config` with 1-based layer lists), safetensors, tokenizer, and reference.json
       with prefill logits and 32 greedy decode steps (each step's full logits).
 
-Run: /work/main/.venv/bin/python tests/reference/make_tiny_kimi_linear.py
+Run: .venv/bin/python tests/reference/make_tiny_kimi_linear.py
 """
 import json
 import os

@@ -1,7 +1,7 @@
 //! NCCL (cudarc, dlopen-ed libnccl) across the GPUs of one node, two ways:
 //! - [`NcclDeviceGroup`]: the device forward's tensor-parallel all-reduce, on device buffers,
 //!   queued on each rank's own stream.
-//! - [`NcclCollective`]: `mesh::Collective` on host slices, for the CPU-resident sharded models
+//! - [`NcclCollective`]: `parallel::Collective` on host slices, for the CPU-resident sharded models
 //!   (one communicator per device from `ncclCommInitAll`, each rank driven from its own thread
 //!   like `LocalCollective`'s ranks). The trait moves host slices, so each call stages through
 //!   device memory (upload, collective on the rank's stream, synchronise, download). `abort`

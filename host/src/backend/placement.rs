@@ -1,6 +1,6 @@
 //! Where the model's forward runs, from `--device`: the CPU model as loaded, or, for CUDA
-//! devices, a Llama, DeepSeek-V3 or Kimi-Linear moved onto them (`model::device_llama`,
-//! `model::device_deepseek`), one device per rank with NCCL between them (DeepSeek-V3 and
+//! devices, a Llama, DeepSeek-V3 or Kimi-Linear moved onto them (`model::arch::llama::device`,
+//! `model::device::decoder`), one device per rank with NCCL between them (DeepSeek-V3 and
 //! Kimi-Linear tensor- or expert-parallel, Llama tensor-parallel). Architectures without a device
 //! forward keep the CPU forward and the log says so; a device that cannot be opened is an error
 //! naming the cause for an explicit `cuda:N`, and a logged fallback for `auto`.

@@ -14,10 +14,10 @@ use crate::model::format::gguf::{GgufFile, MetaValue};
 pub enum Architecture {
     /// Llama family: RMSNorm, RoPE, grouped-query attention, SwiGLU (Llama 2/3, Mistral, SmolLM).
     Llama,
-    /// DeepSeek-V3: MLA attention, dense first layers then MoE (model/deepseek.rs).
+    /// DeepSeek-V3: MLA attention, dense first layers then MoE (model/arch/deepseek_v3/mod.rs).
     DeepseekV3,
     /// Kimi-Linear: KDA linear attention and MLA full attention, dense MLP or MoE
-    /// (model/kimi_linear.rs).
+    /// (model/arch/kimi_linear/mod.rs).
     KimiLinear,
 }
 
@@ -38,7 +38,7 @@ impl Architecture {
 pub enum AttentionKind {
     /// Multi-head / grouped-query softmax attention with RoPE.
     Gqa,
-    /// Multi-head latent attention (model/mla), compressed latent cache.
+    /// Multi-head latent attention (model/layers/mla), compressed latent cache.
     Mla,
 }
 
@@ -46,7 +46,7 @@ pub enum AttentionKind {
 pub enum FfnKind {
     /// SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
     DenseSwiGlu,
-    /// Mixture of experts (model/moe).
+    /// Mixture of experts (model/layers/moe).
     Moe,
 }
 
@@ -181,7 +181,7 @@ impl ModelConfig {
         let scaling = rope.or_else(|| cfg.get("rope_scaling").filter(|v| !v.is_null()));
         if let Some(scaling) = scaling {
             let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str).unwrap_or("default");
-            // MLA parses its own RoPE scaling (YaRN) in model/mla/config.rs.
+            // MLA parses its own RoPE scaling (YaRN) in model/layers/mla/config.rs.
             if kind != "default" && architecture != Architecture::DeepseekV3 {
                 return Err(cfg_err(format!("rope scaling type '{kind}' is not supported yet")));
             }

@@ -1,6 +1,6 @@
 //! What a quantize run may read: float checkpoints, and MXFP4 checkpoints in compressed-tensors
 //! `mxfp4-pack-quantized` form (Kimi K3: `<m>.weight_packed` u8 `[out, in/2]` + `<m>.weight_scale`
-//! u8 E8M0 `[out, in/32]`, /work/shared/notes/formats.md §2.3). MXFP4 Linear weights are decoded
+//! u8 E8M0 `[out, in/32]`, docs/formats.md §2.3). MXFP4 Linear weights are decoded
 //! to f32 one tensor at a time (the same decoder the model loader uses) and then requantized like
 //! any float weight, so memory stays at one tensor.
 

@@ -24,7 +24,7 @@ use super::generation::Generation;
 use super::state::{AppState, InFlight};
 use super::tenancy::{self as tenancy, CallerExt};
 use crate::engine::EngineRequest;
-use crate::plugins::apply::{self, Applied};
+use crate::plugins::apply::{self, Applied, PolicyError};
 
 /// A generation request past the cheap checks (steps 1-4), holding its in-flight slot.
 pub struct Gate {
@@ -79,16 +79,21 @@ impl Gate {
             state.engine.validate(r).map_err(|e| name_errors(e.into()))?;
         }
         let mut policies = Vec::new();
-        if let Some(reg) = &state.plugins {
-            let bound = self.caller.as_ref().and_then(|c| c.0.principal.request_policy());
-            let serving = apply::policies_for(reg, &state.served_model_name, self.tenant(), bound)?;
-            if !serving.is_empty() {
-                for r in &mut reqs {
-                    policies.push(apply::apply(&serving, &state.served_model_name, self.tenant(), r)?);
-                    state.engine.validate(r).map_err(|e| {
-                        ApiError::internal(format!("a request policy made the request invalid: {e}")).with_code("policy_error")
-                    })?;
-                }
+        let bound = self.caller.as_ref().and_then(|c| c.0.principal.request_policy());
+        let serving = match &state.plugins {
+            Some(reg) => apply::policies_for(reg, &state.served_model_name, self.tenant(), bound)?,
+            // No plugin registry: nothing is deployed, so a binding cannot be honoured.
+            None => match bound {
+                Some(policy) => return Err(PolicyError::BindingMissing { policy: policy.to_string() }.into()),
+                None => Vec::new(),
+            },
+        };
+        if !serving.is_empty() {
+            for r in &mut reqs {
+                policies.push(apply::apply(&serving, &state.served_model_name, self.tenant(), r)?);
+                state.engine.validate(r).map_err(|e| {
+                    ApiError::internal(format!("a request policy made the request invalid: {e}")).with_code("policy_error")
+                })?;
             }
         }
         let admission = tenancy::admit(state, &self.caller, self.endpoint, self.started, &mut reqs).map_err(&name_errors)?;

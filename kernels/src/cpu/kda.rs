@@ -1,6 +1,6 @@
 //! Kimi Delta Attention (KDA), the linear-attention layer of Kimi-Linear and Kimi K3: the
 //! per-token arithmetic (written against plain slices so each piece can be read next to its
-//! formula, formats.md §3.1-3.2, transformers `modeling_kimi_linear.py`), which the host's CPU
+//! formula, docs/formats.md §3.1-3.2, transformers `modeling_kimi_linear.py`), which the host's CPU
 //! layer runs, and the batch-level references of `kernels/cuda/kda.cu` built from the same pieces,
 //! so the host, the references and the kernels agree by construction.
 //!

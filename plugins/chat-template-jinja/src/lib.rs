@@ -4,7 +4,7 @@
 //! set up the way transformers sets up Jinja2 (`trim_blocks`, `lstrip_blocks`, loop controls,
 //! Python string methods via pycompat, its `tojson` that writes `json.dumps` text,
 //! `raise_exception`, `strftime_now`), the same as the host's native renderer
-//! (host/src/chat/jinja.rs), so the output matches `apply_chat_template` byte for byte.
+//! (host/src/chat_template/jinja.rs), so the output matches `apply_chat_template` byte for byte.
 //!
 //! Plugins have no clock: `strftime_now` formats the Unix time the host passes in the extra
 //! variable `__now` (removed before rendering; 0 when absent).

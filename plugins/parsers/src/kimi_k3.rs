@@ -1,5 +1,5 @@
 //! `kimi_k3` reasoning and tool parsers for Kimi K3's XTML output (vLLM 0.33's
-//! `kimi_k3_reasoning_parser.py` / `kimi_k3_tool_parser.py`; formats.md §4.2):
+//! `kimi_k3_reasoning_parser.py` / `kimi_k3_tool_parser.py`; docs/formats.md §4.2):
 //!
 //! `…reasoning<|close|>think<|sep|><|open|>response<|sep|>…<|close|>response<|sep|>`
 //! `<|open|>tools<|sep|><|open|>call tool="NAME" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Beijing<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>`

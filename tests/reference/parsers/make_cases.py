@@ -61,7 +61,7 @@ for t in r1:
     cases.append({"reasoning_parser": "deepseek_r1", "tool_parser": None, "tools": [], "text": t})
     cases.append({"reasoning_parser": "qwen3", "tool_parser": None, "tools": [], "text": t})
 
-# Kimi K3 "XTML" (formats.md 4.2): <|open|>, <|close|>, <|sep|> are special tokens, tag names
+# Kimi K3 "XTML" (docs/formats.md 4.2): <|open|>, <|close|>, <|sep|> are special tokens, tag names
 # and attributes ordinary text. The generation prompt opens the think channel, so the output
 # starts inside it.
 O, C, S = "<|open|>", "<|close|>", "<|sep|>"

@@ -18,7 +18,7 @@ from vllm.parser.parser_manager import ParserManager
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The markers are single tokens in the real vocabularies (ids from Kimi K2's, Kimi K3's
-# (formats.md 4.2) and Qwen3's tokenizer_config); any other char gets an ordinary id.
+# (docs/formats.md 4.2) and Qwen3's tokenizer_config); any other char gets an ordinary id.
 SPECIAL = {
     "<think>": 163606, "</think>": 163607,
     "<|tool_calls_section_begin|>": 163595, "<|tool_calls_section_end|>": 163596,

@@ -1,9 +1,9 @@
-//! DeepSeek-V3 (and V2) decoder: embeddings, pre-norm layers of MLA attention (model/mla) and a
-//! dense SwiGLU MLP for the first `first_k_dense_replace` layers, MoE (model/moe) after, final
+//! DeepSeek-V3 (and V2) decoder: embeddings, pre-norm layers of MLA attention (model/layers/mla) and a
+//! dense SwiGLU MLP for the first `first_k_dense_replace` layers, MoE (model/layers/moe) after, final
 //! RMSNorm, `lm_head`. transformers `DeepseekV3ForCausalLM`.
 //!
 //! One `DeepseekV3Model` can also be one expert-parallel rank (`load_ep_rank`, driven by
-//! `mesh::ExpertParallelDeepseek`): it holds every non-expert weight and only its range of the
+//! `arch::deepseek_v3::parallel::ExpertParallelDeepseek`): it holds every non-expert weight and only its range of the
 //! routed experts, and its MoE layers exchange token rows with the other ranks.
 
 pub mod device;
@@ -63,7 +63,7 @@ impl PreNormLayer for Layer {
     }
 }
 
-// Crate-visible fields: the device forward (model/device_deepseek) uploads them.
+// Crate-visible fields: the device forward (model/device/decoder) uploads them.
 pub struct DeepseekV3Model {
     pub(crate) cfg: ModelConfig,
     pub(crate) embed: Tensor,
@@ -85,7 +85,7 @@ impl DeepseekV3Model {
 
     /// Loads expert-parallel rank `ep.rank` of `ep.size`: attention, dense layers, norms,
     /// embeddings, routers and shared experts whole, of each MoE layer's routed experts only the
-    /// rank's contiguous range (`mesh::ep::experts_of`). `size == 1` is the plain model.
+    /// rank's contiguous range (`parallel::ep::experts_of`). `size == 1` is the plain model.
     pub fn load_ep_rank(cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank) -> Result<Self, LoadError> {
         Self::load_ranked(cfg, src, ep, false)
     }

@@ -7,7 +7,7 @@
 //! token and read their state from `KvCache::recurrent`, latent layers cache one latent row.
 //!
 //! One `KimiLinearModel` can also be one rank of a sharded model (driven by
-//! `mesh::ExpertParallelKimiLinear`), as `DeepseekV3Model` can: an expert-parallel rank
+//! `arch::kimi_linear::parallel::ExpertParallelKimiLinear`), as `DeepseekV3Model` can: an expert-parallel rank
 //! (`load_ep_rank`) holds every non-expert weight and its range of each MoE layer's routed
 //! experts, its token mixers replicated over its own copy of the latent rows and KDA states; a
 //! tensor-parallel rank (`load_tp_rank`) also holds only its share of the KDA and MLA heads.
@@ -34,7 +34,7 @@ use crate::model::layers::moe::ffn::{decoder_layers, Ffn, PreNormLayer};
 use crate::parallel::{Collective, CollectiveError};
 use crate::model::layers::moe::ExpertParallelMoe;
 
-// Crate-visible: the device forward (model/device_deepseek) uploads them.
+// Crate-visible: the device forward (model/device/decoder) uploads them.
 pub(crate) enum Mixer {
     /// `ordinal`: index among the KDA layers, which is where its state lives.
     Kda { layer: KdaLayer, ordinal: usize },
@@ -102,7 +102,7 @@ impl KimiLinearModel {
 
     /// Loads expert-parallel rank `ep.rank` of `ep.size`: the token mixers, dense layers, norms,
     /// embeddings, routers and shared experts whole, of each MoE layer's routed experts only the
-    /// rank's contiguous range (`mesh::ep::experts_of`). `size == 1` is the plain model.
+    /// rank's contiguous range (`parallel::ep::experts_of`). `size == 1` is the plain model.
     pub fn load_ep_rank(cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank) -> Result<Self, LoadError> {
         Self::load_ranked(cfg, src, ep, false)
     }

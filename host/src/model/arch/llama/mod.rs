@@ -52,7 +52,7 @@ impl ArchitectureSpec for Llama {
     }
 }
 
-/// Fields are visible to the sibling `device_llama`, which uploads these same weights.
+/// Fields are visible to the sibling `arch::llama::device`, which uploads these same weights.
 pub(super) struct Layer {
     pub(super) attn_norm: Tensor,
     pub(super) q: Linear,
@@ -200,11 +200,11 @@ impl LanguageModel for LlamaModel {
     }
 
     /// Single-device forward. A rank of a larger group runs only through
-    /// [`LlamaModel::forward_rank`] (the `mesh::TensorParallel` wrapper does that), since it
+    /// [`LlamaModel::forward_rank`] (the `arch::llama::parallel::TensorParallel` wrapper does that), since it
     /// needs its peers to produce anything.
 
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
-        assert_eq!(self.tp.size, 1, "LlamaModel::forward on one tensor-parallel rank; use mesh::TensorParallel");
+        assert_eq!(self.tp.size, 1, "LlamaModel::forward on one tensor-parallel rank; use arch::llama::parallel::TensorParallel");
         crate::model::on_compute_pool(|| {
             let comm = LocalCollective::group(1).pop().expect("one rank");
             self.forward_rank(tokens, rows, &RwLock::new(kv), logit_rows, &comm).expect("a one-rank group has no peer to fail")

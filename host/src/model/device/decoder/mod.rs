@@ -5,11 +5,11 @@
 //! (router, top-k, grouping into per-expert tiles, expert GEMVs in the checkpoint's own format,
 //! weighted combine, shared experts).
 //!
-//! Multi-device: built from the ranks of `mesh::ExpertParallelDeepseek`, one device per rank.
+//! Multi-device: built from the ranks of `arch::deepseek_v3::parallel::ExpertParallelDeepseek`, one device per rank.
 //! Every rank holds the non-expert weights and its contiguous range of each MoE layer's routed
 //! experts; it runs the whole batch, adds the weighted outputs of only the experts it holds (the
 //! shared experts on rank 0), and an all-reduce ([`DeviceCollective`], NCCL on CUDA) sums the
-//! ranks' partial MoE outputs (Kimi-Linear the same: `mesh::ExpertParallelKimiLinear`, each
+//! ranks' partial MoE outputs (Kimi-Linear the same: `arch::kimi_linear::parallel::ExpertParallelKimiLinear`, each
 //! device advancing its own KDA state slots). Ranks loaded with the attention heads split too
 //! (`--tensor-parallel-size`) also all-reduce their partial `o_proj` outputs. Only rank 0 computes
 //! logits (the others would compute the same).

@@ -395,7 +395,7 @@ fn a_contiguous_cache_a_missing_pool_or_mismatched_ranks_are_errors() {
 /// The same checks on CUDA device 0 (skipped, saying why, without one; `WASMSERVE_REQUIRE_GPU=1`
 /// makes that a failure, as bench/gpu-check.sh sets). Two ranks share the one device (two
 /// contexts, host-staged all-reduce), which exercises the expert-parallel composition on real
-/// kernels; NCCL between two GPUs is checked by device_llama's two_gpus tests.
+/// kernels; NCCL between two GPUs is checked by arch::llama::device's two_gpus tests.
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;

@@ -1,5 +1,5 @@
 //! One compressed-tensors `pack-quantized` Linear from its checkpoint tensors
-//! (formats.md §1; compressed-tensors `compressors/pack_quantized`):
+//! (docs/formats.md §1; compressed-tensors `compressors/pack_quantized`):
 //! `weight_packed` int32 `[out, ceil(in·b/32)]` (dense LSB-first codes `u = q + 2^(b−1)`),
 //! `weight_scale` `[out, groups]` (channel `[out, 1]`, tensor `[1]`), `weight_zero_point` int32
 //! packed along dim 0 `[ceil(out·b/32), groups]` when asymmetric, `weight_shape` int64 `[2]`,

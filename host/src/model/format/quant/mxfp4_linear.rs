@@ -1,4 +1,4 @@
-//! MXFP4 weights from checkpoints (formats.md §2): compressed-tensors `mxfp4-pack-quantized`
+//! MXFP4 weights from checkpoints (docs/formats.md §2): compressed-tensors `mxfp4-pack-quantized`
 //! (`weight_packed` u8 `[out, in/2]`, `weight_scale` u8 E8M0 `[out, in/32]`) and gpt-oss expert
 //! tensors (`*_blocks` u8 `[E, out, in/32, 16]`, `*_scales` u8 `[E, out, in/32]`). Both store the
 //! same bytes per row, so both become the same `Mxfp4Matrix`.

@@ -100,7 +100,7 @@ pub(crate) enum OutputGate {
     FullRank(Linear),
 }
 
-// Crate-visible fields: the device forward (model/device_deepseek) uploads them.
+// Crate-visible fields: the device forward (model/device/decoder) uploads them.
 pub struct KdaLayer {
     pub(crate) cfg: KdaConfig,
     pub(crate) q: Linear,

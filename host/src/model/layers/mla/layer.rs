@@ -29,7 +29,7 @@ pub(crate) enum QPath {
     LowRank { a: Linear, norm: Tensor, b: Linear },
 }
 
-// Crate-visible fields: the device forward (model/device_deepseek) uploads them.
+// Crate-visible fields: the device forward (model/device/decoder) uploads them.
 pub struct MlaLayer {
     pub(crate) cfg: MlaConfig,
     pub(crate) q: QPath,

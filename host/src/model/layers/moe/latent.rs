@@ -1,4 +1,4 @@
-//! Latent MoE (Kimi K3, NVIDIA Nemotron-3 "LatentMoE"; /work/shared/notes/formats.md §5.4): the
+//! Latent MoE (Kimi K3, NVIDIA Nemotron-3 "LatentMoE"; docs/formats.md §5.4): the
 //! routed experts live in a smaller width. The hidden state is projected down
 //! (`routed_expert_down_proj`), the experts' weighted sum is RMS-normalised there
 //! (`routed_expert_norm`, when `latent_moe_use_norm`) and projected back up

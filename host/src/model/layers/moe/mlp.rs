@@ -13,7 +13,7 @@ use crate::model::format::source::WeightSource;
 pub enum Activation {
     /// SwiGLU: `silu(gate) · up`.
     Silu,
-    /// Kimi K3's SiTU (/work/shared/notes/formats.md §5.5):
+    /// Kimi K3's SiTU (docs/formats.md §5.5):
     /// `β·tanh(gate/β)·sigmoid(gate) · β_lin·tanh(up/β_lin)`; without `linear_beta` the up half
     /// passes through unclipped. The sigmoid takes the unclipped gate.
     Situ { beta: f32, linear_beta: Option<f32> },

@@ -5,7 +5,7 @@
 //! positions, slot mappings and block tables go up and only the logit rows come back.
 //!
 //! Built from a loaded [`LlamaModel`], or from the ranks of a tensor-parallel one
-//! (`mesh::TensorParallel`): then each rank is its own device holding its shard (its heads, its
+//! (`arch::llama::parallel::TensorParallel`): then each rank is its own device holding its shard (its heads, its
 //! part of the MLP and of the vocabulary), the ranks run concurrently, one thread each, and meet
 //! in a device all-reduce ([`DeviceCollective`]: NCCL on CUDA) after the embedding and after
 //! every row-parallel projection, as the CPU `forward_rank` does. Each rank downloads its own
