@@ -25,11 +25,20 @@ fn main() {
     sources.push(root.join("sim/selftest.cu"));
 
     let mut build = cc::Build::new();
-    build.cpp(true).std("c++17").opt_level(2).warnings(false).flag("-ffp-contract=off").include(root.join("sim")).include(root.join("cuda"));
+    build
+        .cpp(true)
+        .std("c++17")
+        .opt_level(2)
+        .warnings(false)
+        .flag("-ffp-contract=off")
+        .include(root.join("sim"))
+        .include(root.join("cuda"));
     let compiler = match build.try_get_compiler() {
         Ok(c) if std::process::Command::new(c.path()).arg("--version").output().is_ok_and(|o| o.status.success()) => c,
         _ => {
-            println!("cargo::warning=no C++ compiler found: the CUDA simulator is not built and its tests will be SKIPPED");
+            println!(
+                "cargo::warning=no C++ compiler found: the CUDA simulator is not built and its tests will be SKIPPED"
+            );
             return;
         }
     };
@@ -50,7 +59,12 @@ fn main() {
         // for each block (cuda_sim.h, fresh_shared); NVRTC gets the source as written.
         let copy = out.join(format!("sim_src_{stem}.cu"));
         write_if_changed(&copy, &with_fresh_shared(&code, src));
-        writeln!(w, "#include \"cuda_sim.h\"\nnamespace {ns} {{\n#include \"prelude.cuh\"\n#include \"{}\"\n}}", copy.display()).unwrap();
+        writeln!(
+            w,
+            "#include \"cuda_sim.h\"\nnamespace {ns} {{\n#include \"prelude.cuh\"\n#include \"{}\"\n}}",
+            copy.display()
+        )
+        .unwrap();
         writeln!(w, "extern \"C\" const cuda_sim::Entry {table}[] = {{").unwrap();
         for k in kernel_names(&code) {
             writeln!(w, "    {{\"{k}\", &cuda_sim::invoke<&{ns}::{k}>, cuda_sim::signature(&{ns}::{k})}},").unwrap();
@@ -62,7 +76,8 @@ fn main() {
         writeln!(registry, "extern \"C\" const cuda_sim::Entry {table}[];").unwrap();
         tables.push(table);
     }
-    writeln!(registry, "extern \"C\" const cuda_sim::Entry* const wsim_tables[] = {{{}, nullptr}};", tables.join(", ")).unwrap();
+    writeln!(registry, "extern \"C\" const cuda_sim::Entry* const wsim_tables[] = {{{}, nullptr}};", tables.join(", "))
+        .unwrap();
     let reg = out.join("sim_registry.cpp");
     write_if_changed(&reg, &registry);
     build.file(&reg).file(root.join("sim/sim.cpp"));
@@ -82,7 +97,9 @@ fn with_fresh_shared(code: &str, src: &Path) -> String {
         match line.trim_start().strip_prefix("__shared__ ") {
             None => out.push_str(line),
             Some(decl) => {
-                let end = line.find(';').unwrap_or_else(|| panic!("{}:{}: a __shared__ declaration must end on its line", src.display(), n + 1));
+                let end = line.find(';').unwrap_or_else(|| {
+                    panic!("{}:{}: a __shared__ declaration must end on its line", src.display(), n + 1)
+                });
                 let decl = &decl[..decl.find(';').unwrap()];
                 out.push_str(&line[..=end]);
                 for name in declared_names(decl) {
@@ -109,7 +126,12 @@ fn declared_names(decl: &str) -> Vec<String> {
 
 /// The file names in `src!("name.cu", [...])` entries.
 fn listed_sources(text: &str) -> Vec<String> {
-    text.split("src!(\"").skip(1).filter_map(|rest| rest.split('"').next()).filter(|f| f.ends_with(".cu")).map(str::to_string).collect()
+    text.split("src!(\"")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .filter(|f| f.ends_with(".cu"))
+        .map(str::to_string)
+        .collect()
 }
 
 /// Names of the kernels a source defines: `extern "C" __global__ void NAME(`.

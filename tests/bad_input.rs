@@ -159,7 +159,12 @@ fn wrong_dtype_is_named() {
     let dir = tmpdir("dtype");
     write_tiny_hf(&dir, tiny_config(), None, Some("model.layers.0.self_attn.k_proj.weight"));
     let err = load_err(&dir);
-    assert!(err.contains("model.safetensors") && err.contains("model.layers.0.self_attn.k_proj.weight") && err.contains("I32"), "{err}");
+    assert!(
+        err.contains("model.safetensors")
+            && err.contains("model.layers.0.self_attn.k_proj.weight")
+            && err.contains("I32"),
+        "{err}"
+    );
 }
 
 #[test]

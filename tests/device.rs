@@ -7,7 +7,12 @@ mod common;
 use std::process::Command;
 
 fn wasmserve(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_wasmserve")).args(args).env("RUST_LOG", "info").env_remove("WASMSERVE_DEVICE").output().expect("run wasmserve")
+    Command::new(env!("CARGO_BIN_EXE_wasmserve"))
+        .args(args)
+        .env("RUST_LOG", "info")
+        .env_remove("WASMSERVE_DEVICE")
+        .output()
+        .expect("run wasmserve")
 }
 
 /// `generate` of a tiny checkpoint under `tests/reference/` (or at an absolute path) on `device` (greedy, 12 tokens, with
@@ -15,7 +20,18 @@ fn wasmserve(args: &[&str]) -> std::process::Output {
 /// CPU forward and, on the simulator, that the log says `uploaded` when given. Returns the text.
 fn generate_text(checkpoint: &str, device: &str, args: &[&str], uploaded: Option<&str>) -> String {
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference").join(checkpoint);
-    let mut all = vec!["--device", device, "generate", "--model", model.to_str().unwrap(), "--prompt", "hello world", "--max-tokens", "12", "--ignore-eos"];
+    let mut all = vec![
+        "--device",
+        device,
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hello world",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+    ];
     all.extend_from_slice(args);
     let out = wasmserve(&all);
     let err = String::from_utf8_lossy(&out.stderr).to_string();
@@ -54,7 +70,9 @@ unsafe fn libloading_probe(name: &str) -> bool {
 #[test]
 fn explicit_cuda_device_without_a_driver_is_a_clear_error_not_a_panic() {
     if has_cuda_driver() {
-        eprintln!("SKIPPED explicit_cuda_device_without_a_driver_is_a_clear_error_not_a_panic: this machine has libcuda");
+        eprintln!(
+            "SKIPPED explicit_cuda_device_without_a_driver_is_a_clear_error_not_a_panic: this machine has libcuda"
+        );
         return;
     }
     // Device selection comes before the model load, so the missing model is never reached.
@@ -102,7 +120,19 @@ fn serve_on_the_simulator_answers_like_the_cpu() {
     let complete = |device: &str, tp: &str| -> String {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let mut child = Command::new(env!("CARGO_BIN_EXE_wasmserve"))
-            .args(["--device", device, "serve", "--model", model.to_str().unwrap(), "--port", &port.to_string(), "--kv-cache-memory", "4MiB", "--tensor-parallel-size", tp])
+            .args([
+                "--device",
+                device,
+                "serve",
+                "--model",
+                model.to_str().unwrap(),
+                "--port",
+                &port.to_string(),
+                "--kv-cache-memory",
+                "4MiB",
+                "--tensor-parallel-size",
+                tp,
+            ])
             .env_remove("WASMSERVE_DEVICE")
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -119,8 +149,10 @@ fn serve_on_the_simulator_answers_like_the_cpu() {
         }
         let _ = child.kill();
         let _ = child.wait();
-        let json = answer.split("\r\n\r\n").nth(1).unwrap_or_else(|| panic!("--device {device}: no HTTP answer: {answer:?}"));
-        let v: serde_json::Value = serde_json::from_str(json.trim()).unwrap_or_else(|e| panic!("--device {device}: {e}: {json:?}"));
+        let json =
+            answer.split("\r\n\r\n").nth(1).unwrap_or_else(|| panic!("--device {device}: no HTTP answer: {answer:?}"));
+        let v: serde_json::Value =
+            serde_json::from_str(json.trim()).unwrap_or_else(|e| panic!("--device {device}: {e}: {json:?}"));
         v["choices"][0]["text"].as_str().unwrap_or_else(|| panic!("--device {device}: {v}")).to_string()
     };
     let cpu = complete("cpu", "1");
@@ -137,7 +169,9 @@ fn generate_on_the_simulator_prints_the_cpus_text() {
     if !simulator_built("generate_on_the_simulator_prints_the_cpus_text") {
         return;
     }
-    let run = |device: &str, tp: &str| generate_text("tiny_llama", device, &["--tensor-parallel-size", tp, "--kv-cache-dtype", "f32"], None);
+    let run = |device: &str, tp: &str| {
+        generate_text("tiny_llama", device, &["--tensor-parallel-size", tp, "--kv-cache-dtype", "f32"], None)
+    };
     let cpu = run("cpu", "1");
     assert!(!cpu.trim().is_empty());
     assert_eq!(run("sim", "1"), cpu);
@@ -153,13 +187,36 @@ fn generate_on_the_simulator_allocates_the_asked_kv_cache_dtype() {
     }
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
     for (asked, logged) in [("auto", "Bf16"), ("f32", "F32"), ("fp8", "Fp8E4m3")] {
-        let out = wasmserve(&["--device", "sim", "generate", "--model", model.to_str().unwrap(), "--prompt", "hello world", "--max-tokens", "12", "--ignore-eos", "--kv-cache-dtype", asked]);
+        let out = wasmserve(&[
+            "--device",
+            "sim",
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "hello world",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--kv-cache-dtype",
+            asked,
+        ]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "--kv-cache-dtype {asked}: {err}");
         assert!(err.contains(&format!("device KV pool of {logged} allocated")), "--kv-cache-dtype {asked}: {err}");
         assert!(err.contains("12 generated"), "{err}");
     }
-    let out = wasmserve(&["--device", "sim", "generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "--kv-cache-dtype", "int3"]);
+    let out = wasmserve(&[
+        "--device",
+        "sim",
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--kv-cache-dtype",
+        "int3",
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("unknown KV cache dtype 'int3'"), "{err}");
@@ -174,11 +231,25 @@ fn bench_engine_runs_the_device_forward_within_the_models_context() {
         return;
     }
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
-    let out = wasmserve(&["--device", "sim", "bench", "engine", "--model", model.to_str().unwrap(), "--concurrency", "1,2", "--steps", "2"]);
+    let out = wasmserve(&[
+        "--device",
+        "sim",
+        "bench",
+        "engine",
+        "--model",
+        model.to_str().unwrap(),
+        "--concurrency",
+        "1,2",
+        "--steps",
+        "2",
+    ]);
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(stderr.contains("K/V live in the device pool"), "{stderr}");
-    assert!(stdout.contains("| aggregate decode, 2 streams |") && stdout.contains("| TTFT 126-token prompt, cold |"), "{stdout}");
+    assert!(
+        stdout.contains("| aggregate decode, 2 streams |") && stdout.contains("| TTFT 126-token prompt, cold |"),
+        "{stdout}"
+    );
 }
 
 /// DeepSeek-V3 (MLA, MoE) through the command line on the simulator: `generate` with f32 dense
@@ -191,14 +262,32 @@ fn deepseek_runs_on_the_simulator_like_the_cpu() {
     if !simulator_built("deepseek_runs_on_the_simulator_like_the_cpu") {
         return;
     }
-    let run = |device: &str, tp: &str| generate_text("deepseek_v3/model", device, &["--dtype", "float32", "--tensor-parallel-size", tp], Some("DeepSeek-V3 weights uploaded to the device"));
+    let run = |device: &str, tp: &str| {
+        generate_text(
+            "deepseek_v3/model",
+            device,
+            &["--dtype", "float32", "--tensor-parallel-size", tp],
+            Some("DeepSeek-V3 weights uploaded to the device"),
+        )
+    };
     let cpu = run("cpu", "1");
     assert!(!cpu.trim().is_empty());
     assert_eq!(run("sim", "1"), cpu);
     assert_eq!(run("sim", "2"), cpu);
 
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/deepseek_v3/model");
-    let out = wasmserve(&["--device", "sim", "bench", "engine", "--model", model.to_str().unwrap(), "--concurrency", "1,2", "--steps", "2"]);
+    let out = wasmserve(&[
+        "--device",
+        "sim",
+        "bench",
+        "engine",
+        "--model",
+        model.to_str().unwrap(),
+        "--concurrency",
+        "1,2",
+        "--steps",
+        "2",
+    ]);
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(stderr.contains("K/V live in the device pool"), "{stderr}");
@@ -216,14 +305,18 @@ fn kimi_linear_generates_on_the_simulator_like_the_cpu() {
         return;
     }
     let uploaded = Some("Kimi-Linear weights uploaded to the device");
-    let run = |device: &str, ep: &str| generate_text("kimi_linear/model", device, &["--dtype", "float32", "--expert-parallel-size", ep], uploaded);
+    let run = |device: &str, ep: &str| {
+        generate_text("kimi_linear/model", device, &["--dtype", "float32", "--expert-parallel-size", ep], uploaded)
+    };
     let cpu = run("cpu", "1");
     assert!(!cpu.trim().is_empty());
     assert_eq!(run("sim", "1"), cpu);
     assert_eq!(run("sim", "2"), cpu);
 
     let three = common::kimi_linear_three_mla_heads("device");
-    let run = |device: &str, tp: &str| generate_text(three.to_str().unwrap(), device, &["--dtype", "float32", "--tensor-parallel-size", tp], uploaded);
+    let run = |device: &str, tp: &str| {
+        generate_text(three.to_str().unwrap(), device, &["--dtype", "float32", "--tensor-parallel-size", tp], uploaded)
+    };
     let cpu = run("cpu", "1");
     assert_eq!(run("cpu", "3"), cpu);
     assert_eq!(run("sim", "3"), cpu);

@@ -107,7 +107,10 @@ fn engine_on_cuda_follows_transformers_greedy_continuations() {
 }
 
 fn fixtures() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(common::repo_root().join("tests/reference/smollm2/fixtures.json")).unwrap()).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(common::repo_root().join("tests/reference/smollm2/fixtures.json")).unwrap(),
+    )
+    .unwrap()
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -144,7 +147,8 @@ fn prefill_logit_error(m: &LoadedModel, on: &str, prompts: usize) -> (f32, usize
         let probe_ids = ids(&p["logits_probe_ids"]);
         for (pos, probe) in p["logits_probe"].as_array().unwrap().iter().enumerate() {
             for (&id, want) in probe_ids.iter().zip(probe.as_array().unwrap()) {
-                worst = worst.max(kernels::compare::abs_error(flat[pos * vocab + id as usize], want.as_f64().unwrap() as f32));
+                worst = worst
+                    .max(kernels::compare::abs_error(flat[pos * vocab + id as usize], want.as_f64().unwrap() as f32));
             }
         }
         for (pos, top) in p["logits_top"].as_array().unwrap().iter().enumerate() {
@@ -153,7 +157,10 @@ fn prefill_logit_error(m: &LoadedModel, on: &str, prompts: usize) -> (f32, usize
                 worst = worst.max(kernels::compare::abs_error(flat[pos * vocab + id], want));
             }
             positions += 1;
-            argmax_agree += usize::from(wasmserve::sampling::argmax(&flat[pos * vocab..(pos + 1) * vocab]) == top[0][0].as_u64().unwrap() as u32);
+            argmax_agree += usize::from(
+                wasmserve::sampling::argmax(&flat[pos * vocab..(pos + 1) * vocab])
+                    == top[0][0].as_u64().unwrap() as u32,
+            );
         }
     }
     (worst, argmax_agree, positions)
@@ -164,19 +171,31 @@ fn prefill_logit_error(m: &LoadedModel, on: &str, prompts: usize) -> (f32, usize
 /// near-tie, so a short agreed prefix is required, not the whole continuation).
 fn engine_follows_transformers(m: LoadedModel, on: &str) {
     let f = fixtures();
-    let mut core = EngineCore::try_new(std::sync::Arc::new(m), EngineConfig { kv_cache_bytes: 32 << 20, ..Default::default() }).unwrap();
+    let mut core =
+        EngineCore::try_new(std::sync::Arc::new(m), EngineConfig { kv_cache_bytes: 32 << 20, ..Default::default() })
+            .unwrap();
     assert!(core.pool().is_external());
     let steps = 8;
     let mut rxs = Vec::new();
     for (i, p) in f["prompts"].as_array().unwrap().iter().enumerate() {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let req = EngineRequest { prompt_ids: ids(&p["ids"]), sampling: SamplingParams::greedy(), max_tokens: steps, ignore_eos: true, ..Default::default() };
+        let req = EngineRequest {
+            prompt_ids: ids(&p["ids"]),
+            sampling: SamplingParams::greedy(),
+            max_tokens: steps,
+            ignore_eos: true,
+            ..Default::default()
+        };
         core.add_request(i as u64 + 1, req, tx).unwrap();
         rxs.push((rx, ids(&p["greedy_ids"])));
     }
     let started = std::time::Instant::now();
     while core.step() {}
-    eprintln!("{} prompts x {steps} tokens through the engine on the {on} in {:.1}s", rxs.len(), started.elapsed().as_secs_f64());
+    eprintln!(
+        "{} prompts x {steps} tokens through the engine on the {on} in {:.1}s",
+        rxs.len(),
+        started.elapsed().as_secs_f64()
+    );
     for (mut rx, want) in rxs {
         let mut got = Vec::new();
         while let Ok(ev) = rx.try_recv() {
@@ -209,7 +228,9 @@ const RANDOM_DEVICE_TOLERANCE: f32 = 2e-2;
 
 fn random_smollm2(test: &str) -> Option<(std::path::PathBuf, Vec<common::ReferenceCase>)> {
     let Some(dir) = std::env::var_os("WASMSERVE_RANDOM_SMOLLM2").map(std::path::PathBuf::from) else {
-        eprintln!("SKIPPED {test}: WASMSERVE_RANDOM_SMOLLM2 is not set (bench/make_random_smollm2.py writes the checkpoint)");
+        eprintln!(
+            "SKIPPED {test}: WASMSERVE_RANDOM_SMOLLM2 is not set (bench/make_random_smollm2.py writes the checkpoint)"
+        );
         return None;
     };
     let cases = common::reference_cases(&dir.join("reference.json"));
@@ -228,7 +249,11 @@ fn random_smollm2_error(m: &LoadedModel, cases: &[common::ReferenceCase], paged:
     for (s, c) in cases.iter().enumerate() {
         let n = c.ids.len();
         let mut contiguous = wasmserve::model::kv::ContiguousKvCache::for_layout(&m.model.cache_layout(), 1);
-        let mut tables = BlockTables::new(16, vec![(0..(n + c.steps.len()).div_ceil(16) as u32).map(|b| b + 8 * s as u32).collect()], vec![]);
+        let mut tables = BlockTables::new(
+            16,
+            vec![(0..(n + c.steps.len()).div_ceil(16) as u32).map(|b| b + 8 * s as u32).collect()],
+            vec![],
+        );
         let kv: &mut dyn KvCache = if paged { &mut tables } else { &mut contiguous };
         let rows: Vec<BatchRow> = (0..n).map(|pos| BatchRow { seq: 0, pos }).collect();
         let flat = m.model.try_forward(&c.ids, &rows, kv, &(0..n).collect::<Vec<_>>()).unwrap();
@@ -238,7 +263,8 @@ fn random_smollm2_error(m: &LoadedModel, cases: &[common::ReferenceCase], paged:
         let mut last = flat[(n - 1) * vocab..].to_vec();
         for (k, want) in c.steps.iter().enumerate() {
             if k > 0 {
-                last = m.model.try_forward(&[c.greedy[k - 1]], &[BatchRow { seq: 0, pos: n + k - 1 }], kv, &[0]).unwrap();
+                last =
+                    m.model.try_forward(&[c.greedy[k - 1]], &[BatchRow { seq: 0, pos: n + k - 1 }], kv, &[0]).unwrap();
             }
             rel(&last, want);
             agree += usize::from(wasmserve::sampling::argmax(&last) == c.greedy[k]);
@@ -259,9 +285,15 @@ fn random_smollm2_on_the_cpu_matches_transformers() {
 }
 
 /// The device forward (`place_on_device` on `gpu`) against the random model's reference.
-fn random_smollm2_on_device<R: kernels::gpu::Runtime + 'static>(gpu: kernels::gpu::Kernels<R>, on: &str, dir: &std::path::Path, cases: &[common::ReferenceCase]) {
+fn random_smollm2_on_device<R: kernels::gpu::Runtime + 'static>(
+    gpu: kernels::gpu::Kernels<R>,
+    on: &str,
+    dir: &std::path::Path,
+    cases: &[common::ReferenceCase],
+) {
     let m = wasmserve::model::load(dir).expect("loading the random SmolLM2");
-    let m = wasmserve::model::arch::llama::device::place_on_device(m, gpu).unwrap_or_else(|e| panic!("placing it on the {on}: {e}"));
+    let m = wasmserve::model::arch::llama::device::place_on_device(m, gpu)
+        .unwrap_or_else(|e| panic!("placing it on the {on}: {e}"));
     m.model.device_kv().expect("a device model").allocate(32, 16, kernels::gpu::kv_pool::KvStorage::F32).unwrap();
     let (worst, agree, total) = random_smollm2_error(&m, cases, true);
     eprintln!("random SmolLM2 on the {on}: worst relative logit error {worst:.2e}, greedy {agree}/{total}");

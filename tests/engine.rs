@@ -36,12 +36,25 @@ fn prompts() -> Vec<Vec<u32>> {
 
 fn alone(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let m = common::smollm2();
-    let req = GenerateRequest { prompt_ids: prompt.to_vec(), sampling: SamplingParams::greedy(), max_tokens, stop: vec![], ignore_eos: true, kv_dtype: KvDtype::F32 };
+    let req = GenerateRequest {
+        prompt_ids: prompt.to_vec(),
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        stop: vec![],
+        ignore_eos: true,
+        kv_dtype: KvDtype::F32,
+    };
     generate(&m, &req, |_| {}).unwrap().tokens
 }
 
 fn greedy(prompt: &[u32], max_tokens: usize) -> EngineRequest {
-    EngineRequest { prompt_ids: prompt.to_vec(), sampling: SamplingParams::greedy(), max_tokens, ignore_eos: true, ..Default::default() }
+    EngineRequest {
+        prompt_ids: prompt.to_vec(),
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
 }
 
 struct Collected {
@@ -129,7 +142,8 @@ fn preemption_under_tiny_block_budget_completes_identically() {
     let cfgm = mc.config();
     let block_bytes = 2 * cfgm.num_layers() * 16 * cfgm.kv_width() * 4;
     // 12 blocks = 192 tokens for 8 sequences that need ~30-60 tokens each: preemption is forced.
-    let mut c = core(EngineConfig { kv_cache_bytes: 12 * block_bytes, max_num_batched_tokens: 64, ..Default::default() });
+    let mut c =
+        core(EngineConfig { kv_cache_bytes: 12 * block_bytes, max_num_batched_tokens: 64, ..Default::default() });
     let chosen: Vec<Vec<u32>> = prompts.into_iter().take(8).collect();
     let out = run_all(&mut c, chosen.iter().map(|p| greedy(p, 24)).collect());
     assert!(c.stats().preemptions_total > 0, "the budget did not force preemption");
@@ -227,7 +241,13 @@ fn text_held_back_for_a_possible_stop_string_is_released_at_eos() {
     let mut c = core(EngineConfig::default());
     let (tx, mut rx) = unbounded_channel();
     // "." could begin ".!", so it is held back until EOS ends the choice.
-    let req = EngineRequest { prompt_ids: prompt, sampling: SamplingParams::greedy(), max_tokens: 32, stop: vec![".!".into()], ..Default::default() };
+    let req = EngineRequest {
+        prompt_ids: prompt,
+        sampling: SamplingParams::greedy(),
+        max_tokens: 32,
+        stop: vec![".!".into()],
+        ..Default::default()
+    };
     c.add_request(1, req, tx).unwrap();
     while c.step() {}
     let mut text = String::new();
@@ -280,12 +300,27 @@ fn json_object_mode_yields_one_valid_object() {
     let m = common::smollm2();
     let prompt = m
         .tokenizer
-        .encode("<|im_start|>user\nDescribe a cat as JSON with keys name and age.<|im_end|>\n<|im_start|>assistant\n", true)
+        .encode(
+            "<|im_start|>user\nDescribe a cat as JSON with keys name and age.<|im_end|>\n<|im_start|>assistant\n",
+            true,
+        )
         .unwrap();
     let mut c = core(EngineConfig::default());
-    for (i, sampling) in [SamplingParams::greedy(), SamplingParams { temperature: 1.0, seed: Some(3), ..Default::default() }].into_iter().enumerate() {
+    for (i, sampling) in
+        [SamplingParams::greedy(), SamplingParams { temperature: 1.0, seed: Some(3), ..Default::default() }]
+            .into_iter()
+            .enumerate()
+    {
         let (tx, mut rx) = unbounded_channel();
-        let req = EngineRequest { prompt_ids: prompt.clone(), sampling, max_tokens: 120, constraint: Some(wasmserve::sampling::constraint::ConstraintSpec::JsonObject { whitespace: Default::default() }), ..Default::default() };
+        let req = EngineRequest {
+            prompt_ids: prompt.clone(),
+            sampling,
+            max_tokens: 120,
+            constraint: Some(wasmserve::sampling::constraint::ConstraintSpec::JsonObject {
+                whitespace: Default::default(),
+            }),
+            ..Default::default()
+        };
         c.add_request(i as u64, req, tx).unwrap();
         while c.step() {}
         let (mut text, mut reason) = (String::new(), None);
@@ -378,7 +413,10 @@ fn flooding_tenant_sits_out_the_quiet_tenants_prefill_step_only() {
         r.tenant = "quiet".into();
         c.add_request(100 + round as u64, r, tx).unwrap();
         assert!(c.step());
-        assert!(matches!(quiet.try_recv(), Ok(EngineEvent::Token { .. })), "the quiet prompt ran in the first step after it arrived");
+        assert!(
+            matches!(quiet.try_recv(), Ok(EngineEvent::Token { .. })),
+            "the quiet prompt ran in the first step after it arrived"
+        );
         assert_eq!(flood_tokens(&mut flood), 0, "the flood's rows ran in the quiet tenant's prefill step");
         assert!(c.step());
         assert!(flood_tokens(&mut flood) > 0, "the flood was held back two steps running");
@@ -402,12 +440,18 @@ fn prompt_logprobs_alone(prompt: &[u32]) -> Vec<f32> {
     let scoring: Vec<usize> = (0..prompt.len() - 1).collect();
     let mut kv = ContiguousKvCache::new(cfg.num_layers(), cfg.kv_width(), 1);
     let flat = m.model.forward(prompt, &rows, &mut kv, &scoring);
-    flat.chunks(cfg.vocab_size).zip(&prompt[1..]).map(|(l, &t)| l[t as usize] - wasmserve::sampling::log_sum_exp(l)).collect()
+    flat.chunks(cfg.vocab_size)
+        .zip(&prompt[1..])
+        .map(|(l, &t)| l[t as usize] - wasmserve::sampling::log_sum_exp(l))
+        .collect()
 }
 
 /// Runs `reqs` to the end; per request, its prompt logprobs (if sent, checked to come before
 /// its first token) and its cached prompt tokens.
-fn run_scored(core: &mut EngineCore, reqs: Vec<EngineRequest>) -> Vec<(Option<Vec<wasmserve::engine::TokenLogprob>>, usize)> {
+fn run_scored(
+    core: &mut EngineCore,
+    reqs: Vec<EngineRequest>,
+) -> Vec<(Option<Vec<wasmserve::engine::TokenLogprob>>, usize)> {
     let mut rxs = Vec::new();
     for (i, r) in reqs.into_iter().enumerate() {
         let (tx, rx) = unbounded_channel();
@@ -436,7 +480,11 @@ fn run_scored(core: &mut EngineCore, reqs: Vec<EngineRequest>) -> Vec<(Option<Ve
 
 fn assert_scores(got: &[wasmserve::engine::TokenLogprob], prompt: &[u32], k: usize) {
     let want = prompt_logprobs_alone(prompt);
-    assert_eq!(got.iter().map(|l| l.token).collect::<Vec<_>>(), prompt[1..], "one score per prompt token after the first");
+    assert_eq!(
+        got.iter().map(|l| l.token).collect::<Vec<_>>(),
+        prompt[1..],
+        "one score per prompt token after the first"
+    );
     for (j, (g, w)) in got.iter().zip(&want).enumerate() {
         assert!((g.logprob - w).abs() < 1e-4, "prompt token {}: {} vs {w}", j + 1, g.logprob);
         assert_eq!(g.top.len(), k);
@@ -461,7 +509,8 @@ fn prompt_logprobs_survive_chunking_preemption_and_skip_the_prefix_cache() {
     // A budget that forces preemption (as above); the scored request, newest, is a victim first.
     let mc = common::smollm2();
     let block_bytes = 2 * mc.config().num_layers() * 16 * mc.config().kv_width() * 4;
-    let mut c = core(EngineConfig { kv_cache_bytes: 12 * block_bytes, max_num_batched_tokens: 64, ..Default::default() });
+    let mut c =
+        core(EngineConfig { kv_cache_bytes: 12 * block_bytes, max_num_batched_tokens: 64, ..Default::default() });
     let chosen: Vec<Vec<u32>> = prompts().into_iter().take(8).collect();
     let mut reqs: Vec<EngineRequest> = chosen.iter().map(|p| greedy(p, 24)).collect();
     reqs[7].prompt_logprobs = Some(1);

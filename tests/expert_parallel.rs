@@ -14,12 +14,12 @@ mod common;
 
 use std::path::PathBuf;
 
+use wasmserve::model::format::hf_source::SafetensorsSource;
+use wasmserve::model::format::source::WeightSource;
 use wasmserve::model::layers::moe::expert_parallel::experts_of;
 use wasmserve::model::layers::moe::{DispatchStats, ExpertParallelMoe};
-use wasmserve::parallel::{DeviceMesh, LocalCollective};
-use wasmserve::model::format::hf_source::SafetensorsSource;
 use wasmserve::model::layers::moe::{MoeConfig, MoeLayer};
-use wasmserve::model::format::source::WeightSource;
+use wasmserve::parallel::{DeviceMesh, LocalCollective};
 
 const CASES: [&str; 4] = ["deepseek_v3", "deepseek_v2", "kimi_linear", "kimi_latent"];
 
@@ -57,13 +57,21 @@ fn load_ranks(c: &Case, ep: usize) -> Vec<ExpertParallelMoe> {
 }
 
 /// Runs `f(rank's layer, rank's EP communicator)` on one thread per rank of a 1 × ep mesh.
-fn on_ranks<R: Send>(ranks: &[ExpertParallelMoe], f: impl Fn(usize, &ExpertParallelMoe, &LocalCollective) -> R + Sync) -> Vec<R> {
+fn on_ranks<R: Send>(
+    ranks: &[ExpertParallelMoe],
+    f: impl Fn(usize, &ExpertParallelMoe, &LocalCollective) -> R + Sync,
+) -> Vec<R> {
     let comms = LocalCollective::for_mesh(&DeviceMesh::new(1, ranks.len()).unwrap());
     std::thread::scope(|s| {
-        let hs: Vec<_> = ranks.iter().zip(&comms).enumerate().map(|(r, (m, c))| {
-            let f = &f;
-            s.spawn(move || f(r, m, &c.ep))
-        }).collect();
+        let hs: Vec<_> = ranks
+            .iter()
+            .zip(&comms)
+            .enumerate()
+            .map(|(r, (m, c))| {
+                let f = &f;
+                s.spawn(move || f(r, m, &c.ep))
+            })
+            .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
@@ -91,7 +99,11 @@ fn ep_2_3_4_equal_one_device_and_the_reference() {
                 let er = rel_err(out, &c.output);
                 assert!(e1 < 1e-5 && er < 1e-5, "{name} ep={ep} rank {r}: vs EP=1 {e1}, vs reference {er}");
             }
-            eprintln!("{name} ep={ep}: vs EP=1 {:.2e}, vs reference {:.2e}", rel_err(&outs[0], &single), rel_err(&outs[0], &c.output));
+            eprintln!(
+                "{name} ep={ep}: vs EP=1 {:.2e}, vs reference {:.2e}",
+                rel_err(&outs[0], &single),
+                rel_err(&outs[0], &c.output)
+            );
         }
     }
 }
@@ -113,7 +125,12 @@ fn each_token_row_is_sent_once_per_owning_rank() {
     let mut want_recv = vec![0usize; ep];
     for (r, want) in want_sent.iter_mut().enumerate() {
         for t in wasmserve::model::shard::even_range(c.n, ep, r) {
-            let mut owners: Vec<usize> = routing.token(t).0.iter().map(|&e| (0..ep).find(|&o| experts_of(c.cfg.num_experts, ep, o).contains(&(e as usize))).unwrap()).collect();
+            let mut owners: Vec<usize> = routing
+                .token(t)
+                .0
+                .iter()
+                .map(|&e| (0..ep).find(|&o| experts_of(c.cfg.num_experts, ep, o).contains(&(e as usize))).unwrap())
+                .collect();
             owners.sort_unstable();
             owners.dedup();
             assert_eq!(owners.len(), 2, "token {t}: one rank per kept group");
@@ -139,9 +156,16 @@ fn ranks_without_tokens_or_without_traffic_still_take_part() {
             m.forward_tokens(&c.input[..n * h], n, comm).unwrap()
         });
         assert_eq!(rel_err(&res[0].0, &c.output[..h]) < 1e-5, true, "{name}: token 0 vs reference");
-        assert!(res[1..].iter().all(|(out, s)| out.is_empty() && s.sent_rows == 0), "{name}: tokenless ranks return nothing");
+        assert!(
+            res[1..].iter().all(|(out, s)| out.is_empty() && s.sent_rows == 0),
+            "{name}: tokenless ranks return nothing"
+        );
         let idle = res.iter().filter(|(_, s)| s.received_rows == 0).count();
-        assert!(idle >= 1, "{name}: some rank must receive no rows ({:?})", res.iter().map(|r| &r.1).collect::<Vec<_>>());
+        assert!(
+            idle >= 1,
+            "{name}: some rank must receive no rows ({:?})",
+            res.iter().map(|r| &r.1).collect::<Vec<_>>()
+        );
         // Fewer tokens than ranks through the replicated path too (ranks 2, 3 get empty slices).
         let two = on_ranks(&ranks, |_, m, comm| m.forward_replicated(&c.input[..2 * h], 2, comm).unwrap());
         for out in two {
@@ -153,14 +177,18 @@ fn ranks_without_tokens_or_without_traffic_still_take_part() {
 #[test]
 fn bad_layouts_are_clear_errors() {
     let c = case("deepseek_v3");
-    let err = ExpertParallelMoe::load(&c.cfg, &c.src, &c.cfg.prefix(1), 0, 17).err().expect("17 ranks for 16 experts").to_string();
+    let err = ExpertParallelMoe::load(&c.cfg, &c.src, &c.cfg.prefix(1), 0, 17)
+        .err()
+        .expect("17 ranks for 16 experts")
+        .to_string();
     assert!(err.contains("expert parallel size 17 exceeds the 16 routed experts"), "{err}");
     let err = ExpertParallelMoe::load(&c.cfg, &c.src, &c.cfg.prefix(1), 2, 2).err().expect("rank 2 of 2").to_string();
     assert!(err.contains("expert-parallel rank 2 of 2"), "{err}");
     // A communicator that does not match the layer's placement is refused before any traffic.
     let rank = ExpertParallelMoe::load(&c.cfg, &c.src, &c.cfg.prefix(1), 0, 2).unwrap();
     let comm = LocalCollective::group(1).pop().unwrap();
-    let err = rank.forward_tokens(&c.input, c.n, &comm).err().expect("1-rank communicator for a 2-rank layer").to_string();
+    let err =
+        rank.forward_tokens(&c.input, c.n, &comm).err().expect("1-rank communicator for a 2-rank layer").to_string();
     assert!(err.contains("communicator is rank 0 of 1"), "{err}");
 }
 
@@ -224,7 +252,9 @@ mod reference_model {
 
 #[test]
 fn deepseek_v3_ep_2_and_4_match_one_device_and_transformers() {
-    check_sharded("deepseek_v3", "ep", 1e-4, &|ep| wasmserve::model::load_ep(&reference_model::dir("deepseek_v3"), ep).unwrap());
+    check_sharded("deepseek_v3", "ep", 1e-4, &|ep| {
+        wasmserve::model::load_ep(&reference_model::dir("deepseek_v3"), ep).unwrap()
+    });
 }
 
 /// TP: the MLA heads split over the ranks (`o_proj` partial sums all-reduced) and the routed
@@ -266,13 +296,19 @@ fn check_sharded(name: &str, what: &str, vs_reference: f32, load: &dyn Fn(usize)
             let (prefill, steps) = reference_model::run(&m, c);
             for (p, ((got, one), reference)) in prefill.iter().zip(p1).zip(&c.prefill).enumerate() {
                 let (e1, er) = (reference_model::rel(got, one), reference_model::abs(got, reference));
-                assert!(e1 <= 1e-5 && er <= vs_reference, "{name} {what}={ep} prefill position {p}: vs one device {e1}, vs transformers {er}");
+                assert!(
+                    e1 <= 1e-5 && er <= vs_reference,
+                    "{name} {what}={ep} prefill position {p}: vs one device {e1}, vs transformers {er}"
+                );
                 (vs_one, vs_ref) = (vs_one.max(e1), vs_ref.max(er));
             }
             assert_eq!(steps.len(), 32);
             for (k, ((got, one), reference)) in steps.iter().zip(s1).zip(&c.steps).enumerate() {
                 let (e1, er) = (reference_model::rel(got, one), reference_model::abs(got, reference));
-                assert!(e1 <= 1e-5 && er <= vs_reference, "{name} {what}={ep} decode step {k}: vs one device {e1}, vs transformers {er}");
+                assert!(
+                    e1 <= 1e-5 && er <= vs_reference,
+                    "{name} {what}={ep} decode step {k}: vs one device {e1}, vs transformers {er}"
+                );
                 assert_eq!(reference_model::argmax(got), c.greedy[k], "{name} {what}={ep} greedy token at step {k}");
                 (vs_one, vs_ref) = (vs_one.max(e1), vs_ref.max(er));
             }
@@ -284,7 +320,11 @@ fn check_sharded(name: &str, what: &str, vs_reference: f32, load: &dyn Fn(usize)
 /// Greedy tokens per prompt from the paged engine serving `model`.
 fn engine_tokens(model: wasmserve::model::LoadedModel, prompts: &[&[u32]]) -> Vec<Vec<u32>> {
     // A small token budget: chunked prefill, prefill and decode rows of both requests mixed.
-    let config = wasmserve::engine::EngineConfig { max_num_batched_tokens: 7, enable_prefix_caching: false, ..Default::default() };
+    let config = wasmserve::engine::EngineConfig {
+        max_num_batched_tokens: 7,
+        enable_prefix_caching: false,
+        ..Default::default()
+    };
     common::engine_greedy_tokens(std::sync::Arc::new(model), config, prompts, 32)
 }
 
@@ -301,7 +341,9 @@ fn check_engine(name: &str, models: Vec<(String, wasmserve::model::LoadedModel)>
 
 /// `name`'s fixture loaded with each of `eps` expert-parallel ranks.
 fn ep_models(name: &str, eps: &[usize]) -> Vec<(String, wasmserve::model::LoadedModel)> {
-    eps.iter().map(|&ep| (format!("ep={ep}"), wasmserve::model::load_ep(&reference_model::dir(name), ep).unwrap())).collect()
+    eps.iter()
+        .map(|&ep| (format!("ep={ep}"), wasmserve::model::load_ep(&reference_model::dir(name), ep).unwrap()))
+        .collect()
 }
 
 #[test]
@@ -322,7 +364,10 @@ fn deepseek_v3_bad_expert_parallel_sizes_are_clear_errors() {
     let dir = reference_model::dir("deepseek_v3");
     let err = wasmserve::model::load_ep(&dir, 9).err().expect("9 ranks for 8 experts").to_string();
     assert!(err.contains("expert parallel size 9 exceeds the 8 routed experts"), "{err}");
-    let err = wasmserve::model::load_ep(&reference_model::dir("kimi_linear"), 5).err().expect("5 ranks for 4 experts").to_string();
+    let err = wasmserve::model::load_ep(&reference_model::dir("kimi_linear"), 5)
+        .err()
+        .expect("5 ranks for 4 experts")
+        .to_string();
     assert!(err.contains("expert parallel size 5 exceeds the 4 routed experts"), "{err}");
     let err = wasmserve::model::load_ep(&dir, 0).err().expect("ep=0").to_string();
     assert!(err.contains("expert parallel size must be at least 1"), "{err}");
@@ -343,7 +388,10 @@ fn kimi_linear_tp_3_matches_one_device() {
     let (one, three) = (single.model.cache_layout(), tp.model.cache_layout());
     // The latent rows are copied per rank; the KDA state is split, so its total stays the same.
     assert_eq!(three.num_layers(), 3 * one.num_layers());
-    assert_eq!(three.recurrent_bytes_per_seq, one.recurrent_bytes_per_seq, "each rank holds a third of every KDA state");
+    assert_eq!(
+        three.recurrent_bytes_per_seq, one.recurrent_bytes_per_seq,
+        "each rank holds a third of every KDA state"
+    );
     let cases = reference_model::cases("kimi_linear");
     let mut worst = 0f32;
     for c in &cases {

@@ -12,7 +12,11 @@ use wasmserve::model::tokenizer::Tokenizer;
 
 fn vocab_dir() -> PathBuf {
     let d = common::repo_root().join("tests/data/llama-vocab");
-    assert!(d.join("ggml-vocab-gpt-2.gguf").exists(), "{} is missing: run tests/reference/fetch-vocab-tests", d.display());
+    assert!(
+        d.join("ggml-vocab-gpt-2.gguf").exists(),
+        "{} is missing: run tests/reference/fetch-vocab-tests",
+        d.display()
+    );
     d
 }
 

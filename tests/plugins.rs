@@ -29,7 +29,14 @@ fn component(name: &str) -> Option<Vec<u8>> {
 }
 
 fn limits() -> PluginLimits {
-    PluginLimits { memory_bytes: 32 << 20, call_timeout_ms: 50, max_output_bytes: 1 << 20, max_instances: 4, pool_size: 2, ..Default::default() }
+    PluginLimits {
+        memory_bytes: 32 << 20,
+        call_timeout_ms: 50,
+        max_output_bytes: 1 << 20,
+        max_instances: 4,
+        pool_size: 2,
+        ..Default::default()
+    }
 }
 
 fn tool_pool(rt: &Runtime, name: &str, limits: PluginLimits) -> Option<Arc<ToolPool>> {
@@ -99,7 +106,9 @@ fn a_failing_stream_does_not_disturb_other_streams() {
 #[test]
 fn instance_cap_answers_busy() {
     let rt = Runtime::new(None).unwrap();
-    let Some(pool) = tool_pool(&rt, "hostile-tool", PluginLimits { max_instances: 2, pool_size: 1, ..limits() }) else { return };
+    let Some(pool) = tool_pool(&rt, "hostile-tool", PluginLimits { max_instances: 2, pool_size: 1, ..limits() }) else {
+        return;
+    };
     let ctx = RequestContext::default();
     let a = parsers::tool_session(&pool, &ctx).unwrap();
     let _b = parsers::tool_session(&pool, &ctx).unwrap();
@@ -126,21 +135,39 @@ fn hostile_policy_invalid_json_and_loop_are_contained() {
 #[test]
 fn shipped_policies_decide() {
     let rt = Runtime::new(None).unwrap();
-    let (Some(cap), Some(allow), Some(len)) =
-        (component("policy-max-tokens-cap"), component("policy-model-allow-list"), component("policy-prompt-length-limit"))
-    else {
+    let (Some(cap), Some(allow), Some(len)) = (
+        component("policy-max-tokens-cap"),
+        component("policy-model-allow-list"),
+        component("policy-prompt-length-limit"),
+    ) else {
         return;
     };
-    let mk = |b: &[u8], cfg: &str| PolicyPool::new(&rt, "p", &rt.compile(b).unwrap(), cfg, limits(), Arc::new(PluginMetrics::default()));
+    let mk = |b: &[u8], cfg: &str| {
+        PolicyPool::new(&rt, "p", &rt.compile(b).unwrap(), cfg, limits(), Arc::new(PluginMetrics::default()))
+    };
     let cap = mk(&cap, r#"{"max_tokens": 64, "tenants": {"free": 8}}"#).unwrap();
     let allow = mk(&allow, r#"{"models": ["m1"]}"#).unwrap();
     let len = mk(&len, r#"{"max_prompt_tokens": 10}"#).unwrap();
-    let req = RequestInfo { tenant: "free".into(), model: "m2".into(), prompt_tokens: 11, params: "{}".into(), ..Default::default() };
+    let req = RequestInfo {
+        tenant: "free".into(),
+        model: "m2".into(),
+        prompt_tokens: 11,
+        params: "{}".into(),
+        ..Default::default()
+    };
     assert!(matches!(policy::check(&cap, &req).unwrap(), Decision::Rewrite { max_tokens_cap: Some(8), .. }));
     assert!(matches!(policy::check(&allow, &req).unwrap(), Decision::Reject { status: 403, .. }));
     assert!(matches!(policy::check(&len, &req).unwrap(), Decision::Reject { status: 400, .. }));
     // A config the plugin refuses fails the deployment, naming the problem.
-    let e = mk(&std::fs::read(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/plugins/policy-prompt-length-limit.wasm")).unwrap(), "{}").err().unwrap();
+    let e = mk(
+        &std::fs::read(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/plugins/policy-prompt-length-limit.wasm"),
+        )
+        .unwrap(),
+        "{}",
+    )
+    .err()
+    .unwrap();
     assert!(e.contains("max_prompt_tokens"), "{e}");
 }
 
@@ -180,7 +207,11 @@ fn compiled_components_are_cached_in_memory_and_on_disk() {
 #[test]
 fn wasm_parsers_match_vllm_fixtures() {
     let rt = Runtime::new(None).unwrap();
-    let (Some(kimi), Some(hermes)) = (tool_pool(&rt, "tool-kimi-k2", limits()), tool_pool(&rt, "tool-hermes", limits())) else { return };
+    let (Some(kimi), Some(hermes)) =
+        (tool_pool(&rt, "tool-kimi-k2", limits()), tool_pool(&rt, "tool-hermes", limits()))
+    else {
+        return;
+    };
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/parsers/vllm_expected.json");
     let data: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let mut n = 0;
@@ -200,12 +231,14 @@ fn wasm_parsers_match_vllm_fixtures() {
         let got = parsers::tool_parse(pool, text, &ctx).unwrap();
         assert_eq!(got.content.as_deref(), want["content"].as_str(), "{text:?}");
         let names: Vec<&str> = got.tool_calls.iter().map(|c| c.name.as_str()).collect();
-        let want_names: Vec<&str> = want["tool_calls"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+        let want_names: Vec<&str> =
+            want["tool_calls"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
         assert_eq!(names, want_names, "{text:?}");
         let mut s = parsers::tool_session(pool, &ctx).unwrap();
         let mut args = vec![String::new(); names.len()];
         let mut content = String::new();
-        let mut deltas: Vec<_> = text.char_indices().map(|(i, c)| s.feed(&text[i..i + c.len_utf8()], &[]).unwrap()).collect();
+        let mut deltas: Vec<_> =
+            text.char_indices().map(|(i, c)| s.feed(&text[i..i + c.len_utf8()], &[]).unwrap()).collect();
         deltas.push(s.finish().unwrap());
         for d in deltas {
             content.push_str(&d.content);
@@ -213,7 +246,8 @@ fn wasm_parsers_match_vllm_fixtures() {
                 args[c.index as usize].push_str(&c.arguments);
             }
         }
-        let want_args: Vec<&str> = want["tool_calls"].as_array().unwrap().iter().map(|c| c["arguments"].as_str().unwrap()).collect();
+        let want_args: Vec<&str> =
+            want["tool_calls"].as_array().unwrap().iter().map(|c| c["arguments"].as_str().unwrap()).collect();
         assert_eq!(args, want_args, "{text:?}");
         n += 1;
     }
@@ -236,7 +270,15 @@ fn wasm_parser_chain_matches_vllm_for_kimi_k3_and_qwen3() {
     let registry = |reasoning: Option<&str>, tool: &str| {
         let reg = Registry::new(Runtime::new(None).unwrap());
         let deploy = |name: &str, kind: Kind, comp: &str| {
-            let spec = DeploymentSpec { name: name.into(), kind, component: None, models: vec![], tenants: vec![], config: serde_json::json!({}), limits: limits() };
+            let spec = DeploymentSpec {
+                name: name.into(),
+                kind,
+                component: None,
+                models: vec![],
+                tenants: vec![],
+                config: serde_json::json!({}),
+                limits: limits(),
+            };
             reg.deploy(spec, &bytes[comp]).unwrap();
         };
         if let Some(r) = reasoning {
@@ -265,19 +307,40 @@ fn wasm_parser_chain_matches_vllm_for_kimi_k3_and_qwen3() {
         let parsers = ChatParsers::select(reg, "m", "", tools.as_deref(), kwargs).unwrap();
         let text = case["text"].as_str().unwrap();
         let want = &case["expected"];
-        let want_calls: Vec<(String, String)> =
-            want["tool_calls"].as_array().unwrap().iter().map(|c| (c["name"].as_str().unwrap().into(), c["arguments"].as_str().unwrap().into())).collect();
+        let want_calls: Vec<(String, String)> = want["tool_calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| (c["name"].as_str().unwrap().into(), c["arguments"].as_str().unwrap().into()))
+            .collect();
         let k3_ids = case["tool_parser"] == "kimi_k3";
-        let want_ids: Vec<&str> = want["tool_calls"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
+        let want_ids: Vec<&str> =
+            want["tool_calls"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
 
         let (msg, _) = parsers.message(text).unwrap();
         let calls: Vec<(String, String)> = msg["tool_calls"]
             .as_array()
-            .map(|a| a.iter().map(|c| (c["function"]["name"].as_str().unwrap().into(), c["function"]["arguments"].as_str().unwrap().into())).collect())
+            .map(|a| {
+                a.iter()
+                    .map(|c| {
+                        (
+                            c["function"]["name"].as_str().unwrap().into(),
+                            c["function"]["arguments"].as_str().unwrap().into(),
+                        )
+                    })
+                    .collect()
+            })
             .unwrap_or_default();
-        let ids: Vec<&str> = msg["tool_calls"].as_array().map(|a| a.iter().map(|c| c["id"].as_str().unwrap()).collect()).unwrap_or_default();
+        let ids: Vec<&str> = msg["tool_calls"]
+            .as_array()
+            .map(|a| a.iter().map(|c| c["id"].as_str().unwrap()).collect())
+            .unwrap_or_default();
         let label = format!("{}/{} {text:?}", case["reasoning_parser"], case["tool_parser"]);
-        if msg["content"] != want["content"] || msg["reasoning_content"] != want["reasoning"] || calls != want_calls || (k3_ids && ids != want_ids) {
+        if msg["content"] != want["content"]
+            || msg["reasoning_content"] != want["reasoning"]
+            || calls != want_calls
+            || (k3_ids && ids != want_ids)
+        {
             failures.push(format!("whole {label}: got {msg}, want {want}"));
         }
 
@@ -292,7 +355,11 @@ fn wasm_parser_chain_matches_vllm_for_kimi_k3_and_qwen3() {
             for c in d["tool_calls"].as_array().into_iter().flatten() {
                 let i = c["index"].as_u64().unwrap() as usize;
                 if i == streamed.len() {
-                    streamed.push((c["id"].as_str().unwrap().into(), c["function"]["name"].as_str().unwrap().into(), String::new()));
+                    streamed.push((
+                        c["id"].as_str().unwrap().into(),
+                        c["function"]["name"].as_str().unwrap().into(),
+                        String::new(),
+                    ));
                 }
                 streamed[i].2.push_str(c["function"]["arguments"].as_str().unwrap());
             }
@@ -327,8 +394,10 @@ fn chat_template_plugin_matches_transformers() {
     let rt = Runtime::new(None).unwrap();
     let c = rt.compile(&bytes).unwrap();
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference");
-    let data: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("templates/expected.json")).unwrap()).unwrap();
-    let smol: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("smollm2/fixtures.json")).unwrap()).unwrap();
+    let data: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("templates/expected.json")).unwrap()).unwrap();
+    let smol: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("smollm2/fixtures.json")).unwrap()).unwrap();
     let mut pools: std::collections::HashMap<String, Arc<TemplatePool>> = Default::default();
     let (mut same, mut refused) = (0, 0);
     let mut failures = Vec::new();
@@ -340,7 +409,8 @@ fn chat_template_plugin_matches_transformers() {
             } else {
                 std::fs::read_to_string(dir.join(format!("templates/{name}.jinja"))).unwrap()
             };
-            let cfg = serde_json::json!({"template": src, "bos_token": case["bos_token"], "eos_token": case["eos_token"]});
+            let cfg =
+                serde_json::json!({"template": src, "bos_token": case["bos_token"], "eos_token": case["eos_token"]});
             let limits = PluginLimits { call_timeout_ms: 2000, ..limits() };
             TemplatePool::new(&rt, name, &c, &cfg.to_string(), limits, Arc::new(PluginMetrics::default())).unwrap()
         });
@@ -350,7 +420,14 @@ fn chat_template_plugin_matches_transformers() {
         let mut kwargs = case["kwargs"].as_object().cloned().unwrap_or_default();
         let effort = kwargs.remove("reasoning_effort").map(|v| v.as_str().unwrap().to_string());
         let extra = Value::Object(kwargs).to_string();
-        let got = template::render(pool, &case["messages"].to_string(), tools.as_deref(), case["add_generation_prompt"].as_bool().unwrap(), effort.as_deref(), &extra);
+        let got = template::render(
+            pool,
+            &case["messages"].to_string(),
+            tools.as_deref(),
+            case["add_generation_prompt"].as_bool().unwrap(),
+            effort.as_deref(),
+            &extra,
+        );
         let label = format!("{name}/{}/gen={}/{}", case["conversation"], case["add_generation_prompt"], case["kwargs"]);
         match (got, case["prompt"].as_str()) {
             (Ok(r), Some(want)) if r.prompt == want => same += 1,
@@ -359,7 +436,9 @@ fn chat_template_plugin_matches_transformers() {
                 refused += 1
             }
             (Ok(r), Some(want)) => failures.push(format!("{label}:\n--- got\n{}\n--- want\n{want}", r.prompt)),
-            (got, want) => failures.push(format!("{label}: got {:?}, want {want:?}", got.map(|r| r.prompt).map_err(|e| e.message))),
+            (got, want) => {
+                failures.push(format!("{label}: got {:?}, want {want:?}", got.map(|r| r.prompt).map_err(|e| e.message)))
+            }
         }
     }
     eprintln!("{same} renderings identical to transformers, {refused} refused by both, {} templates", pools.len());
@@ -375,17 +454,20 @@ fn chat_template_plugin_tojson_matches_python() {
     let Some(bytes) = component("chat-template-jinja") else { return };
     let rt = Runtime::new(None).unwrap();
     let c = rt.compile(&bytes).unwrap();
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/templates/tojson_expected.json");
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/templates/tojson_expected.json");
     let data: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let mut failures = Vec::new();
     let cases = data["cases"].as_array().unwrap();
     for case in cases {
         let cfg = serde_json::json!({"template": case["template"]});
-        let pool = TemplatePool::new(&rt, "tojson", &c, &cfg.to_string(), limits(), Arc::new(PluginMetrics::default())).unwrap();
+        let pool = TemplatePool::new(&rt, "tojson", &c, &cfg.to_string(), limits(), Arc::new(PluginMetrics::default()))
+            .unwrap();
         let extra = serde_json::json!({"value": case["value"]}).to_string();
         let got = template::render(&pool, "[]", None, false, None, &extra).map(|r| r.prompt).map_err(|e| e.message);
         if got.as_deref() != Ok(case["expected"].as_str().unwrap()) {
-            failures.push(format!("{} {}: got {got:?}, want {}", case["value_name"], case["template"], case["expected"]));
+            failures
+                .push(format!("{} {}: got {got:?}, want {}", case["value_name"], case["template"], case["expected"]));
         }
     }
     assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
@@ -405,8 +487,12 @@ fn plugin_overhead_benchmark() {
     use wasmserve_guest::{ReasoningStream as _, ToolStream as _};
     use wasmserve_parsers::{kimi_k2::KimiStream, think};
     let rt = Runtime::new(None).unwrap();
-    let (Some(rb), Some(kimi)) = (component("reasoning-kimi-k2"), tool_pool(&rt, "tool-kimi-k2", limits())) else { return };
-    let reasoning = ReasoningPool::new(&rt, "r", &rt.compile(&rb).unwrap(), "{}", limits(), Arc::new(PluginMetrics::default())).unwrap();
+    let (Some(rb), Some(kimi)) = (component("reasoning-kimi-k2"), tool_pool(&rt, "tool-kimi-k2", limits())) else {
+        return;
+    };
+    let reasoning =
+        ReasoningPool::new(&rt, "r", &rt.compile(&rb).unwrap(), "{}", limits(), Arc::new(PluginMetrics::default()))
+            .unwrap();
     let ctx = RequestContext::default();
     let gctx = wasmserve_guest::RequestContext::default();
     let us = |t: Instant| t.elapsed().as_secs_f64() * 1e6;
@@ -414,18 +500,42 @@ fn plugin_overhead_benchmark() {
 
     // 1. Whole-text parse of a short output: lease, call, lift, return.
     let text = "<think>short</think>Hello!";
-    let wasm: Vec<f64> = (0..N).map(|_| { let t = Instant::now(); parsers::reasoning_parse(&reasoning, text, &ctx).unwrap(); us(t) }).collect();
-    let native: Vec<f64> = (0..N).map(|_| { let t = Instant::now(); std::hint::black_box(think::parse(think::Flavor::KimiK2, text, &gctx)); us(t) }).collect();
+    let wasm: Vec<f64> = (0..N)
+        .map(|_| {
+            let t = Instant::now();
+            parsers::reasoning_parse(&reasoning, text, &ctx).unwrap();
+            us(t)
+        })
+        .collect();
+    let native: Vec<f64> = (0..N)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(think::parse(think::Flavor::KimiK2, text, &gctx));
+            us(t)
+        })
+        .collect();
     let (wp50, wp99) = percentiles(wasm);
     let (np50, np99) = percentiles(native);
     eprintln!("BENCH parse call (kimi_k2 reasoning, 26 bytes): wasm p50 {wp50:.2} us p99 {wp99:.2} us | native p50 {np50:.2} us p99 {np99:.2} us");
 
     // 2. One streamed delta (a token's text) into a live session.
     let mut s = parsers::reasoning_session(&reasoning, &ctx).unwrap();
-    let wasm: Vec<f64> = (0..N).map(|_| { let t = Instant::now(); s.feed("tok ", &[1]).unwrap(); us(t) }).collect();
+    let wasm: Vec<f64> = (0..N)
+        .map(|_| {
+            let t = Instant::now();
+            s.feed("tok ", &[1]).unwrap();
+            us(t)
+        })
+        .collect();
     drop(s);
     let mut ns = think::ThinkStream::new(think::Flavor::KimiK2, &gctx);
-    let native: Vec<f64> = (0..N).map(|_| { let t = Instant::now(); std::hint::black_box(ns.feed("tok ", &[1])); us(t) }).collect();
+    let native: Vec<f64> = (0..N)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(ns.feed("tok ", &[1]));
+            us(t)
+        })
+        .collect();
     let (wp50, wp99) = percentiles(wasm);
     let (np50, np99) = percentiles(native);
     eprintln!("BENCH feed call (one token delta):             wasm p50 {wp50:.2} us p99 {wp99:.2} us | native p50 {np50:.2} us p99 {np99:.2} us");
@@ -436,12 +546,22 @@ fn plugin_overhead_benchmark() {
         "<think>{}</think>Calling.<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{{{args}\"end\": 1}}<|tool_call_end|><|tool_calls_section_end|>",
         "Let me think about this step by step. ".repeat(100)
     );
-    let markers = ["<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"];
+    let markers = [
+        "<think>",
+        "</think>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    ];
     // ~4 chars per token, markers whole.
     let mut tokens: Vec<String> = Vec::new();
     for piece in wasmserve_guest::harness::token_like_chunks(&body, &markers) {
         match tokens.last_mut() {
-            Some(last) if piece.len() == 1 && last.len() < 4 && !markers.contains(&last.as_str()) => last.push_str(piece),
+            Some(last) if piece.len() == 1 && last.len() < 4 && !markers.contains(&last.as_str()) => {
+                last.push_str(piece)
+            }
             _ => tokens.push(piece.to_string()),
         }
     }

@@ -10,9 +10,9 @@ use half::f16;
 use safetensors::SafeTensors;
 use serde_json::Value;
 use wasmserve::model::format::hf_source::SafetensorsSource;
-use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
 use wasmserve::model::format::quant::cubic::{load_cubic, CubicConfig};
 use wasmserve::model::format::source::WeightSource;
+use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
 use wasmserve::quantize::{quantize, FormatArg, QuantizeArgs};
 
 fn tmp(tag: &str) -> PathBuf {
@@ -81,7 +81,9 @@ fn cubic_mixed_policy_round_trip() {
         let (rows, stride) = (codes.shape()[0], codes.shape()[1]);
         let cols = stride * 8 / layer.bits as usize;
         let groups = scale.shape()[1];
-        let f = |t: &safetensors::tensor::TensorView, k: usize| f16::from_le_bytes([t.data()[2 * k], t.data()[2 * k + 1]]).to_f32();
+        let f = |t: &safetensors::tensor::TensorView, k: usize| {
+            f16::from_le_bytes([t.data()[2 * k], t.data()[2 * k + 1]]).to_f32()
+        };
         let m = load_cubic(&src, module, rows, cols, *layer).unwrap();
         let original = dense.load(&format!("{module}.weight"), &[rows, cols]).unwrap();
         for r in 0..rows {

@@ -13,8 +13,8 @@ use half::bf16;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 use wasmserve::model::format::hf_source::SafetensorsSource;
-use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
 use wasmserve::model::format::quant::mxfp4_linear::load_ct_mxfp4;
+use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
 use wasmserve::quantize::cubic_fit::quantize_cubic;
 use wasmserve::quantize::int_rtn::quantize_int;
 use wasmserve::quantize::{quantize, FormatArg, QuantizeArgs};
@@ -30,7 +30,15 @@ fn tmp(tag: &str) -> PathBuf {
 }
 
 fn args(output: &Path, format: FormatArg, bits: u32, group: usize, policy: Option<PathBuf>) -> QuantizeArgs {
-    QuantizeArgs { input: source(), output: output.to_path_buf(), format: Some(format), bits: Some(bits), group_size: Some(group), policy, quiet: true }
+    QuantizeArgs {
+        input: source(),
+        output: output.to_path_buf(),
+        format: Some(format),
+        bits: Some(bits),
+        group_size: Some(group),
+        policy,
+        quiet: true,
+    }
 }
 
 /// The MXFP4 modules of the source with their decoded f32 weights `[rows, cols]`; the modules
@@ -50,7 +58,11 @@ fn decoded_modules() -> Vec<(String, usize, usize, Vec<f32>)> {
         if let Ok(t) = refs.tensor(&format!("{module}.native")) {
             assert_eq!(t.dtype(), Dtype::BF16);
             for (i, c) in t.data().chunks_exact(2).enumerate() {
-                assert_eq!(bf16::from_le_bytes([c[0], c[1]]).to_f32().to_bits(), w[i].to_bits(), "{module}[{i}] vs transformers");
+                assert_eq!(
+                    bf16::from_le_bytes([c[0], c[1]]).to_f32().to_bits(),
+                    w[i].to_bits(),
+                    "{module}[{i}] vs transformers"
+                );
             }
         }
         out.push((module.to_string(), rows, cols, w));
@@ -115,7 +127,10 @@ fn mxfp4_source_requantizes_to_int4_exactly_like_its_decoded_weights() {
             // Kept unquantized: the decoded values as BF16 (exact), no MXFP4 tensors left.
             let want: Vec<u16> = w.iter().map(|v| bf16::from_f32(*v).to_bits()).collect();
             assert_eq!(bytes_of(&st, &format!("{module}.weight")), u16s(&want), "{module}");
-            assert!(st.tensor(&format!("{module}.weight_packed")).is_err() && st.tensor(&format!("{module}.weight_scale")).is_err());
+            assert!(
+                st.tensor(&format!("{module}.weight_packed")).is_err()
+                    && st.tensor(&format!("{module}.weight_scale")).is_err()
+            );
             continue;
         }
         let t = quantize_int(w, *rows, *cols, 4, 64, true);
@@ -124,7 +139,10 @@ fn mxfp4_source_requantizes_to_int4_exactly_like_its_decoded_weights() {
     }
     assert_eq!(report.checkpoint_params, source_params());
     assert_eq!(report.checkpoint_bits, stored_bits(&out));
-    assert!(table.contains(&format!("checkpoint: {:.4} effective bits per weight", report.checkpoint_bits_per_weight())), "{table}");
+    assert!(
+        table.contains(&format!("checkpoint: {:.4} effective bits per weight", report.checkpoint_bits_per_weight())),
+        "{table}"
+    );
     runs(&out);
 }
 
@@ -165,7 +183,16 @@ fn refusing_to_overwrite_is_a_one_line_error() {
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("keep.txt"), "mine").unwrap();
     let input = common::repo_root().join("tests/reference/tiny_llama");
-    let (ok, err) = wasmserve(&["quantize", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap(), "--format", "int", "--quiet"]);
+    let (ok, err) = wasmserve(&[
+        "quantize",
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--format",
+        "int",
+        "--quiet",
+    ]);
     assert!(!ok, "must exit non-zero");
     assert!(!err.contains("panicked"), "{err}");
     let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -179,7 +206,16 @@ fn refusing_to_overwrite_is_a_one_line_error() {
 fn int_quantized_source_is_refused_cleanly() {
     let out = tmp("from-int");
     let input = common::repo_root().join("tests/reference/ct/ct_int4_sym");
-    let (ok, err) = wasmserve(&["quantize", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap(), "--format", "cubic", "--quiet"]);
+    let (ok, err) = wasmserve(&[
+        "quantize",
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--format",
+        "cubic",
+        "--quiet",
+    ]);
     assert!(!ok && !err.contains("panicked"), "{err}");
     assert!(err.contains("only mxfp4-pack-quantized sources can be requantized"), "{err}");
     assert!(!out.exists());

@@ -10,9 +10,9 @@ use half::bf16;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 use wasmserve::model::format::hf_source::SafetensorsSource;
-use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
 use wasmserve::model::format::quant::ct_config::CtConfig;
 use wasmserve::model::format::quant::ct_linear::load_int_linear;
+use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
 
 /// Max |ours − transformers| when transformers multiplies with the exact dequantised weights
 /// (compressed-tensors' decompression with f32 scales): both are f32 forward passes over the same
@@ -82,7 +82,13 @@ fn check_decompression(name: &str) {
             let ours = lin.dequantize_row(r);
             for c in 0..cols {
                 let i = r * cols + c;
-                assert_eq!(ours[c].to_bits(), exact[i].to_bits(), "{name} {module}[{r},{c}]: f32 {} vs {}", ours[c], exact[i]);
+                assert_eq!(
+                    ours[c].to_bits(),
+                    exact[i].to_bits(),
+                    "{name} {module}[{r},{c}]: f32 {} vs {}",
+                    ours[c],
+                    exact[i]
+                );
                 let want = u16::from_le_bytes([native[2 * i], native[2 * i + 1]]);
                 assert_eq!(bf16::from_f32(ours[c]).to_bits(), want, "{name} {module}[{r},{c}]: bf16");
             }
@@ -154,7 +160,9 @@ fn unsupported_quantization_configs_are_refused_clearly() {
     let p = edited_copy("ct_int4_sym", "lmhead", |c| c["quantization_config"]["ignore"] = serde_json::json!([]));
     assert!(load_error(&p).contains("lm_head.weight_packed"), "{}", load_error(&p));
     // Group size that disagrees with the stored scales.
-    let p = edited_copy("ct_int4_sym", "gs", |c| c["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64.into());
+    let p = edited_copy("ct_int4_sym", "gs", |c| {
+        c["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64.into()
+    });
     assert!(load_error(&p).contains("weight_scale"), "{}", load_error(&p));
 }
 
@@ -229,14 +237,23 @@ fn int8_activations_apply_to_compressed_tensors_layers() {
     for name in ["ct_int4_sym", "ct_int4_asym", "ct_mixed"] {
         let reference = Reference::open(name);
         for tp in [1, 2] {
-            let load = |act| wasmserve::model::load_with_options(&dir(name), &LoadOptions { tensor_parallel: tp, cpu_activations: act, ..Default::default() }).unwrap();
+            let load = |act| {
+                wasmserve::model::load_with_options(
+                    &dir(name),
+                    &LoadOptions { tensor_parallel: tp, cpu_activations: act, ..Default::default() },
+                )
+                .unwrap()
+            };
             let (exact_acts, int8_acts) = (load(CpuActivations::F32), load(CpuActivations::Int8));
             let (mut d_int8, mut scale, mut moved) = (0.0f32, 0.0f32, false);
             for (i, case) in reference.meta["cases"].as_array().unwrap().iter().enumerate() {
-                let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+                let ids: Vec<u32> =
+                    case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
                 let rows: Vec<BatchRow> = (0..ids.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
                 let all: Vec<usize> = (0..ids.len()).collect();
-                let run = |m: &wasmserve::model::LoadedModel| m.model.forward(&ids, &rows, &mut m.model.contiguous_cache(1), &all);
+                let run = |m: &wasmserve::model::LoadedModel| {
+                    m.model.forward(&ids, &rows, &mut m.model.contiguous_cache(1), &all)
+                };
                 let (a, b) = (run(&exact_acts), run(&int8_acts));
                 moved |= a != b;
                 let want = reference.f32s(&format!("logits.exact.{i}"));

@@ -15,16 +15,16 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use kernels::cpu::fp8::{quantize_e4m3, E4M3_TO_F32};
 use serde_json::Value;
 use tokio::sync::mpsc::unbounded_channel;
 use wasmserve::engine::block_pool::{KvDtype, PoolShape};
 use wasmserve::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
 use wasmserve::model::error::LoadError;
 use wasmserve::model::format::hf_source::SafetensorsSource;
-use kernels::cpu::fp8::{quantize_e4m3, E4M3_TO_F32};
+use wasmserve::model::format::source::WeightSource;
 use wasmserve::model::kv::{BatchRow, CacheLayout, ContiguousKvCache, KvCache, KvRow};
 use wasmserve::model::layers::mla::{MlaConfig, MlaLayer};
-use wasmserve::model::format::source::WeightSource;
 use wasmserve::model::LoadedModel;
 use wasmserve::sampling::SamplingParams;
 
@@ -38,7 +38,8 @@ fn dir() -> PathBuf {
 
 fn model() -> Arc<LoadedModel> {
     static M: OnceLock<Arc<LoadedModel>> = OnceLock::new();
-    M.get_or_init(|| Arc::new(wasmserve::model::load(&dir().join("model")).expect("loading the tiny DeepSeek-V3"))).clone()
+    M.get_or_init(|| Arc::new(wasmserve::model::load(&dir().join("model")).expect("loading the tiny DeepSeek-V3")))
+        .clone()
 }
 
 use common::ReferenceCase as Case;
@@ -116,7 +117,8 @@ fn two_sequences_in_one_batch_match_transformers() {
     }
     for k in 1..cs[0].steps.len() {
         let toks: Vec<u32> = cs.iter().map(|c| c.greedy[k - 1]).collect();
-        let rows: Vec<BatchRow> = cs.iter().enumerate().map(|(s, c)| BatchRow { seq: s, pos: c.ids.len() + k - 1 }).collect();
+        let rows: Vec<BatchRow> =
+            cs.iter().enumerate().map(|(s, c)| BatchRow { seq: s, pos: c.ids.len() + k - 1 }).collect();
         let out = m.model.forward(&toks, &rows, &mut kv, &[0, 1]);
         for (s, c) in cs.iter().enumerate() {
             let d = max_diff(&out[s * vocab..(s + 1) * vocab], &c.steps[k]);
@@ -138,7 +140,14 @@ fn run_engine(core: &mut EngineCore, prompts: &[&[u32]]) -> Vec<EngineRun> {
     let mut rxs = Vec::new();
     for p in prompts {
         let (tx, rx) = unbounded_channel();
-        let req = EngineRequest { prompt_ids: p.to_vec(), sampling: SamplingParams::greedy(), max_tokens: 32, ignore_eos: true, logprobs: Some(5), ..Default::default() };
+        let req = EngineRequest {
+            prompt_ids: p.to_vec(),
+            sampling: SamplingParams::greedy(),
+            max_tokens: 32,
+            ignore_eos: true,
+            logprobs: Some(5),
+            ..Default::default()
+        };
         core.add_request(NEXT_ID.fetch_add(1, Ordering::Relaxed), req, tx).unwrap();
         rxs.push(rx);
     }
@@ -216,7 +225,8 @@ fn paged_engine_preemption_mid_decode_matches_transformers() {
     let block_bytes = PoolShape::new(&m.model.cache_layout(), 16).block_bytes(KvDtype::F32);
     // Prompts of 9 and 40 tokens each growing by 32: 3 + 5 blocks needed, 6 available, so one
     // sequence is preempted mid-decode and recomputed later.
-    let mut core = engine(EngineConfig { kv_cache_bytes: 6 * block_bytes, enable_prefix_caching: false, ..Default::default() });
+    let mut core =
+        engine(EngineConfig { kv_cache_bytes: 6 * block_bytes, enable_prefix_caching: false, ..Default::default() });
     let prompts: Vec<&[u32]> = cs.iter().map(|c| c.ids.as_slice()).collect();
     let out = run_engine(&mut core, &prompts);
     assert!(core.stats().preemptions_total > 0, "the budget did not force preemption");
@@ -315,11 +325,19 @@ fn load_errors_are_named() {
     // A latent width that disagrees with the stored kv_a_proj_with_mqa.
     let p = edited_copy("lora", |c| c["kv_lora_rank"] = 20.into());
     match load_err(&p) {
-        LoadError::BadTensor { tensor, detail, .. } => assert!(tensor.contains("self_attn.") && detail.contains("shape"), "{tensor}: {detail}"),
+        LoadError::BadTensor { tensor, detail, .. } => {
+            assert!(tensor.contains("self_attn.") && detail.contains("shape"), "{tensor}: {detail}")
+        }
         e => panic!("expected a shape error, got {e}"),
     }
     for (tag, edit, needle) in [
-        ("nolora", Box::new(|c: &mut Value| { c.as_object_mut().unwrap().remove("kv_lora_rank"); }) as Box<dyn Fn(&mut Value)>, "kv_lora_rank"),
+        (
+            "nolora",
+            Box::new(|c: &mut Value| {
+                c.as_object_mut().unwrap().remove("kv_lora_rank");
+            }) as Box<dyn Fn(&mut Value)>,
+            "kv_lora_rank",
+        ),
         ("rope", Box::new(|c: &mut Value| c["rope_parameters"]["rope_type"] = "longrope".into()), "longrope"),
         ("rope_dim", Box::new(|c: &mut Value| c["qk_rope_head_dim"] = 7.into()), "odd"),
         ("experts", Box::new(|c: &mut Value| c["num_experts_per_tok"] = 9.into()), "num_experts_per_tok"),
@@ -364,7 +382,8 @@ fn fp8_latent_cache_equals_per_row_e4m3_rounding() {
     let cs = cases();
     let m = model();
     let vocab = m.config().vocab_size;
-    let mut core = engine(EngineConfig { kv_dtype: KvDtype::Fp8E4m3, enable_prefix_caching: false, ..Default::default() });
+    let mut core =
+        engine(EngineConfig { kv_dtype: KvDtype::Fp8E4m3, enable_prefix_caching: false, ..Default::default() });
     let prompts: Vec<&[u32]> = cs.iter().map(|c| c.ids.as_slice()).collect();
     let out = run_engine(&mut core, &prompts);
     let (mut worst, mut drift) = (0.0f32, 0.0f32);
@@ -391,8 +410,12 @@ fn int8_quantized_experts_load_packed_and_stay_close() {
     let out = std::env::temp_dir().join(format!("wasmserve-dsv3-int8-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let policy = out.with_extension("policy.json");
-    std::fs::write(&policy, r#"{"format": "int", "bits": 8, "group_size": 16,
-        "rules": [{"match": "re:.*mlp\\.experts\\."}, {"match": "re:.*", "skip": true}]}"#).unwrap();
+    std::fs::write(
+        &policy,
+        r#"{"format": "int", "bits": 8, "group_size": 16,
+        "rules": [{"match": "re:.*mlp\\.experts\\."}, {"match": "re:.*", "skip": true}]}"#,
+    )
+    .unwrap();
     wasmserve::quantize::run(wasmserve::quantize::QuantizeArgs {
         input: dir().join("model"),
         output: out.clone(),
@@ -415,7 +438,9 @@ fn int8_quantized_experts_load_packed_and_stay_close() {
         let mut kv = ContiguousKvCache::for_layout(&q.model.cache_layout(), 1);
         let rows: Vec<BatchRow> = (0..n).map(|pos| BatchRow { seq: 0, pos }).collect();
         let logits = q.model.forward(&case.ids, &rows, &mut kv, &(0..n).collect::<Vec<_>>());
-        per.extend(case.prefill.iter().enumerate().map(|(p, want)| max_diff(&logits[p * vocab..(p + 1) * vocab], want)));
+        per.extend(
+            case.prefill.iter().enumerate().map(|(p, want)| max_diff(&logits[p * vocab..(p + 1) * vocab], want)),
+        );
     }
     per.sort_by(f32::total_cmp);
     let (median, p90) = (per[per.len() / 2], per[per.len() * 9 / 10]);

@@ -9,10 +9,10 @@ mod common;
 
 use serde_json::{json, Value};
 use wasmserve::model::format::hf_source::SafetensorsSource;
+use wasmserve::model::format::source::WeightSource;
+use wasmserve::model::kv::BatchRow;
 use wasmserve::model::layers::kda::state::KdaState;
 use wasmserve::model::layers::kda::{KdaConfig, KdaLayer};
-use wasmserve::model::kv::BatchRow;
-use wasmserve::model::format::source::WeightSource;
 
 /// Max |ours − transformers|; outputs are O(1–4), both in f32 (different summation orders, and
 /// transformers' chunked form of the recurrence for whole prompts).
@@ -31,7 +31,8 @@ fn load_case(name: &str) -> Case {
     let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("kda_layers.json")).unwrap()).unwrap();
     let m = &meta["cases"][name];
     // The config the way a Kimi checkpoint writes it.
-    let mut lac = json!({"num_heads": m["num_heads"], "head_dim": m["head_dim"], "short_conv_kernel_size": m["conv_kernel"]});
+    let mut lac =
+        json!({"num_heads": m["num_heads"], "head_dim": m["head_dim"], "short_conv_kernel_size": m["conv_kernel"]});
     if m["gate_lower_bound"].is_number() {
         lac["gate_lower_bound"] = m["gate_lower_bound"].clone();
     }
@@ -44,7 +45,9 @@ fn load_case(name: &str) -> Case {
     let src = SafetensorsSource::open(&dir).unwrap();
     let layer = KdaLayer::load(cfg.clone(), &src, &format!("{name}.self_attn")).expect("loading the KDA layer");
     let seqs = m["sequences"].as_array().unwrap();
-    let get = |what: &str, i: usize, len: usize| src.load(&format!("{name}.{what}.{i}"), &[len, cfg.hidden_size]).unwrap().as_slice().to_vec();
+    let get = |what: &str, i: usize, len: usize| {
+        src.load(&format!("{name}.{what}.{i}"), &[len, cfg.hidden_size]).unwrap().as_slice().to_vec()
+    };
     let lens: Vec<usize> = seqs.iter().map(|s| s["len"].as_u64().unwrap() as usize).collect();
     Case {
         layer,
@@ -158,15 +161,23 @@ fn k3_kda_layer_matches_transformers() {
 #[test]
 fn bad_kda_configs_are_named_errors() {
     let f = std::path::Path::new("config.json");
-    let e = KdaConfig::from_hf_config(f, &json!({"hidden_size": 8, "linear_attn_config": {"head_dim": 4}})).unwrap_err().to_string();
+    let e = KdaConfig::from_hf_config(f, &json!({"hidden_size": 8, "linear_attn_config": {"head_dim": 4}}))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("num_heads is missing"), "{e}");
-    let e = KdaConfig::from_hf_config(f, &json!({"hidden_size": 8, "linear_attn_config": {"num_heads": 2, "head_dim": 4, "gate_lower_bound": 1.0}}))
-        .unwrap_err()
-        .to_string();
+    let e = KdaConfig::from_hf_config(
+        f,
+        &json!({"hidden_size": 8, "linear_attn_config": {"num_heads": 2, "head_dim": 4, "gate_lower_bound": 1.0}}),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("negative"), "{e}");
-    let e = KdaConfig::from_hf_config(f, &json!({"hidden_size": 8, "linear_attn_config": {"num_heads": 2, "head_dim": 4, "num_v_heads": 4}}))
-        .unwrap_err()
-        .to_string();
+    let e = KdaConfig::from_hf_config(
+        f,
+        &json!({"hidden_size": 8, "linear_attn_config": {"num_heads": 2, "head_dim": 4, "num_v_heads": 4}}),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("grouped value heads"), "{e}");
 }
 
@@ -174,7 +185,8 @@ fn bad_kda_configs_are_named_errors() {
 fn missing_kda_tensor_is_a_named_error() {
     let dir = common::repo_root().join("tests/reference/kimi_linear");
     let src = SafetensorsSource::open(&dir).unwrap();
-    let raw = json!({"hidden_size": 48, "linear_attn_config": {"num_heads": 3, "head_dim": 16, "use_full_rank_gate": true}});
+    let raw =
+        json!({"hidden_size": 48, "linear_attn_config": {"num_heads": 3, "head_dim": 16, "use_full_rank_gate": true}});
     let cfg = KdaConfig::from_hf_config(&dir.join("config.json"), &raw).unwrap();
     // The Kimi-Linear case has the low-rank gate only: asking for g_proj must name it.
     let e = KdaLayer::load(cfg, &src, "kimi_linear.self_attn").err().expect("g_proj is absent").to_string();

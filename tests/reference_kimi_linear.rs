@@ -52,7 +52,10 @@ fn model_declares_kda_state_and_latent_rows() {
     let m = model();
     let layout = m.model.cache_layout();
     // Layers 0, 1, 3 are KDA (no per-token cache); layer 2 caches a 16-wide latent + 8-wide rot key.
-    assert_eq!(layout.layers.iter().map(|l| l.map(|s| (s.key_width, s.value_width))).collect::<Vec<_>>(), vec![None, None, Some((16, 8)), None]);
+    assert_eq!(
+        layout.layers.iter().map(|l| l.map(|s| (s.key_width, s.value_width))).collect::<Vec<_>>(),
+        vec![None, None, Some((16, 8)), None]
+    );
     // Per KDA layer: conv history 3·48·3 floats + 3 heads of 16×16, fp32.
     assert_eq!(layout.recurrent_bytes_per_seq, 3 * 4 * (3 * 48 * 3 + 3 * 16 * 16));
     assert!(m.model.new_recurrent_state().is_some());
@@ -115,7 +118,15 @@ fn drain(rx: &mut UnboundedReceiver<EngineEvent>, vocab: usize) -> Collected {
 /// Greedy, 32 tokens, with the whole log-softmax of every step (top `vocab` logprobs).
 fn request(ids: &[u32], n: usize) -> EngineRequest {
     let vocab = model().config().vocab_size;
-    EngineRequest { prompt_ids: ids.to_vec(), sampling: SamplingParams::greedy(), max_tokens: 32, ignore_eos: true, logprobs: Some(vocab), n, ..Default::default() }
+    EngineRequest {
+        prompt_ids: ids.to_vec(),
+        sampling: SamplingParams::greedy(),
+        max_tokens: 32,
+        ignore_eos: true,
+        logprobs: Some(vocab),
+        n,
+        ..Default::default()
+    }
 }
 
 fn engine_config() -> EngineConfig {
@@ -173,7 +184,11 @@ fn engine_batch_matches_transformers() {
     let worst = cs.iter().zip(&got).map(|(c, g)| check(c, g, "batched")).fold(0.0, f32::max);
     eprintln!("engine, batched: max |logprob diff| {worst:.2e}");
     let pool = core.pool();
-    assert_eq!(pool.recurrent.available(), pool.recurrent.capacity(), "finished sequences must return their state slots");
+    assert_eq!(
+        pool.recurrent.available(),
+        pool.recurrent.capacity(),
+        "finished sequences must return their state slots"
+    );
     assert_eq!(pool.available(), pool.num_blocks());
 }
 

@@ -12,10 +12,10 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 use wasmserve::model::error::LoadError;
 use wasmserve::model::format::hf_source::SafetensorsSource;
-use wasmserve::model::layers::linear::Linear;
-use wasmserve::model::layers::moe::{MoeConfig, MoeLayer};
 use wasmserve::model::format::quant::QuantizedSource;
 use wasmserve::model::format::source::WeightSource;
+use wasmserve::model::layers::linear::Linear;
+use wasmserve::model::layers::moe::{MoeConfig, MoeLayer};
 use wasmserve::model::tensor::Tensor;
 use wasmserve::quantize::{quantize, FormatArg, QuantizeArgs};
 
@@ -44,7 +44,13 @@ fn io(name: &str, cfg: &MoeConfig) -> Io {
     let n = src.shape_of("input").unwrap()[0];
     let (h, k) = (cfg.hidden_size, cfg.top_k);
     let get = |t: &str, shape: &[usize]| src.load(t, shape).unwrap().as_slice().to_vec();
-    Io { n, input: get("input", &[n, h]), output: get("output", &[n, h]), experts: get("routing.experts", &[n, k]), weights: get("routing.weights", &[n, k]) }
+    Io {
+        n,
+        input: get("input", &[n, h]),
+        output: get("output", &[n, h]),
+        experts: get("routing.experts", &[n, k]),
+        weights: get("routing.weights", &[n, k]),
+    }
 }
 
 /// Max |a − b| relative to the largest reference value.
@@ -76,7 +82,12 @@ fn layers_match_their_references() {
             let want_ids: Vec<u32> = io.experts[t * cfg.top_k..(t + 1) * cfg.top_k].iter().map(|&e| e as u32).collect();
             assert_eq!(pairs.iter().map(|p| p.0).collect::<Vec<_>>(), want_ids, "{name}: token {t} experts");
             for (p, &w) in pairs.iter().zip(&io.weights[t * cfg.top_k..]) {
-                assert!((p.1 - w).abs() <= 1e-5 * w.abs().max(1e-3), "{name}: token {t} expert {} weight {} vs {w}", p.0, p.1);
+                assert!(
+                    (p.1 - w).abs() <= 1e-5 * w.abs().max(1e-3),
+                    "{name}: token {t} expert {} weight {} vs {w}",
+                    p.0,
+                    p.1
+                );
             }
         }
         let out = layer.forward(&io.input, io.n);
@@ -122,7 +133,9 @@ impl WeightSource for Dequantized {
         self.0.file_of(name)
     }
     fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
-        let dense = |row: &dyn Fn(usize) -> Vec<f32>| Linear::Dense(Tensor::owned(vec![rows, cols], (0..rows).flat_map(row).collect()));
+        let dense = |row: &dyn Fn(usize) -> Vec<f32>| {
+            Linear::Dense(Tensor::owned(vec![rows, cols], (0..rows).flat_map(row).collect()))
+        };
         Ok(match self.0.linear(module, rows, cols)? {
             Linear::Cubic(q) => dense(&|r| q.dequantize_row(r)),
             Linear::Int(q) => dense(&|r| q.dequantize_row(r)),
@@ -153,7 +166,14 @@ fn bits_of(l: &Linear) -> Option<u32> {
 
 /// Quantizes a case with `wasmserve quantize` (router kept f32) and checks the packed layer
 /// against the same layer dequantised, and its distance from the f32 reference.
-fn quantized_case(name: &str, format: FormatArg, bits: u32, policy: Value, expect_bits: &dyn Fn(usize) -> u32, max_nrmse: f32) {
+fn quantized_case(
+    name: &str,
+    format: FormatArg,
+    bits: u32,
+    policy: Value,
+    expect_bits: &dyn Fn(usize) -> u32,
+    max_nrmse: f32,
+) {
     let out = tmp(&format!("{name}-{format:?}"));
     let policy_file = tmp(&format!("{name}-{format:?}-policy.json"));
     std::fs::write(&policy_file, policy.to_string()).unwrap();

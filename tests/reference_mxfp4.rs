@@ -10,8 +10,8 @@ use half::bf16;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 use wasmserve::model::format::hf_source::SafetensorsSource;
-use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
 use wasmserve::model::format::quant::mxfp4_linear::{load_ct_mxfp4, load_gpt_oss_expert};
+use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
 
 /// Max |ours − transformers| logits. MXFP4 weights are exact in bf16, so transformers' bf16
 /// decompression holds the same weight values we multiply with; only f32 summation order differs.
@@ -32,7 +32,8 @@ fn compressed_tensors_mxfp4_decodes_bit_exactly() {
     let dir = ct_dir().join("ct_mxfp4");
     let bytes = std::fs::read(ct_dir().join("ct_mxfp4.reference.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let meta: Value = serde_json::from_str(&std::fs::read_to_string(ct_dir().join("ct_mxfp4.reference.json")).unwrap()).unwrap();
+    let meta: Value =
+        serde_json::from_str(&std::fs::read_to_string(ct_dir().join("ct_mxfp4.reference.json")).unwrap()).unwrap();
     let src = SafetensorsSource::open(&dir).unwrap();
     for module in meta["decompressed"].as_array().unwrap() {
         let module = module.as_str().unwrap();
@@ -53,7 +54,8 @@ fn compressed_tensors_mxfp4_llama_matches_transformers() {
     let dir = ct_dir().join("ct_mxfp4");
     let bytes = std::fs::read(ct_dir().join("ct_mxfp4.reference.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let meta: Value = serde_json::from_str(&std::fs::read_to_string(ct_dir().join("ct_mxfp4.reference.json")).unwrap()).unwrap();
+    let meta: Value =
+        serde_json::from_str(&std::fs::read_to_string(ct_dir().join("ct_mxfp4.reference.json")).unwrap()).unwrap();
     let m = wasmserve::model::load(&dir).unwrap();
     let cfg = m.config();
     let mut max = 0.0f32;
@@ -91,7 +93,11 @@ fn gpt_oss_blocks_decode_like_transformers() {
         for r in 0..rows {
             let row = m.dequantize_row(r);
             for c in 0..cols {
-                assert_eq!(bf16::from_f32(row[c]).to_bits(), want[(expert * cols + c) * rows + r], "expert {expert} [{r},{c}]");
+                assert_eq!(
+                    bf16::from_f32(row[c]).to_bits(),
+                    want[(expert * cols + c) * rows + r],
+                    "expert {expert} [{r},{c}]"
+                );
             }
         }
     }

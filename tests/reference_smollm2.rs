@@ -49,11 +49,21 @@ fn tokenizer_ids_match_transformers() {
     let m = common::smollm2();
     let mut checked = 0;
     for p in f["prompts"].as_array().unwrap() {
-        assert_eq!(m.tokenizer.encode(p["text"].as_str().unwrap(), true).unwrap(), ids(&p["ids"]), "prompt {:?}", p["text"]);
+        assert_eq!(
+            m.tokenizer.encode(p["text"].as_str().unwrap(), true).unwrap(),
+            ids(&p["ids"]),
+            "prompt {:?}",
+            p["text"]
+        );
         checked += 1;
     }
     for c in f["tokenizer_cases"].as_array().unwrap() {
-        assert_eq!(m.tokenizer.encode(c["text"].as_str().unwrap(), false).unwrap(), ids(&c["ids"]), "case {:?}", c["text"]);
+        assert_eq!(
+            m.tokenizer.encode(c["text"].as_str().unwrap(), false).unwrap(),
+            ids(&c["ids"]),
+            "case {:?}",
+            c["text"]
+        );
         checked += 1;
     }
     assert!(checked >= 30);
@@ -97,7 +107,14 @@ fn greedy_continuations_match_transformers() {
     let m = common::smollm2();
     for p in f["prompts"].as_array().unwrap() {
         let want = ids(&p["greedy_ids"]);
-        let req = GenerateRequest { prompt_ids: ids(&p["ids"]), sampling: SamplingParams::greedy(), max_tokens: want.len(), stop: vec![], ignore_eos: true, kv_dtype: KvDtype::F32 };
+        let req = GenerateRequest {
+            prompt_ids: ids(&p["ids"]),
+            sampling: SamplingParams::greedy(),
+            max_tokens: want.len(),
+            stop: vec![],
+            ignore_eos: true,
+            kv_dtype: KvDtype::F32,
+        };
         let out = generate(&m, &req, |_| {}).unwrap();
         assert_eq!(out.tokens, want, "greedy continuation of {:?}", p["text"]);
     }
@@ -108,13 +125,26 @@ fn chat_template_and_answer_match_transformers() {
     let f = fixtures();
     let m = common::smollm2();
     let chat = &f["chat"];
-    let tmpl = JinjaChatTemplate::new(m.tokenizer.chat_template.as_deref().unwrap(), m.tokenizer.bos_token.as_deref(), m.tokenizer.eos_token.as_deref()).unwrap();
+    let tmpl = JinjaChatTemplate::new(
+        m.tokenizer.chat_template.as_deref().unwrap(),
+        m.tokenizer.bos_token.as_deref(),
+        m.tokenizer.eos_token.as_deref(),
+    )
+    .unwrap();
     let messages = chat["messages"].as_array().unwrap().clone();
-    let prompt = tmpl.render(&ChatTemplateInput { messages, add_generation_prompt: true, ..Default::default() }).unwrap();
+    let prompt =
+        tmpl.render(&ChatTemplateInput { messages, add_generation_prompt: true, ..Default::default() }).unwrap();
     assert_eq!(prompt, chat["prompt"].as_str().unwrap(), "rendered chat prompt");
     let prompt_ids = m.tokenizer.encode(&prompt, true).unwrap();
     assert_eq!(prompt_ids, ids(&chat["ids"]));
-    let req = GenerateRequest { prompt_ids, sampling: SamplingParams::greedy(), max_tokens: 32, stop: vec![], ignore_eos: false, kv_dtype: KvDtype::F32 };
+    let req = GenerateRequest {
+        prompt_ids,
+        sampling: SamplingParams::greedy(),
+        max_tokens: 32,
+        stop: vec![],
+        ignore_eos: false,
+        kv_dtype: KvDtype::F32,
+    };
     let out = generate(&m, &req, |_| {}).unwrap();
     assert!(out.text.contains("Paris"), "answer: {:?}", out.text);
     assert_eq!(out.text, chat["greedy_text"].as_str().unwrap().trim_end());
@@ -131,7 +161,13 @@ fn fp8_kv_cache_accuracy_on_fixtures() {
         let prompts = f["prompts"].as_array().unwrap();
         for (i, p) in prompts.iter().enumerate() {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let req = EngineRequest { prompt_ids: ids(&p["ids"]), sampling: SamplingParams::greedy(), max_tokens: 32, ignore_eos: true, ..Default::default() };
+            let req = EngineRequest {
+                prompt_ids: ids(&p["ids"]),
+                sampling: SamplingParams::greedy(),
+                max_tokens: 32,
+                ignore_eos: true,
+                ..Default::default()
+            };
             core.add_request(i as u64, req, tx).unwrap();
             rxs.push(rx);
         }
@@ -190,7 +226,14 @@ fn int8_activation_accuracy_on_fixtures() {
             argmax_same += usize::from(wasmserve::sampling::argmax(ours[pos]) == top[0][0].as_u64().unwrap() as u32);
         }
         let want = ids(&p["greedy_ids"]);
-        let req = GenerateRequest { prompt_ids: prompt, sampling: SamplingParams::greedy(), max_tokens: want.len(), stop: vec![], ignore_eos: true, kv_dtype: KvDtype::F32 };
+        let req = GenerateRequest {
+            prompt_ids: prompt,
+            sampling: SamplingParams::greedy(),
+            max_tokens: want.len(),
+            stop: vec![],
+            ignore_eos: true,
+            kv_dtype: KvDtype::F32,
+        };
         let got = generate(&m, &req, |_| {}).unwrap().tokens;
         greedy_total += want.len();
         greedy_same += got.iter().zip(&want).take_while(|(a, b)| a == b).count();
@@ -198,6 +241,9 @@ fn int8_activation_accuracy_on_fixtures() {
     eprintln!("int8 activations vs transformers: max |logit diff| {worst:.4} on the top-5 logits, argmax {argmax_same}/{positions} prompt positions, greedy {greedy_same}/{greedy_total} before the first divergence");
     assert!(differs_from_f32, "--cpu-activations int8 changed nothing: the int8 kernel is not in use");
     assert!(worst < INT8_LOGIT_BOUND, "int8 activations: logit error {worst} >= {INT8_LOGIT_BOUND}");
-    assert!(argmax_same * 10 >= positions * 9, "int8 activations: argmax agrees at only {argmax_same}/{positions} positions");
+    assert!(
+        argmax_same * 10 >= positions * 9,
+        "int8 activations: argmax agrees at only {argmax_same}/{positions} positions"
+    );
     assert!(greedy_same * 3 >= greedy_total, "int8 activations diverge too early: {greedy_same}/{greedy_total}");
 }

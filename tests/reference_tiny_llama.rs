@@ -7,8 +7,8 @@ mod common;
 use serde_json::Value;
 use wasmserve::chat_template::jinja::JinjaChatTemplate;
 use wasmserve::chat_template::{ChatTemplate, ChatTemplateInput};
-use wasmserve::generate::{generate, GenerateRequest};
 use wasmserve::engine::block_pool::KvDtype;
+use wasmserve::generate::{generate, GenerateRequest};
 use wasmserve::model::kv::{BatchRow, ContiguousKvCache};
 use wasmserve::sampling::SamplingParams;
 
@@ -34,19 +34,34 @@ fn sharded_bf16_checkpoint_matches_transformers() {
         let mut max_diff = 0.0f32;
         for (p, want_row) in case["logits"].as_array().unwrap().iter().enumerate() {
             for (v, w) in want_row.as_array().unwrap().iter().enumerate() {
-                max_diff = max_diff.max(kernels::compare::abs_error(logits[p * cfg.vocab_size + v], w.as_f64().unwrap() as f32));
+                max_diff = max_diff
+                    .max(kernels::compare::abs_error(logits[p * cfg.vocab_size + v], w.as_f64().unwrap() as f32));
             }
         }
         assert!(max_diff <= LOGIT_TOLERANCE, "{text:?}: max logit difference {max_diff}");
 
-        let req = GenerateRequest { prompt_ids: want_ids.clone(), sampling: SamplingParams::greedy(), max_tokens: 12, stop: vec![], ignore_eos: true, kv_dtype: KvDtype::F32 };
+        let req = GenerateRequest {
+            prompt_ids: want_ids.clone(),
+            sampling: SamplingParams::greedy(),
+            max_tokens: 12,
+            stop: vec![],
+            ignore_eos: true,
+            kv_dtype: KvDtype::F32,
+        };
         let got = generate(&m, &req, |_| {}).unwrap().tokens;
-        let want: Vec<u32> = case["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let want: Vec<u32> =
+            case["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(got, want, "greedy continuation of {text:?}");
     }
-    let tmpl = JinjaChatTemplate::new(m.tokenizer.chat_template.as_deref().expect("chat_template.jinja read"), None, None).unwrap();
+    let tmpl =
+        JinjaChatTemplate::new(m.tokenizer.chat_template.as_deref().expect("chat_template.jinja read"), None, None)
+            .unwrap();
     let out = tmpl
-        .render(&ChatTemplateInput { messages: vec![serde_json::json!({"role": "user", "content": "hi"})], add_generation_prompt: true, ..Default::default() })
+        .render(&ChatTemplateInput {
+            messages: vec![serde_json::json!({"role": "user", "content": "hi"})],
+            add_generation_prompt: true,
+            ..Default::default()
+        })
         .unwrap();
     assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     assert_eq!(m.tokenizer.eos_token_ids, vec![2]);

@@ -12,14 +12,21 @@
 mod common;
 
 use serde_json::Value;
-use wasmserve::parallel::{Collective, CollectiveError, LocalCollective};
 use wasmserve::model::kv::{BatchRow, ContiguousKvCache, KvCache};
+use wasmserve::parallel::{Collective, CollectiveError, LocalCollective};
 
 /// Runs `f(rank, comm)` on one thread per rank and returns the results in rank order.
 fn on_ranks<R: Send>(world: usize, f: impl Fn(usize, &LocalCollective) -> R + Sync) -> Vec<R> {
     let comms = LocalCollective::group(world);
     std::thread::scope(|s| {
-        let hs: Vec<_> = comms.iter().enumerate().map(|(r, c)| { let f = &f; s.spawn(move || f(r, c)) }).collect();
+        let hs: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, c)| {
+                let f = &f;
+                s.spawn(move || f(r, c))
+            })
+            .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
@@ -116,7 +123,13 @@ fn mismatched_lengths_fail_every_rank_instead_of_hanging() {
 
 /// `prompt` prefilled, then `steps` greedy decode steps; returns every step's logits and the
 /// greedy tokens.
-fn run_greedy(forward: &dyn Fn(&[u32], &[BatchRow], &mut dyn KvCache, &[usize]) -> Vec<f32>, kv: &mut dyn KvCache, prompt: &[u32], vocab: usize, steps: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
+fn run_greedy(
+    forward: &dyn Fn(&[u32], &[BatchRow], &mut dyn KvCache, &[usize]) -> Vec<f32>,
+    kv: &mut dyn KvCache,
+    prompt: &[u32],
+    vocab: usize,
+    steps: usize,
+) -> (Vec<Vec<f32>>, Vec<u32>) {
     let rows: Vec<BatchRow> = (0..prompt.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
     let all: Vec<usize> = (0..prompt.len()).collect();
     let mut logits: Vec<Vec<f32>> = forward(prompt, &rows, kv, &all).chunks(vocab).map(<[f32]>::to_vec).collect();
@@ -149,13 +162,15 @@ fn check_tp(path: &std::path::Path, tp: usize, prompt: &[u32], steps: usize) -> 
     let single = wasmserve::model::load(path).unwrap();
     let cfg = single.config().clone();
     let mut kv1 = ContiguousKvCache::new(cfg.num_layers(), cfg.kv_width(), 1);
-    let (want, want_tokens) = run_greedy(&|t, r, kv, l| single.model.forward(t, r, kv, l), &mut kv1, prompt, cfg.vocab_size, steps);
+    let (want, want_tokens) =
+        run_greedy(&|t, r, kv, l| single.model.forward(t, r, kv, l), &mut kv1, prompt, cfg.vocab_size, steps);
     let sharded = wasmserve::model::load_tp(path, tp).unwrap();
     // Rank r's KV heads of layer l sit in cache layer l * tp + r.
     let layout = sharded.model.cache_layout();
     assert_eq!(layout.num_layers(), tp * cfg.num_layers());
     let mut kv = ContiguousKvCache::for_layout(&layout, 1);
-    let (got, got_tokens) = run_greedy(&|t, r, kv, l| sharded.model.forward(t, r, kv, l), &mut kv, prompt, cfg.vocab_size, steps);
+    let (got, got_tokens) =
+        run_greedy(&|t, r, kv, l| sharded.model.forward(t, r, kv, l), &mut kv, prompt, cfg.vocab_size, steps);
     let worst = assert_close(&got, &want, &format!("{} tp={tp}", path.display()));
     eprintln!("{} tp={tp}: worst relative logit difference vs one device {worst:.2e}", path.display());
     assert_eq!(got_tokens, want_tokens, "tp={tp} greedy tokens");
@@ -197,7 +212,10 @@ fn tiny_llama_tp2_and_tp4_match_one_device_and_transformers() {
 /// refuses TP=2 for it too; see `non_divisible_shapes_are_clear_errors`).
 fn smollm2_tp3_matches_one_device_and_transformers() {
     let path = common::default_model_path();
-    let f: Value = serde_json::from_str(&std::fs::read_to_string(common::repo_root().join("tests/reference/smollm2/fixtures.json")).unwrap()).unwrap();
+    let f: Value = serde_json::from_str(
+        &std::fs::read_to_string(common::repo_root().join("tests/reference/smollm2/fixtures.json")).unwrap(),
+    )
+    .unwrap();
     let p = &f["prompts"][0];
     let prompt = ids(&p["ids"]);
     let want_greedy = ids(&p["greedy_ids"]);
@@ -206,7 +224,11 @@ fn smollm2_tp3_matches_one_device_and_transformers() {
     for (pos, top) in p["logits_top"].as_array().unwrap().iter().enumerate() {
         for pair in top.as_array().unwrap() {
             let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap() as f32);
-            assert!((logits[pos][id] - want).abs() <= 5e-4, "tp=3 vs transformers at {pos}/{id}: {} vs {want}", logits[pos][id]);
+            assert!(
+                (logits[pos][id] - want).abs() <= 5e-4,
+                "tp=3 vs transformers at {pos}/{id}: {} vs {want}",
+                logits[pos][id]
+            );
         }
     }
 }
@@ -217,7 +239,10 @@ fn non_divisible_shapes_are_clear_errors() {
     // 4 attention heads do not split over 3 ranks.
     let err = wasmserve::model::load_tp(&dir, 3).err().expect("tp=3 must be refused").to_string();
     assert!(err.contains("tensor parallel size 3 does not divide the 4 attention heads"), "{err}");
-    let err = wasmserve::model::load_tp(&common::default_model_path(), 2).err().expect("SmolLM2 tp=2 must be refused").to_string();
+    let err = wasmserve::model::load_tp(&common::default_model_path(), 2)
+        .err()
+        .expect("SmolLM2 tp=2 must be refused")
+        .to_string();
     assert!(err.contains("does not divide the 9 attention heads"), "{err}");
     let err = wasmserve::model::load_tp(&dir, 0).err().expect("tp=0 must be refused").to_string();
     assert!(err.contains("at least 1"), "{err}");
@@ -246,8 +271,10 @@ fn engine_on_tp2_gives_the_greedy_tokens_of_one_device() {
     // A real checkpoint (9 heads, 3 KV heads: TP=3) with natural-language prompts.
     let path = common::default_model_path();
     let m = wasmserve::model::load(&path).unwrap();
-    let prompts: Vec<Vec<u32>> =
-        ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"].iter().map(|t| m.tokenizer.encode(t, true).unwrap()).collect();
+    let prompts: Vec<Vec<u32>> = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+        .iter()
+        .map(|t| m.tokenizer.encode(t, true).unwrap())
+        .collect();
     let want = engine_tokens(&path, 1, &prompts, 8);
     assert_eq!(engine_tokens(&path, 3, &prompts, 8), want, "SmolLM2 engine tp=3 vs tp=1");
     // Shapes that do not divide are refused with the reason, not a panic.
@@ -256,6 +283,7 @@ fn engine_on_tp2_gives_the_greedy_tokens_of_one_device() {
     // DeepSeek-V3's TP (MLA heads split) is tested in tests/expert_parallel.rs; heads that do
     // not divide are refused there too.
     let dsv3 = common::repo_root().join("tests/reference/deepseek_v3/model");
-    let err = wasmserve::model::load_tp(&dsv3, 3).err().expect("DeepSeek-V3 tp=3 (4 heads) must be refused").to_string();
+    let err =
+        wasmserve::model::load_tp(&dsv3, 3).err().expect("DeepSeek-V3 tp=3 (4 heads) must be refused").to_string();
     assert!(err.contains("the size must divide the heads"), "{err}");
 }

@@ -61,7 +61,11 @@ macro_rules! plugin_glue {
 #[allow(unused_macros)]
 macro_rules! ctx_from {
     ($c:expr) => {
-        crate::RequestContext { tools: $c.tools, template_kwargs: $c.template_kwargs, history_tool_calls: $c.history_tool_calls }
+        crate::RequestContext {
+            tools: $c.tools,
+            template_kwargs: $c.template_kwargs,
+            history_tool_calls: $c.history_tool_calls,
+        }
     };
 }
 
@@ -101,8 +105,8 @@ pub mod reasoning_parser {
         export_macro_name: "__export",
         default_bindings_module: "wasmserve_guest::glue::reasoning_parser",
     });
-    use exports::inference::plugins::reasoning_parser as rp;
     use crate::ReasoningStream as _;
+    use exports::inference::plugins::reasoning_parser as rp;
 
     pub struct Glue<T>(core::marker::PhantomData<T>);
     plugin_glue!(reasoning_parser, crate::ReasoningParser);
@@ -145,8 +149,8 @@ pub mod tool_parser {
         export_macro_name: "__export",
         default_bindings_module: "wasmserve_guest::glue::tool_parser",
     });
-    use exports::inference::plugins::tool_parser as tp;
     use crate::ToolStream as _;
+    use exports::inference::plugins::tool_parser as tp;
 
     pub struct Glue<T>(core::marker::PhantomData<T>);
     plugin_glue!(tool_parser, crate::ToolParser);
@@ -209,7 +213,13 @@ pub mod request_policy {
     plugin_glue!(request_policy, crate::RequestPolicy);
 
     fn info(r: rp::RequestInfo) -> crate::RequestInfo {
-        crate::RequestInfo { request_id: r.request_id, tenant: r.tenant, model: r.model, prompt_tokens: r.prompt_tokens, params: r.params }
+        crate::RequestInfo {
+            request_id: r.request_id,
+            tenant: r.tenant,
+            model: r.model,
+            prompt_tokens: r.prompt_tokens,
+            params: r.params,
+        }
     }
 
     impl<T: crate::RequestPolicy> rp::Guest for Glue<T> {
@@ -217,7 +227,9 @@ pub mod request_policy {
             let req = info(req);
             match super::with_instance(|t: &T| t.check(&req)) {
                 crate::Decision::Allow => rp::Decision::Allow,
-                crate::Decision::Reject(r) => rp::Decision::Reject(rp::Rejection { status: r.status, message: r.message }),
+                crate::Decision::Reject(r) => {
+                    rp::Decision::Reject(rp::Rejection { status: r.status, message: r.message })
+                }
                 crate::Decision::Rewrite(w) => rp::Decision::Rewrite(rp::Rewrite {
                     max_tokens_cap: w.max_tokens_cap,
                     add_stop: w.add_stop,
@@ -228,7 +240,11 @@ pub mod request_policy {
         }
         fn observe(req: rp::RequestInfo, usage: rp::Usage) {
             let req = info(req);
-            let u = crate::Usage { prompt_tokens: usage.prompt_tokens, completion_tokens: usage.completion_tokens, finish_reason: usage.finish_reason };
+            let u = crate::Usage {
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+                finish_reason: usage.finish_reason,
+            };
             super::with_instance(|t: &T| t.observe(&req, &u))
         }
     }

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use wasmserve::model::format::gguf::GgufFile;
+use wasmserve::model::tokenizer::Tokenizer;
 use wasmserve::sampling::json_constraint::JsonState;
 use wasmserve::sampling::json_schema::Schema;
 use wasmserve::sampling::schema_constraint::SchemaState;
-use wasmserve::model::tokenizer::Tokenizer;
 
 /// Median time of `reps` masks, and how many tokens the mask allows.
 fn time_mask(vocab: &[Vec<u8>], accepts: impl Fn(&[u8]) -> bool, reps: usize) -> (Duration, usize) {
@@ -31,7 +31,10 @@ fn time_mask(vocab: &[Vec<u8>], accepts: impl Fn(&[u8]) -> bool, reps: usize) ->
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let path = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    let path = std::env::args()
+        .nth(1)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
     let tokenizer = Tokenizer::from_gguf(&GgufFile::open(&path)?)?;
     let vocab: Vec<Vec<u8>> = tokenizer.token_bytes().into_iter().flatten().collect();
     println!("{} tokens from {}", vocab.len(), path.display());
@@ -42,7 +45,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let object = Arc::new(Schema::compile(&json!({"type": "object"}))?);
     let cat = Arc::new(Schema::compile(&cat)?);
     // Positions: before the object, a key's start, a value's start, inside a string, after a number.
-    let prefixes = ["", r#"{"#, r#"{"name": "#, r#"{"name": "Tom, the"#, r#"{"name": "Tom", "age": 3"#, r#"{"name": "Tom", "age": 3, "toys": [{"kind": "ball", "price": "#];
+    let prefixes = [
+        "",
+        r#"{"#,
+        r#"{"name": "#,
+        r#"{"name": "Tom, the"#,
+        r#"{"name": "Tom", "age": 3"#,
+        r#"{"name": "Tom", "age": 3, "toys": [{"kind": "ball", "price": "#,
+    ];
     println!("{:<58} {:>14} {:>16} {:>14}", "after", "json_object µs", "object schema µs", "cat schema µs");
     for prefix in prefixes {
         let mut j = JsonState::default();
@@ -54,7 +64,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (tc, nc) = time_mask(&vocab, |b| c.accepts(b), 21);
         assert_eq!(nj, no, "the object recogniser and the object schema allow the same tokens");
         let us = |d: Duration| d.as_secs_f64() * 1e6;
-        println!("{:<58} {:>14.0} {:>16.0} {:>14.0}   ({nj} / {nc} allowed)", format!("{prefix:?}"), us(tj), us(to), us(tc));
+        println!(
+            "{:<58} {:>14.0} {:>16.0} {:>14.0}   ({nj} / {nc} allowed)",
+            format!("{prefix:?}"),
+            us(tj),
+            us(to),
+            us(tc)
+        );
     }
     Ok(())
 }

@@ -38,7 +38,14 @@ fn prompt_tokens(m: &LoadedModel, seed: usize, approx_tokens: usize) -> Vec<u32>
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize, salt: &str) -> EngineRequest {
-    EngineRequest { prompt_ids: prompt, sampling: SamplingParams::greedy(), max_tokens, ignore_eos: true, cache_salt: salt.into(), ..Default::default() }
+    EngineRequest {
+        prompt_ids: prompt,
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        ignore_eos: true,
+        cache_salt: salt.into(),
+        ..Default::default()
+    }
 }
 
 /// Aggregate decode tokens/s with `streams` concurrent sequences: prefill everything first, then
@@ -47,7 +54,12 @@ fn decode_throughput(core: &mut EngineCore, m: &LoadedModel, streams: usize, ste
     let mut rxs = Vec::new();
     for s in 0..streams {
         let (tx, rx) = unbounded_channel();
-        core.add_request((round * 1000 + s) as u64, request(prompt_tokens(m, round * 1000 + s, 32), steps + 8, &format!("bench-{round}")), tx).unwrap();
+        core.add_request(
+            (round * 1000 + s) as u64,
+            request(prompt_tokens(m, round * 1000 + s, 32), steps + 8, &format!("bench-{round}")),
+            tx,
+        )
+        .unwrap();
         rxs.push(rx);
     }
     // Until every stream has produced its first token, steps contain prefill work.
@@ -89,7 +101,12 @@ fn time_to_first_token(core: &mut EngineCore, prompt: Vec<u32>, salt: &str, id: 
 
 /// Fails (rather than panicking) when the engine cannot be built, e.g. a device model whose KV
 /// pool does not fit in device memory.
-pub fn run_engine_bench(model: Arc<LoadedModel>, cfg: EngineConfig, concurrency: &[usize], decode_steps: usize) -> Result<EngineBenchReport, String> {
+pub fn run_engine_bench(
+    model: Arc<LoadedModel>,
+    cfg: EngineConfig,
+    concurrency: &[usize],
+    decode_steps: usize,
+) -> Result<EngineBenchReport, String> {
     let mut core = EngineCore::try_new(model.clone(), cfg.clone())?;
     eprintln!("bench: warm-up");
     decode_throughput(&mut core, &model, 2, 4, 0);
@@ -101,7 +118,11 @@ pub fn run_engine_bench(model: Arc<LoadedModel>, cfg: EngineConfig, concurrency:
         eprintln!("{tps:.1} tok/s");
         aggregate.push((c, tps));
     }
-    let single = aggregate.iter().find(|(c, _)| *c == 1).map(|x| x.1).unwrap_or_else(|| decode_throughput(&mut core, &model, 1, decode_steps, 99));
+    let single = aggregate
+        .iter()
+        .find(|(c, _)| *c == 1)
+        .map(|x| x.1)
+        .unwrap_or_else(|| decode_throughput(&mut core, &model, 1, decode_steps, 99));
 
     // Prompts must leave room for a generated token within the model's context.
     let room = model.config().max_position_embeddings.saturating_sub(2).max(1);
@@ -118,7 +139,14 @@ pub fn run_engine_bench(model: Arc<LoadedModel>, cfg: EngineConfig, concurrency:
     let cold = time_to_first_token(&mut core, prompt.clone(), "ttft", 60_000);
     let cached = time_to_first_token(&mut core, prompt, "ttft", 60_001);
     eprintln!("{cold:.1} ms vs {cached:.1} ms");
-    Ok(EngineBenchReport { single_stream_decode_tps: single, aggregate_decode_tps: aggregate, prefill_tps, ttft_cold_ms: cold, ttft_cached_ms: cached, ttft_prompt_tokens })
+    Ok(EngineBenchReport {
+        single_stream_decode_tps: single,
+        aggregate_decode_tps: aggregate,
+        prefill_tps,
+        ttft_cold_ms: cold,
+        ttft_cached_ms: cached,
+        ttft_prompt_tokens,
+    })
 }
 
 impl EngineBenchReport {
@@ -127,7 +155,10 @@ impl EngineBenchReport {
         println!("|---|---|");
         println!("| single-stream decode | {:.1} tok/s |", self.single_stream_decode_tps);
         for (c, tps) in &self.aggregate_decode_tps {
-            println!("| aggregate decode, {c} streams | {tps:.1} tok/s ({:.1}x single) |", tps / self.single_stream_decode_tps);
+            println!(
+                "| aggregate decode, {c} streams | {tps:.1} tok/s ({:.1}x single) |",
+                tps / self.single_stream_decode_tps
+            );
         }
         println!("| prefill | {:.1} tok/s |", self.prefill_tps);
         let n = self.ttft_prompt_tokens;

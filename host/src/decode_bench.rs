@@ -58,7 +58,10 @@ fn argmax(v: &[f32]) -> u32 {
 }
 
 pub fn run(a: DecodeBenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(a.prompt_tokens > 0 && a.steps > 0 && a.rounds > 0, "--prompt-tokens, --steps and --rounds must be positive");
+    anyhow::ensure!(
+        a.prompt_tokens > 0 && a.steps > 0 && a.rounds > 0,
+        "--prompt-tokens, --steps and --rounds must be positive"
+    );
     anyhow::ensure!(!a.cpu_activations.is_empty(), "--cpu-activations needs at least one precision");
     let mut labels = Vec::new();
     let mut models = Vec::new();
@@ -66,7 +69,11 @@ pub fn run(a: DecodeBenchArgs) -> anyhow::Result<()> {
         for &act in &a.cpu_activations {
             let opts = crate::model::LoadOptions { cpu_activations: act, ..Default::default() };
             models.push(crate::model::load_with_options(p, &opts)?);
-            labels.push(if a.cpu_activations.len() > 1 { format!("{} ({act})", p.display()) } else { p.display().to_string() });
+            labels.push(if a.cpu_activations.len() > 1 {
+                format!("{} ({act})", p.display())
+            } else {
+                p.display().to_string()
+            });
         }
     }
     let text = "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer \

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use crate::engine::block_pool::KvDtype;
 use crate::model::device::step::BlockTables;
 use crate::model::kv::{BatchRow, ContiguousKvCache, KvCache};
+use crate::model::tokenizer::incremental::IncrementalDecoder;
 use crate::model::LoadedModel;
 use crate::sampling::stop::{StopChecker, StopOutcome};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::model::tokenizer::incremental::IncrementalDecoder;
 
 #[derive(Clone, Debug)]
 pub struct GenerateRequest {
@@ -48,7 +48,11 @@ impl GenerateOutput {
     }
 }
 
-pub fn generate(m: &LoadedModel, req: &GenerateRequest, mut on_text: impl FnMut(&str)) -> Result<GenerateOutput, String> {
+pub fn generate(
+    m: &LoadedModel,
+    req: &GenerateRequest,
+    mut on_text: impl FnMut(&str),
+) -> Result<GenerateOutput, String> {
     let cfg = m.config();
     if req.prompt_ids.is_empty() {
         return Err("the prompt is empty".into());
@@ -144,7 +148,8 @@ impl Cache {
             return Ok(Cache::Host(m.model.contiguous_cache(1)));
         };
         let blocks = positions.div_ceil(Self::BLOCK_SIZE).max(1);
-        dev.allocate(blocks, Self::BLOCK_SIZE, dtype.device_storage()).map_err(|e| format!("cannot allocate the device KV pool: {e}"))?;
+        dev.allocate(blocks, Self::BLOCK_SIZE, dtype.device_storage())
+            .map_err(|e| format!("cannot allocate the device KV pool: {e}"))?;
         tracing::info!(blocks, block_size = Self::BLOCK_SIZE, "device KV pool of {dtype:?} allocated for the request");
         let mut tables = BlockTables::new(Self::BLOCK_SIZE, vec![(0..blocks as u32).collect()], Vec::new());
         if m.model.cache_layout().recurrent_bytes_per_seq > 0 {

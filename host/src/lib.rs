@@ -11,8 +11,8 @@ pub mod moe_bench;
 pub mod parallel;
 pub mod perplexity;
 pub mod plugins;
-pub mod sampling;
 pub mod quantize;
+pub mod sampling;
 pub mod server;
 pub mod tenancy;
 

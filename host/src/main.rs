@@ -101,7 +101,11 @@ struct ModelArgs {
 impl ModelArgs {
     /// Loads the model with the requested sharding (TP and EP together are not implemented yet).
     fn load(&self) -> Result<wasmserve::model::LoadedModel> {
-        let opts = wasmserve::model::LoadOptions { tensor_parallel: self.tensor_parallel_size, expert_parallel: self.expert_parallel_size, cpu_activations: self.cpu_activations };
+        let opts = wasmserve::model::LoadOptions {
+            tensor_parallel: self.tensor_parallel_size,
+            expert_parallel: self.expert_parallel_size,
+            cpu_activations: self.cpu_activations,
+        };
         Ok(wasmserve::model::load_with_options(&self.model, &opts)?)
     }
 }
@@ -161,7 +165,9 @@ fn main() -> Result<()> {
     let selected = wasmserve::backend::select(&cli.device).map_err(anyhow::Error::msg)?;
     tracing::info!(device = %cli.device, backends = %selected.describe(), "compute device");
     let on_device = cli.device != wasmserve::backend::DeviceSpec::Cpu && selected.fallback_reason.is_none();
-    if on_device && !matches!(cli.command, Command::Serve(_) | Command::Generate(_) | Command::Bench(BenchCommand::Engine(_))) {
+    if on_device
+        && !matches!(cli.command, Command::Serve(_) | Command::Generate(_) | Command::Bench(BenchCommand::Engine(_)))
+    {
         // `bench decode` and `bench perplexity` measure the CPU forward with a contiguous host
         // cache, so say so rather than imply GPU work.
         tracing::warn!("this command's forward runs on the CPU; `serve`, `generate` and `bench engine` run a Llama or DeepSeek-V3 model's forward on the device");
@@ -179,7 +185,11 @@ fn main() -> Result<()> {
     }
 }
 
-fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec, dense: wasmserve::model::device::weights::DenseWeights) -> Result<()> {
+fn run_generate(
+    a: GenerateArgs,
+    device: &wasmserve::backend::DeviceSpec,
+    dense: wasmserve::model::device::weights::DenseWeights,
+) -> Result<()> {
     let m = wasmserve::backend::place_model(a.model.load()?, device, dense).map_err(anyhow::Error::msg)?;
     let on_device = m.model.device_kv().is_some();
     let kv_dtype = a.kv_cache_dtype.resolve(on_device, dense);
@@ -191,7 +201,8 @@ fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec, dense:
     } else {
         let messages: Vec<Value> = if let Some(path) = &a.messages {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-            serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON array of messages", path.display()))?
+            serde_json::from_str(&text)
+                .with_context(|| format!("{}: expected a JSON array of messages", path.display()))?
         } else if let Some(user) = &a.chat {
             let mut v = Vec::new();
             if let Some(s) = &a.system {
@@ -203,8 +214,10 @@ fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec, dense:
             bail!("give --prompt, --chat or --messages");
         };
         let source = m.tokenizer.chat_template.as_deref().context("the model has no chat template; use --prompt")?;
-        let tmpl = JinjaChatTemplate::new(source, m.tokenizer.bos_token.as_deref(), m.tokenizer.eos_token.as_deref()).map_err(anyhow::Error::msg)?;
-        tmpl.render(&ChatTemplateInput { messages, add_generation_prompt: true, ..Default::default() }).map_err(anyhow::Error::msg)?
+        let tmpl = JinjaChatTemplate::new(source, m.tokenizer.bos_token.as_deref(), m.tokenizer.eos_token.as_deref())
+            .map_err(anyhow::Error::msg)?;
+        tmpl.render(&ChatTemplateInput { messages, add_generation_prompt: true, ..Default::default() })
+            .map_err(anyhow::Error::msg)?
     };
     let prompt_ids = m.tokenizer.encode(&prompt, true).map_err(anyhow::Error::msg)?;
     let req = GenerateRequest {
@@ -243,8 +256,14 @@ fn run_generate(a: GenerateArgs, device: &wasmserve::backend::DeviceSpec, dense:
     Ok(())
 }
 
-fn run_bench_engine(a: BenchEngineArgs, device: &wasmserve::backend::DeviceSpec, dense: wasmserve::model::device::weights::DenseWeights) -> Result<()> {
-    let model = std::sync::Arc::new(wasmserve::backend::place_model(a.model.load()?, device, dense).map_err(anyhow::Error::msg)?);
+fn run_bench_engine(
+    a: BenchEngineArgs,
+    device: &wasmserve::backend::DeviceSpec,
+    dense: wasmserve::model::device::weights::DenseWeights,
+) -> Result<()> {
+    let model = std::sync::Arc::new(
+        wasmserve::backend::place_model(a.model.load()?, device, dense).map_err(anyhow::Error::msg)?,
+    );
     let max_streams = a.concurrency.iter().copied().max().unwrap_or(1);
     let kv_dtype = a.kv_cache_dtype.resolve(model.model.device_kv().is_some(), dense);
     let cfg = wasmserve::engine::EngineConfig {
@@ -253,7 +272,11 @@ fn run_bench_engine(a: BenchEngineArgs, device: &wasmserve::backend::DeviceSpec,
         kv_dtype,
         ..Default::default()
     };
-    eprintln!("bench: dot kernel {}, {} threads, KV cache {kv_dtype:?}", kernels::cpu::dot::dot_impl_name(), rayon::current_num_threads());
+    eprintln!(
+        "bench: dot kernel {}, {} threads, KV cache {kv_dtype:?}",
+        kernels::cpu::dot::dot_impl_name(),
+        rayon::current_num_threads()
+    );
     let report = wasmserve::bench::run_engine_bench(model, cfg, &a.concurrency, a.steps).map_err(anyhow::Error::msg)?;
     report.print();
     Ok(())

@@ -19,12 +19,12 @@ use kernels::cpu::bitpack::{row_bytes, PackedRows};
 use kernels::cpu::cubic::AnyCubic;
 use kernels::cpu::quant_int::IntMatrix;
 
+use crate::model::format::quant::IntLinear;
 use crate::model::layers::linear::Linear;
 use crate::model::layers::moe::config::MoeConfig;
 use crate::model::layers::moe::experts::Experts;
 use crate::model::layers::moe::mlp::{Activation, GatedMlp};
 use crate::model::layers::moe::router::Router;
-use crate::model::format::quant::IntLinear;
 use crate::model::tensor::Tensor;
 
 #[derive(clap::Args)]
@@ -119,7 +119,10 @@ fn linear(fmt: Format, rows: usize, cols: usize, fill: &mut Fill) -> Linear {
         Format::Int { bits, group } => {
             let groups = rows * cols.div_ceil(group);
             let zero = vec![(1u32 << (bits - 1)) as f32; groups];
-            Linear::Int(IntLinear::new(IntMatrix::new(packed(bits, fill), group, &fill.f32s(groups, 0.01), &zero), None))
+            Linear::Int(IntLinear::new(
+                IntMatrix::new(packed(bits, fill), group, &fill.f32s(groups, 0.01), &zero),
+                None,
+            ))
         }
         Format::Cubic { bits, group } => {
             let groups = rows * cols.div_ceil(group);
@@ -151,7 +154,6 @@ fn per_step(inputs: &[Vec<f32>], mut f: impl FnMut(usize, &[f32]) -> Vec<f32>) -
     started.elapsed().as_secs_f64() / inputs.len() as f64
 }
 
-
 struct Row {
     format: String,
     tokens: usize,
@@ -165,31 +167,50 @@ struct Row {
 }
 
 pub fn run(a: MoeBenchArgs) -> Result<()> {
-    ensure!(a.steps > 0 && a.rounds > 0 && a.hidden > 0 && a.intermediate > 0, "--steps, --rounds and sizes must be positive");
+    ensure!(
+        a.steps > 0 && a.rounds > 0 && a.hidden > 0 && a.intermediate > 0,
+        "--steps, --rounds and sizes must be positive"
+    );
     ensure!(a.top_k.iter().all(|&k| (1..=a.experts).contains(&k)), "--top-k values must be in 1..={}", a.experts);
     ensure!(a.tokens.iter().all(|&n| n > 0), "--tokens values must be positive");
     let formats = a.formats.iter().map(|f| Format::parse(f, a.int_group, a.cubic_group)).collect::<Result<Vec<_>>>()?;
-    eprintln!("bench moe: hidden {}, {} experts x intermediate {}, {} threads", a.hidden, a.experts, a.intermediate, rayon::current_num_threads());
+    eprintln!(
+        "bench moe: hidden {}, {} experts x intermediate {}, {} threads",
+        a.hidden,
+        a.experts,
+        a.intermediate,
+        rayon::current_num_threads()
+    );
     let mut fill = Fill(0x5EED);
     let mut rows = Vec::new();
     for fmt in formats {
         let built = Instant::now();
         let experts = Experts::new((0..a.experts).map(|_| mlp(fmt, a.hidden, a.intermediate, &mut fill)).collect());
         let router_w = fill.f32s(a.experts * a.hidden, 0.05);
-        eprintln!("{}: {} experts of {:.1} MB built in {:.1}s", fmt.name(), a.experts, experts.expert_bytes(0) as f64 / 1e6, built.elapsed().as_secs_f64());
+        eprintln!(
+            "{}: {} experts of {:.1} MB built in {:.1}s",
+            fmt.name(),
+            a.experts,
+            experts.expert_bytes(0) as f64 / 1e6,
+            built.elapsed().as_secs_f64()
+        );
         for &k in &a.top_k {
             let router = Router::new(&config(&a, k), Tensor::owned(vec![a.experts, a.hidden], router_w.clone()), None);
             // As many dense copies as together hold all experts' bytes, used in turn: both sides
             // then have the same working set, and a small dense layer cannot sit in the last-level
             // cache while the experts stream from memory.
-            let dense: Vec<GatedMlp> = (0..a.experts.div_ceil(k)).map(|_| mlp(fmt, a.hidden, k * a.intermediate, &mut fill)).collect();
+            let dense: Vec<GatedMlp> =
+                (0..a.experts.div_ceil(k)).map(|_| mlp(fmt, a.hidden, k * a.intermediate, &mut fill)).collect();
             for &n in &a.tokens {
                 let inputs: Vec<Vec<f32>> = (0..a.steps).map(|_| fill.f32s(n * a.hidden, 1.0)).collect();
                 let moe_bytes = inputs
                     .iter()
                     .map(|x| {
                         let g = router.route(x, n).by_expert(a.experts);
-                        let used: usize = (0..a.experts).filter(|&e| g.offsets[e + 1] > g.offsets[e]).map(|e| experts.expert_bytes(e)).sum();
+                        let used: usize = (0..a.experts)
+                            .filter(|&e| g.offsets[e + 1] > g.offsets[e])
+                            .map(|e| experts.expert_bytes(e))
+                            .sum();
                         (used + router.weight_bytes()) as f64
                     })
                     .sum::<f64>()
@@ -203,7 +224,8 @@ pub fn run(a: MoeBenchArgs) -> Result<()> {
                     moe_s = moe_s.min(per_step(&inputs, |_, x| experts.forward(x, n, &router.route(x, n), &|_| true)));
                     dense_s = dense_s.min(per_step(&inputs, |i, x| dense[(i + offset) % dense.len()].forward(x, n)));
                     if n > 1 {
-                        tok_s = tok_s.min(per_step(&inputs, |_, x| experts.forward_per_token(x, n, &router.route(x, n))));
+                        tok_s =
+                            tok_s.min(per_step(&inputs, |_, x| experts.forward_per_token(x, n, &router.route(x, n))));
                     }
                 }
                 eprintln!("{} k={k} tokens={n}: moe {:.0} us, dense {:.0} us", fmt.name(), moe_s * 1e6, dense_s * 1e6);
@@ -222,7 +244,17 @@ pub fn run(a: MoeBenchArgs) -> Result<()> {
     }
     println!(
         "{:<14} {:>6} {:>5} {:>14} {:>10} {:>8} {:>14} {:>10} {:>8} {:>10} {:>12}",
-        "experts", "tokens", "top-k", "MoE MB/step", "MoE us", "GB/s", "dense MB/step", "dense us", "GB/s", "MoE/dense", "per-token us"
+        "experts",
+        "tokens",
+        "top-k",
+        "MoE MB/step",
+        "MoE us",
+        "GB/s",
+        "dense MB/step",
+        "dense us",
+        "GB/s",
+        "MoE/dense",
+        "per-token us"
     );
     for r in rows {
         println!(

@@ -18,7 +18,13 @@ impl Perplexity {
 }
 
 /// Mean next-token negative log-likelihood over up to `max_windows` windows of `tokens`.
-pub fn perplexity(m: &LoadedModel, tokens: &[u32], ctx: usize, max_windows: usize, mut progress: impl FnMut(usize, f64)) -> Perplexity {
+pub fn perplexity(
+    m: &LoadedModel,
+    tokens: &[u32],
+    ctx: usize,
+    max_windows: usize,
+    mut progress: impl FnMut(usize, f64),
+) -> Perplexity {
     let cfg = m.config();
     let vocab = cfg.vocab_size;
     let mut r = Perplexity { nll: 0.0, predicted: 0, windows: 0 };
@@ -60,13 +66,23 @@ pub struct PerplexityArgs {
 
 /// `wasmserve bench perplexity`: prints `model  tokens  ppl` on stdout.
 pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
-    let m = crate::model::load_with_options(&a.model, &crate::model::LoadOptions { cpu_activations: a.cpu_activations, ..Default::default() })?;
+    let m = crate::model::load_with_options(
+        &a.model,
+        &crate::model::LoadOptions { cpu_activations: a.cpu_activations, ..Default::default() },
+    )?;
     let text = std::fs::read_to_string(&a.text)?;
     let tokens = m.tokenizer.encode(&text, false).map_err(anyhow::Error::msg)?;
     anyhow::ensure!(tokens.len() >= a.ctx, "{} has only {} tokens", a.text.display(), tokens.len());
     let started = std::time::Instant::now();
     let r = perplexity(&m, &tokens, a.ctx, a.windows, |w, p| eprint!("\rwindow {w}/{}: ppl {p:.3}   ", a.windows));
     eprintln!();
-    println!("{} ({})\t{} tokens\tppl {:.4}\t({:.0} tok/s)", a.model.display(), a.cpu_activations, r.predicted, r.value(), (r.windows * a.ctx) as f64 / started.elapsed().as_secs_f64());
+    println!(
+        "{} ({})\t{} tokens\tppl {:.4}\t({:.0} tok/s)",
+        a.model.display(),
+        a.cpu_activations,
+        r.predicted,
+        r.value(),
+        (r.windows * a.ctx) as f64 / started.elapsed().as_secs_f64()
+    );
     Ok(())
 }

@@ -54,7 +54,11 @@ fn main() {
     let stream_mib = *args.first().unwrap_or(&1024);
     let (m, k) = (*args.get(1).unwrap_or(&32768), *args.get(2).unwrap_or(&16384));
     let isa = Isa::detect();
-    println!("threads {}  isa {}  stream buffer {stream_mib} MiB  GEMV {m}x{k}", rayon::current_num_threads(), isa.name());
+    println!(
+        "threads {}  isa {}  stream buffer {stream_mib} MiB  GEMV {m}x{k}",
+        rayon::current_num_threads(),
+        isa.name()
+    );
 
     // Pseudo-random codes so no branch or table is favoured.
     let mut seed = 0x9e3779b97f4a7c15u64;
@@ -72,7 +76,12 @@ fn main() {
         let g = m * k.div_ceil(128);
         let w = IntMatrix::new(PackedRows::from_codes(4, m, k, &c4), 128, &vec![0.01; g], &vec![8.0; g]);
         let bytes = w.bytes();
-        cases.push(Case { name: "int4 g128".into(), bytes, run: Box::new(move |x, o| packed_matmul_t_isa(isa, &w, x, o, 1)), best: f64::MAX });
+        cases.push(Case {
+            name: "int4 g128".into(),
+            bytes,
+            run: Box::new(move |x, o| packed_matmul_t_isa(isa, &w, x, o, 1)),
+            best: f64::MAX,
+        });
     }
     {
         // GGUF Q4_0's layout (groups of 32, zero 8, an f16-exact scale), with f32 activations and
@@ -82,12 +91,24 @@ fn main() {
         let scale = 1.0 / 128.0;
         let w = IntMatrix::new(PackedRows::from_codes(4, m, k, &c4), 32, &vec![scale; g], &vec![8.0; g]);
         let bytes = w.bytes();
-        cases.push(Case { name: "int4 g32".into(), bytes, run: Box::new(move |x, o| packed_matmul_t_isa(isa, &w, x, o, 1)), best: f64::MAX });
+        cases.push(Case {
+            name: "int4 g32".into(),
+            bytes,
+            run: Box::new(move |x, o| packed_matmul_t_isa(isa, &w, x, o, 1)),
+            best: f64::MAX,
+        });
         for gs in [32usize, 128] {
             let g = m * k.div_ceil(gs);
-            let w = IntMatrix::new(PackedRows::from_codes(4, m, k, &c4), gs, &vec![scale; g], &vec![8.0; g]).with_int8_activations().unwrap();
+            let w = IntMatrix::new(PackedRows::from_codes(4, m, k, &c4), gs, &vec![scale; g], &vec![8.0; g])
+                .with_int8_activations()
+                .unwrap();
             let bytes = w.parts().0.packed_bytes() + g * 4;
-            cases.push(Case { name: format!("int4 g{gs} i8act"), bytes, run: Box::new(move |x, o| int8_matmul_t_isa(isa, &w, x, o, 1)), best: f64::MAX });
+            cases.push(Case {
+                name: format!("int4 g{gs} i8act"),
+                bytes,
+                run: Box::new(move |x, o| int8_matmul_t_isa(isa, &w, x, o, 1)),
+                best: f64::MAX,
+            });
         }
     }
     for b in [4u32, 3, 2] {
@@ -95,13 +116,23 @@ fn main() {
         let g = m * k.div_ceil(512);
         let w = AnyCubic::new(PackedRows::from_codes(b, m, k, &c), 512, &vec![0.01; g], &vec![0.3; g]);
         let bytes = (m * k * b as usize).div_ceil(8) + g * 8;
-        cases.push(Case { name: format!("cubic{b} g512"), bytes, run: Box::new(move |x, o| w.matmul_t_isa(isa, x, o, 1)), best: f64::MAX });
+        cases.push(Case {
+            name: format!("cubic{b} g512"),
+            bytes,
+            run: Box::new(move |x, o| w.matmul_t_isa(isa, x, o, 1)),
+            best: f64::MAX,
+        });
     }
     {
         let packed: Vec<u8> = codes.chunks(2).map(|p| (p[0] & 15) | (p[1] & 15) << 4).collect();
         let w = Mxfp4Matrix::new(m, k, &packed, &vec![120u8; m * k / 32]);
         let bytes = w.bytes();
-        cases.push(Case { name: "mxfp4".into(), bytes, run: Box::new(move |x, o| packed_matmul_t_isa(isa, &w, x, o, 1)), best: f64::MAX });
+        cases.push(Case {
+            name: "mxfp4".into(),
+            bytes,
+            run: Box::new(move |x, o| packed_matmul_t_isa(isa, &w, x, o, 1)),
+            best: f64::MAX,
+        });
     }
     drop(codes);
 

@@ -68,7 +68,11 @@ enum Proj {
 
 impl Proj {
     fn new(g: &Gpu, int4_weights: bool, rows: usize, cols: usize, seed: u64) -> Self {
-        if int4_weights { Proj::Int4(int4(g, rows, cols, seed)) } else { Proj::Bf16 { w: g.upload(&rand_bf16(rows * cols, seed, 0.05)).unwrap(), rows, cols } }
+        if int4_weights {
+            Proj::Int4(int4(g, rows, cols, seed))
+        } else {
+            Proj::Bf16 { w: g.upload(&rand_bf16(rows * cols, seed, 0.05)).unwrap(), rows, cols }
+        }
     }
     /// x (f32) -> out; the bf16 path narrows x first, as a bf16 model does.
     fn run(&self, g: &Gpu, x: &CudaSlice<f32>, xb: &mut CudaSlice<u16>, out: &mut CudaSlice<f32>, n: usize) {
@@ -87,15 +91,29 @@ impl Proj {
 fn decode_tok_s(g: &Gpu, int4_weights: bool, n: usize) -> f64 {
     let qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM;
     let layers: Vec<[Proj; 4]> = (0..LAYERS as u64)
-        .map(|l| [Proj::new(g, int4_weights, qkv_rows, HIDDEN, l * 10), Proj::new(g, int4_weights, HIDDEN, HEADS * HEAD_DIM, l * 10 + 1), Proj::new(g, int4_weights, 2 * INTER, HIDDEN, l * 10 + 2), Proj::new(g, int4_weights, HIDDEN, INTER, l * 10 + 3)])
+        .map(|l| {
+            [
+                Proj::new(g, int4_weights, qkv_rows, HIDDEN, l * 10),
+                Proj::new(g, int4_weights, HIDDEN, HEADS * HEAD_DIM, l * 10 + 1),
+                Proj::new(g, int4_weights, 2 * INTER, HIDDEN, l * 10 + 2),
+                Proj::new(g, int4_weights, HIDDEN, INTER, l * 10 + 3),
+            ]
+        })
         .collect();
     let lm_head = g.upload(&rand_bf16(VOCAB * HIDDEN, 99, 0.05)).unwrap();
     let norm_w = g.upload(&vec![1.0f32; HIDDEN]).unwrap();
-    let inv_freq: Vec<f32> = (0..HEAD_DIM / 2).map(|i| 1.0f32 / 100000f32.powf((2 * i) as f32 / HEAD_DIM as f32)).collect();
+    let inv_freq: Vec<f32> =
+        (0..HEAD_DIM / 2).map(|i| 1.0f32 / 100000f32.powf((2 * i) as f32 / HEAD_DIM as f32)).collect();
     let inv_freq = g.upload(&inv_freq).unwrap();
     // The paged pool: each stream owns CONTEXT/BLOCK blocks (bf16 K/V, one layer's pool reused).
     let blocks_per_seq = CONTEXT / BLOCK;
-    let geo = PagedGeometry { heads: HEADS, kv_heads: KV_HEADS, head_dim: HEAD_DIM, block_size: BLOCK, max_blocks: blocks_per_seq };
+    let geo = PagedGeometry {
+        heads: HEADS,
+        kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        block_size: BLOCK,
+        max_blocks: blocks_per_seq,
+    };
     let pool = n * blocks_per_seq * BLOCK * KV_HEADS * HEAD_DIM;
     let k = g.upload(&rand_bf16(pool, 5, 1.0)).unwrap();
     let v = g.upload(&rand_bf16(pool, 6, 1.0)).unwrap();
@@ -190,7 +208,12 @@ fn time_per_call(g: &Gpu, mut f: impl FnMut()) -> f64 {
 }
 
 /// Tok/s of the GEMV path and of the dequant + bf16 GEMM path for `n` tokens through `w`.
-fn prefill_tok_s(g: &Gpu, w: QuantWeight<'_, CudaRuntime>, scratch: &mut GemmScratch<CudaRuntime>, n: usize) -> (f64, f64) {
+fn prefill_tok_s(
+    g: &Gpu,
+    w: QuantWeight<'_, CudaRuntime>,
+    scratch: &mut GemmScratch<CudaRuntime>,
+    n: usize,
+) -> (f64, f64) {
     let (rows, cols) = (w.rows(), w.cols());
     let x = g.upload(&rand_f32(n * cols, 3, 1.0)).unwrap();
     let mut out = g.zeros::<f32>(n * rows).unwrap();
@@ -209,7 +232,10 @@ fn crossover(g: &Gpu, what: &str, w: QuantWeight<'_, CudaRuntime>, batches: &[us
         if gemm > gemv && first_win.is_none() {
             first_win = Some(n);
         }
-        println!("prefill {what} n={n}: GEMV {gemv:.0} tok/s, dequant+cuBLAS {gemm:.0} tok/s, ratio {:.2}x", gemm / gemv);
+        println!(
+            "prefill {what} n={n}: GEMV {gemv:.0} tok/s, dequant+cuBLAS {gemm:.0} tok/s, ratio {:.2}x",
+            gemm / gemv
+        );
     }
     match first_win {
         Some(n) => println!("prefill {what}: the GEMM path first wins at n={n} (GEMM_MIN_TOKENS is {GEMM_MIN_TOKENS})"),
@@ -229,7 +255,14 @@ fn prefill_report(g: &Gpu) {
     let mut r = lcg(21);
     let bytes: Vec<u8> = (0..rows * cols / 2).map(|_| r() as u8).collect();
     let groups = rows * cols / GROUP;
-    let cubic = g.upload_grouped(g.upload_packed(4, rows, cols, cols / 2, &bytes).unwrap(), GROUP, &rand_f32(groups, 22, 0.02), &rand_f32(groups, 23, 0.5)).unwrap();
+    let cubic = g
+        .upload_grouped(
+            g.upload_packed(4, rows, cols, cols / 2, &bytes).unwrap(),
+            GROUP,
+            &rand_f32(groups, 22, 0.02),
+            &rand_f32(groups, 23, 0.5),
+        )
+        .unwrap();
     crossover(g, &format!("Cubic4 {rows}x{cols} g{GROUP}"), QuantWeight::Cubic(&cubic), &[16, 32, 64, 512]);
     let scales: Vec<u8> = (0..rows * cols / 32).map(|_| 118 + (r() % 8) as u8).collect();
     let mx = g.upload_mxfp4(rows, cols, &bytes, &scales).unwrap();
@@ -253,7 +286,9 @@ fn moe_prefill_report(g: &Gpu) {
         let mut tok_s = [0.0f64; 2];
         for (i, gemm) in [false, true].into_iter().enumerate() {
             let plan = g.moe_plan(&offsets, experts, n, n, gemm).unwrap();
-            let secs = time_per_call(g, || g.moe_matmul(weight, rows, &x, 1, &order, &plan, &mut out, n, &mut scratch).unwrap());
+            let secs = time_per_call(g, || {
+                g.moe_matmul(weight, rows, &x, 1, &order, &plan, &mut out, n, &mut scratch).unwrap()
+            });
             tok_s[i] = n as f64 / secs;
         }
         println!("MoE prefill INT4 experts {experts}x{rows}x{cols} g{GROUP} n={n} ({} tokens per expert): GEMV tiles {:.0} tok/s, GEMM plan {:.0} tok/s, ratio {:.2}x", n / experts, tok_s[0], tok_s[1], tok_s[1] / tok_s[0]);
@@ -274,7 +309,9 @@ fn mla_report(g: &Gpu) {
         let q_lat = g.upload(&rand_f32(n * heads * lora, 41, 0.1)).unwrap();
         let q_rope = g.upload(&rand_f32(n * heads * rope, 42, 0.1)).unwrap();
         let mut ctx = g.zeros::<f32>(n * heads * lora).unwrap();
-        let secs = time_per_call(g, || pool.attention(g, 0, heads, per_seq, &q_lat, &q_rope, &tables, &lens, 0.07, &mut ctx).unwrap());
+        let secs = time_per_call(g, || {
+            pool.attention(g, 0, heads, per_seq, &q_lat, &q_rope, &tables, &lens, 0.07, &mut ctx).unwrap()
+        });
         let bytes = (n * context * (lora + rope) * 2) as f64;
         println!("MLA decode attention ({heads} heads, latent {lora}+{rope} bf16, context {context}), {n} token(s): {:.1} us per layer, latent cache {:.0} GB/s = {:.1}% of peak", secs * 1e6, bytes / secs / 1e9, bytes / secs / g.info.peak_bandwidth * 100.0);
     }
@@ -301,15 +338,25 @@ fn mla_prefill_report(g: &Gpu) {
     let q_lat = g.upload(&rand_f32(n * heads * lora, 63, 0.1)).unwrap();
     let q_rope = g.upload(&rand_f32(n * heads * rope, 64, 0.1)).unwrap();
     let mut ctx = g.zeros::<f32>(n * heads * lora).unwrap();
-    let per_row = time_per_call(g, || pool.attention(g, 0, heads, max_blocks, &q_lat, &q_rope, &tables, &lens, 0.07, &mut ctx).unwrap());
+    let per_row = time_per_call(g, || {
+        pool.attention(g, 0, heads, max_blocks, &q_lat, &q_rope, &tables, &lens, 0.07, &mut ctx).unwrap()
+    });
     let what = format!("MLA prefill attention ({heads} heads, latent {lora}+{rope} bf16), one {n}-token chunk");
     if !pool.has_prefill_kernel(g) {
-        println!("{what}: decode kernel per row {:.0} us per layer; tensor-core prefill kernel: not on this GPU", per_row * 1e6);
+        println!(
+            "{what}: decode kernel per row {:.0} us per layer; tensor-core prefill kernel: not on this GPU",
+            per_row * 1e6
+        );
         return;
     }
     let tiles = prefill_tiles(&[(0, n)], mla_flash_rows_per_tile(heads));
     let (num_tiles, tiles) = (tiles.len() / 2, g.upload(&tiles).unwrap());
-    let flash = time_per_call(g, || pool.prefill_attention(g, 0, heads, max_blocks, &q_lat, &q_rope, &tables, &lens, &tiles, num_tiles, 0.07, &mut ctx).unwrap());
+    let flash = time_per_call(g, || {
+        pool.prefill_attention(
+            g, 0, heads, max_blocks, &q_lat, &q_rope, &tables, &lens, &tiles, num_tiles, 0.07, &mut ctx,
+        )
+        .unwrap()
+    });
     // Causal: n(n+1)/2 (query, key) pairs per head, 2 FLOPs per multiply-add of Q·K and P·V.
     let flops = (heads * n * (n + 1) / 2 * 2 * (lora + rope + lora)) as f64;
     println!("{what}: decode kernel per row {:.0} us, tensor-core prefill kernel {:.0} us per layer, ratio {:.2}x; {:.1} TFLOP/s", per_row * 1e6, flash * 1e6, per_row / flash, flops / flash / 1e12);
@@ -325,7 +372,10 @@ fn prefill_attention_report(g: &Gpu) {
     let (n, block) = (2048usize, BLOCK);
     let max_blocks = n / block;
     let geo = PagedGeometry { heads: HEADS, kv_heads: KV_HEADS, head_dim: HEAD_DIM, block_size: block, max_blocks };
-    let (k, v) = (g.upload(&rand_bf16(n * KV_HEADS * HEAD_DIM, 52, 1.0)).unwrap(), g.upload(&rand_bf16(n * KV_HEADS * HEAD_DIM, 53, 1.0)).unwrap());
+    let (k, v) = (
+        g.upload(&rand_bf16(n * KV_HEADS * HEAD_DIM, 52, 1.0)).unwrap(),
+        g.upload(&rand_bf16(n * KV_HEADS * HEAD_DIM, 53, 1.0)).unwrap(),
+    );
     // Row r reads blocks 0..=r / block of the sequence's table (0, 1, 2, ...).
     let tables: Vec<i32> = (0..n).flat_map(|_| 0..max_blocks as i32).collect();
     let lens: Vec<i32> = (1..=n as i32).collect();
@@ -337,14 +387,24 @@ fn prefill_attention_report(g: &Gpu) {
         let tiles = prefill_tiles(&[(0, n)], kernel.rows_per_tile(HEADS / KV_HEADS));
         (tiles.len() / 2, g.upload(&tiles).unwrap())
     };
-    let per_row = time_per_call(g, || g.paged_attention_bf16(&geo, &q, &k, &v, &tables, &lens, scale, &mut out).unwrap());
+    let per_row =
+        time_per_call(g, || g.paged_attention_bf16(&geo, &q, &k, &v, &tables, &lens, scale, &mut out).unwrap());
     let (num_tiles, tiles) = plan(PrefillKernel::CudaCores);
-    let cuda_cores = time_per_call(g, || g.paged_prefill_bf16(&geo, &q, &k, &v, &tables, &lens, &tiles, num_tiles, scale, &mut out).unwrap());
+    let cuda_cores = time_per_call(g, || {
+        g.paged_prefill_bf16(&geo, &q, &k, &v, &tables, &lens, &tiles, num_tiles, scale, &mut out).unwrap()
+    });
     println!("prefill attention ({HEADS} heads / {KV_HEADS} KV heads of {HEAD_DIM}, bf16 K/V), one {n}-token chunk: decode kernel per row {:.0} us, CUDA-core prefill kernel {:.0} us per layer, ratio {:.2}x", per_row * 1e6, cuda_cores * 1e6, per_row / cuda_cores);
     if PrefillKernel::choose(KvStorage::Bf16, HEAD_DIM, g.bf16_mma()) == PrefillKernel::TensorCores {
         let (num_tiles, tiles) = plan(PrefillKernel::TensorCores);
-        let tensor_cores = time_per_call(g, || g.paged_flash_prefill_bf16(&geo, &q, &k, &v, &tables, &lens, &tiles, num_tiles, scale, &mut out).unwrap());
-        println!("  tensor-core prefill kernel {:.0} us per layer: {:.2}x the CUDA-core kernel, {:.2}x the decode kernel", tensor_cores * 1e6, cuda_cores / tensor_cores, per_row / tensor_cores);
+        let tensor_cores = time_per_call(g, || {
+            g.paged_flash_prefill_bf16(&geo, &q, &k, &v, &tables, &lens, &tiles, num_tiles, scale, &mut out).unwrap()
+        });
+        println!(
+            "  tensor-core prefill kernel {:.0} us per layer: {:.2}x the CUDA-core kernel, {:.2}x the decode kernel",
+            tensor_cores * 1e6,
+            cuda_cores / tensor_cores,
+            per_row / tensor_cores
+        );
     } else {
         println!("  tensor-core prefill kernel: not on {} (needs sm_80+)", g.describe());
     }
@@ -358,13 +418,21 @@ fn main() {
             std::process::exit(2);
         }
     };
-    println!("device: {} ({}), peak DRAM bandwidth {:.0} GB/s", g.info.name, g.info.arch(), g.info.peak_bandwidth / 1e9);
+    println!(
+        "device: {} ({}), peak DRAM bandwidth {:.0} GB/s",
+        g.info.name,
+        g.info.arch(),
+        g.info.peak_bandwidth / 1e9
+    );
     let (bw, frac) = int4_bandwidth(&g);
     println!("int4_gemv 8192x8192 g{GROUP} n=1: {:.0} GB/s = {:.1}% of peak", bw / 1e9, frac * 100.0);
     for int4_weights in [false, true] {
         for n in [1usize, 64] {
             let tps = decode_tok_s(&g, int4_weights, n);
-            println!("SmolLM2-135M-shaped decode ({}), {n} stream(s): {tps:.0} tok/s", if int4_weights { "INT4 int4_gemv" } else { "bf16 cuBLAS" });
+            println!(
+                "SmolLM2-135M-shaped decode ({}), {n} stream(s): {tps:.0} tok/s",
+                if int4_weights { "INT4 int4_gemv" } else { "bf16 cuBLAS" }
+            );
         }
     }
     prefill_report(&g);

@@ -29,7 +29,14 @@ fn bench(g: &SimGpu) {
         let stride = cols / 2;
         let bytes: Vec<u8> = (0..rows * stride).map(|i| (i * 37 % 251) as u8).collect();
         let groups = rows * cols / gs;
-        let w = g.upload_grouped(g.upload_packed(4, rows, cols, stride, &bytes).unwrap(), gs, &vec![0.01; groups], &vec![8.0; groups]).unwrap();
+        let w = g
+            .upload_grouped(
+                g.upload_packed(4, rows, cols, stride, &bytes).unwrap(),
+                gs,
+                &vec![0.01; groups],
+                &vec![8.0; groups],
+            )
+            .unwrap();
         let x = g.upload(&vec![0.5f32; cols]).unwrap();
         let mut out = g.zeros::<f32>(rows).unwrap();
         let blocks = rows.div_ceil(4);
@@ -40,7 +47,11 @@ fn bench(g: &SimGpu) {
             g.int_gemv(&w, &x, &mut out, 1).unwrap();
         }
         let dt = t.elapsed().as_secs_f64() / reps as f64;
-        println!("int4_gemv {rows:>6}x{cols:<5} n=1: {:>8.2} ms/launch, {blocks:>6} blocks, {:>7.0} blocks/s", dt * 1e3, blocks as f64 / dt);
+        println!(
+            "int4_gemv {rows:>6}x{cols:<5} n=1: {:>8.2} ms/launch, {blocks:>6} blocks, {:>7.0} blocks/s",
+            dt * 1e3,
+            blocks as f64 / dt
+        );
 
         // One expert, one assignment: the MoE GEMV's one tile of one token.
         let wb = g.upload(&vec![0x3f80u16; rows * cols]).unwrap();
@@ -53,6 +64,10 @@ fn bench(g: &SimGpu) {
             g.moe_gemv(w, rows, &x, 1, &order, &tiles, &mut out, 1).unwrap();
         }
         let dt = t.elapsed().as_secs_f64() / reps as f64;
-        println!("bf16 gemv {rows:>6}x{cols:<5} n=1: {:>8.2} ms/launch, {blocks:>6} blocks, {:>7.0} blocks/s", dt * 1e3, blocks as f64 / dt);
+        println!(
+            "bf16 gemv {rows:>6}x{cols:<5} n=1: {:>8.2} ms/launch, {blocks:>6} blocks, {:>7.0} blocks/s",
+            dt * 1e3,
+            blocks as f64 / dt
+        );
     }
 }

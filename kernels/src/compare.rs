@@ -12,7 +12,11 @@ pub fn abs_error(got: f32, want: f32) -> f32 {
         return 0.0;
     }
     let d = (got - want).abs();
-    if d.is_nan() { f32::INFINITY } else { d }
+    if d.is_nan() {
+        f32::INFINITY
+    } else {
+        d
+    }
 }
 
 /// The largest [`abs_error`] over two slices of the same length (infinite if the lengths differ).
@@ -38,7 +42,11 @@ mod tests {
     fn a_nan_or_infinity_the_reference_lacks_is_an_infinite_error() {
         assert_eq!(max_abs_error(&[1.0, 2.5], &[1.0, 2.0]), 0.5);
         assert_eq!(max_abs_error(&[1.0, f32::NAN], &[1.0, 2.0]), f32::INFINITY);
-        assert_eq!(max_abs_error(&[f32::NAN, 1.0], &[2.0, 1.0]), f32::INFINITY, "NaN first, where f32::max would drop it");
+        assert_eq!(
+            max_abs_error(&[f32::NAN, 1.0], &[2.0, 1.0]),
+            f32::INFINITY,
+            "NaN first, where f32::max would drop it"
+        );
         assert_eq!(max_abs_error(&[1.0, 2.0], &[1.0, f32::NAN]), f32::INFINITY);
         assert_eq!(max_abs_error(&[f32::INFINITY], &[1e30]), f32::INFINITY);
         assert_eq!(max_abs_error(&[f32::NEG_INFINITY, f32::NAN], &[f32::NEG_INFINITY, f32::NAN]), 0.0);

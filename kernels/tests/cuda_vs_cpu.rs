@@ -146,7 +146,11 @@ fn f64_draw(logits: &[f32], temperature: f32, top_k: usize, top_p: f32, u: f32) 
         let (mut lo, mut hi) = (tau.to_bits(), 0x7f80_0000u32);
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
-            if mass(f32::from_bits(mid)) >= top_p as f64 * total { lo = mid } else { hi = mid - 1 }
+            if mass(f32::from_bits(mid)) >= top_p as f64 * total {
+                lo = mid
+            } else {
+                hi = mid - 1
+            }
         }
         tau = f32::from_bits(lo);
     }
@@ -170,21 +174,26 @@ fn packed_rows(codes: &[u8], bits: u32, rows: usize, cols: usize) -> (PackedRows
     let stride = dense.div_ceil(4) * 4;
     let mut bytes = vec![0u8; rows * stride];
     for r in 0..rows {
-        bytes[r * stride..r * stride + dense].copy_from_slice(&cpu::bitpack::pack_row(&codes[r * cols..(r + 1) * cols], bits));
+        bytes[r * stride..r * stride + dense]
+            .copy_from_slice(&cpu::bitpack::pack_row(&codes[r * cols..(r + 1) * cols], bits));
     }
     let _ = p;
     (PackedRows::new(bits, rows, cols, stride, &bytes), bytes, stride)
 }
 
 fn int_gemv_matches_cpu_for_every_width_and_batch<R: Runtime>(g: &Kernels<R>, t: &Tol) {
-    for &(bits, rows, cols, gs) in &[(4u32, 129usize, 512usize, 128usize), (4, 64, 384, 32), (8, 33, 256, 64), (3, 17, 200, 200), (2, 9, 96, 32)] {
+    for &(bits, rows, cols, gs) in
+        &[(4u32, 129usize, 512usize, 128usize), (4, 64, 384, 32), (8, 33, 256, 64), (3, 17, 200, 200), (2, 9, 96, 32)]
+    {
         let c = codes(rows * cols, bits, bits as u64 * 31 + cols as u64);
         let groups = rows * cols.div_ceil(gs);
-        let scale: Vec<f32> = uniform(groups, 5, 1e-3, 2e-2).into_iter().map(|s| half::bf16::from_f32(s).to_f32()).collect();
+        let scale: Vec<f32> =
+            uniform(groups, 5, 1e-3, 2e-2).into_iter().map(|s| half::bf16::from_f32(s).to_f32()).collect();
         let zero: Vec<f32> = codes(groups, bits, 6).into_iter().map(|z| z as f32).collect();
         let (rows_cpu, bytes, stride) = packed_rows(&c, bits, rows, cols);
         let w = cpu::quant_int::IntMatrix::new(rows_cpu, gs, &scale, &zero);
-        let dw = g.upload_grouped(g.upload_packed(bits, rows, cols, stride, &bytes).unwrap(), gs, &scale, &zero).unwrap();
+        let dw =
+            g.upload_grouped(g.upload_packed(bits, rows, cols, stride, &bytes).unwrap(), gs, &scale, &zero).unwrap();
         for n in [1usize, 3, 8, 17] {
             let x = uniform(n * cols, n as u64, -1.0, 1.0);
             let mut want = vec![0.0; n * rows];
@@ -192,7 +201,12 @@ fn int_gemv_matches_cpu_for_every_width_and_batch<R: Runtime>(g: &Kernels<R>, t:
             let dx = g.upload(&x).unwrap();
             let mut dout = g.zeros::<f32>(n * rows).unwrap();
             g.int_gemv(&dw, &dx, &mut dout, n).unwrap();
-            assert_close(&format!("int{bits} gemv {rows}x{cols} g{gs} n={n}"), &g.download(&dout).unwrap(), &want, t.gemv);
+            assert_close(
+                &format!("int{bits} gemv {rows}x{cols} g{gs} n={n}"),
+                &g.download(&dout).unwrap(),
+                &want,
+                t.gemv,
+            );
         }
     }
 }
@@ -271,7 +285,11 @@ fn norms_rope_and_swiglu_match_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let gu = uniform(t * 2 * dd, 5, -6.0, 6.0);
     let mut want = vec![0.0; t * dd];
     for i in 0..t {
-        cpu::activation::silu_mul(&gu[i * 2 * dd..i * 2 * dd + dd], &gu[i * 2 * dd + dd..(i + 1) * 2 * dd], &mut want[i * dd..(i + 1) * dd]);
+        cpu::activation::silu_mul(
+            &gu[i * 2 * dd..i * 2 * dd + dd],
+            &gu[i * 2 * dd + dd..(i + 1) * 2 * dd],
+            &mut want[i * dd..(i + 1) * dd],
+        );
     }
     let (dgu, mut dout) = (g.upload(&gu).unwrap(), g.zeros::<f32>(t * dd).unwrap());
     g.silu_mul(&dgu, &mut dout, t, dd).unwrap();
@@ -303,18 +321,37 @@ fn paged_attention_matches_cpu_for_f32_bf16_and_fp8<R: Runtime>(g: &Kernels<R>, 
     let mut want = vec![0.0; n_out];
 
     cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &k, v: &v }, &tables, &lens, &geo, scale, &mut want);
-    g.paged_attention_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
+    g.paged_attention_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, scale, &mut dout)
+        .unwrap();
     assert_close("paged attention f32", &g.download(&dout).unwrap(), &want, t.gemv);
 
     let (kb, vb) = (bf16_rows(&k), bf16_rows(&v));
-    cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &kb, v: &vb }, &tables, &lens, &geo, scale, &mut want);
-    g.paged_attention_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, scale, &mut dout).unwrap();
+    cpu::attention::paged_attention_decode(
+        &q,
+        &KvBlocks::Bf16 { k: &kb, v: &vb },
+        &tables,
+        &lens,
+        &geo,
+        scale,
+        &mut want,
+    );
+    g.paged_attention_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, scale, &mut dout)
+        .unwrap();
     assert_close("paged attention bf16", &g.download(&dout).unwrap(), &want, t.gemv);
 
     // FP8 with one scale per (row, kv head), as the pool stores it.
     let ((kc, ks), (vc, vs)) = (fp8_rows(&k, geo.head_dim), fp8_rows(&v, geo.head_dim));
-    cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &tables, &lens, &geo, scale, &mut want);
-    let (dkc, dvc, dks, dvs) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
+    cpu::attention::paged_attention_decode(
+        &q,
+        &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs },
+        &tables,
+        &lens,
+        &geo,
+        scale,
+        &mut want,
+    );
+    let (dkc, dvc, dks, dvs) =
+        (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
     g.paged_attention_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, scale, &mut dout).unwrap();
     assert_close("paged attention fp8", &g.download(&dout).unwrap(), &want, t.gemv);
 }
@@ -323,7 +360,11 @@ fn paged_attention_matches_cpu_for_f32_bf16_and_fp8<R: Runtime>(g: &Kernels<R>, 
 /// (per row and kv head).
 fn fp8_rows(x: &[f32], head_dim: usize) -> (Vec<u8>, Vec<f32>) {
     let mut codes = vec![0u8; x.len()];
-    let scales = x.chunks(head_dim).enumerate().map(|(i, ch)| cpu::fp8::quantize_e4m3(ch, &mut codes[i * head_dim..(i + 1) * head_dim])).collect();
+    let scales = x
+        .chunks(head_dim)
+        .enumerate()
+        .map(|(i, ch)| cpu::fp8::quantize_e4m3(ch, &mut codes[i * head_dim..(i + 1) * head_dim]))
+        .collect();
     (codes, scales)
 }
 
@@ -348,10 +389,13 @@ impl PrefillBatch {
     fn new() -> Self {
         let (bs, num_blocks, max_blocks) = (4usize, 32usize, 10usize);
         // Each sequence's blocks scattered over the pool (a stride coprime with 32).
-        let table = |s: usize, blocks: usize| -> Vec<i32> { (0..blocks).map(|b| ((s * 10 + b) * 13 % num_blocks) as i32).collect() };
+        let table = |s: usize, blocks: usize| -> Vec<i32> {
+            (0..blocks).map(|b| ((s * 10 + b) * 13 % num_blocks) as i32).collect()
+        };
         let seq_tables = [table(0, 10), table(1, 8), table(2, 9)];
         // (sequence, position) per batch row; runs (0, 37) and (38, 10); row 37 is a decode row.
-        let rows: Vec<(usize, usize)> = (0..37).map(|p| (0, p)).chain([(2, 33)]).chain((20..30).map(|p| (1, p))).collect();
+        let rows: Vec<(usize, usize)> =
+            (0..37).map(|p| (0, p)).chain([(2, 33)]).chain((20..30).map(|p| (1, p))).collect();
         let n = rows.len();
         let mut tables = vec![0i32; n * max_blocks];
         for (i, &(s, p)) in rows.iter().enumerate() {
@@ -369,9 +413,14 @@ impl PrefillBatch {
     /// and that no other row was written.
     fn check(&self, what: &str, got: &[f32], want: &[f32], per_row: usize, tol: f32) {
         for i in (0..self.n).filter(|&i| !self.in_tiles(i)) {
-            assert!(got[i * per_row..(i + 1) * per_row].iter().all(|&x| x == 7.0), "{what}: row {i} is in no tile but was written");
+            assert!(
+                got[i * per_row..(i + 1) * per_row].iter().all(|&x| x == 7.0),
+                "{what}: row {i} is in no tile but was written"
+            );
         }
-        let pick = |x: &[f32]| -> Vec<f32> { (0..self.n).filter(|&i| self.in_tiles(i)).flat_map(|i| x[i * per_row..(i + 1) * per_row].to_vec()).collect() };
+        let pick = |x: &[f32]| -> Vec<f32> {
+            (0..self.n).filter(|&i| self.in_tiles(i)).flat_map(|i| x[i * per_row..(i + 1) * per_row].to_vec()).collect()
+        };
         assert_close(what, &pick(got), &pick(want), tol);
     }
 }
@@ -384,7 +433,9 @@ fn paged_prefill_matches_cpu_for_every_storage_and_group<R: Runtime>(g: &Kernels
     use kernels::gpu::prefill::{prefill_tiles, rows_per_tile};
     let b = PrefillBatch::new();
     let (n, (dt, dl)) = (b.n, (g.upload(&b.tables).unwrap(), g.upload(&b.lens).unwrap()));
-    for (gi, &(heads, kv_heads, head_dim)) in [(6usize, 2usize, 40usize), (4, 4, 64), (16, 2, 32), (40, 2, 16), (2, 1, 256)].iter().enumerate() {
+    for (gi, &(heads, kv_heads, head_dim)) in
+        [(6usize, 2usize, 40usize), (4, 4, 64), (16, 2, 32), (40, 2, 16), (2, 1, 256)].iter().enumerate()
+    {
         let geo = PagedGeometry { heads, kv_heads, head_dim, block_size: b.bs, max_blocks: b.max_blocks };
         let (pool_rows, width) = (b.num_blocks * b.bs, kv_heads * head_dim);
         let q = uniform(n * heads * head_dim, 30 + gi as u64, -1.0, 1.0);
@@ -396,26 +447,94 @@ fn paged_prefill_matches_cpu_for_every_storage_and_group<R: Runtime>(g: &Kernels
         let per_row = heads * head_dim;
         let mut want = vec![0.0; n * per_row];
         let fresh = || g.upload(&vec![7.0f32; n * per_row]).unwrap();
-        cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &k, v: &v }, &b.tables, &b.lens, &geo, scale, &mut want);
+        cpu::attention::paged_attention_decode(
+            &q,
+            &KvBlocks::F32 { k: &k, v: &v },
+            &b.tables,
+            &b.lens,
+            &geo,
+            scale,
+            &mut want,
+        );
         let mut out = fresh();
-        g.paged_prefill_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
-        b.check(&format!("prefill f32 {heads}/{kv_heads}x{head_dim}"), &g.download(&out).unwrap(), &want, per_row, t.gemv);
+        g.paged_prefill_f32(
+            &geo,
+            &dq,
+            &g.upload(&k).unwrap(),
+            &g.upload(&v).unwrap(),
+            &dt,
+            &dl,
+            &dtiles,
+            num_tiles,
+            scale,
+            &mut out,
+        )
+        .unwrap();
+        b.check(
+            &format!("prefill f32 {heads}/{kv_heads}x{head_dim}"),
+            &g.download(&out).unwrap(),
+            &want,
+            per_row,
+            t.gemv,
+        );
         if gi > 0 {
             continue;
         }
         let (kb, vb) = (bf16_rows(&k), bf16_rows(&v));
-        cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &kb, v: &vb }, &b.tables, &b.lens, &geo, scale, &mut want);
+        cpu::attention::paged_attention_decode(
+            &q,
+            &KvBlocks::Bf16 { k: &kb, v: &vb },
+            &b.tables,
+            &b.lens,
+            &geo,
+            scale,
+            &mut want,
+        );
         let mut out = fresh();
-        g.paged_prefill_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
+        g.paged_prefill_bf16(
+            &geo,
+            &dq,
+            &g.upload(&kb).unwrap(),
+            &g.upload(&vb).unwrap(),
+            &dt,
+            &dl,
+            &dtiles,
+            num_tiles,
+            scale,
+            &mut out,
+        )
+        .unwrap();
         b.check("prefill bf16", &g.download(&out).unwrap(), &want, per_row, t.gemv);
         let ((kc, ks), (vc, vs)) = (fp8_rows(&k, head_dim), fp8_rows(&v, head_dim));
-        cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &b.tables, &b.lens, &geo, scale, &mut want);
+        cpu::attention::paged_attention_decode(
+            &q,
+            &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs },
+            &b.tables,
+            &b.lens,
+            &geo,
+            scale,
+            &mut want,
+        );
         let mut out = fresh();
-        let (dkc, dvc, dks, dvs) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
+        let (dkc, dvc, dks, dvs) =
+            (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
         g.paged_prefill_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
         b.check("prefill fp8", &g.download(&out).unwrap(), &want, per_row, t.gemv);
         // Fewer tile entries than tiles is an error before any launch.
-        assert!(g.paged_prefill_f32(&geo, &dq, &g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &dt, &dl, &dtiles, num_tiles + 1, scale, &mut out).is_err());
+        assert!(g
+            .paged_prefill_f32(
+                &geo,
+                &dq,
+                &g.upload(&k).unwrap(),
+                &g.upload(&v).unwrap(),
+                &dt,
+                &dl,
+                &dtiles,
+                num_tiles + 1,
+                scale,
+                &mut out
+            )
+            .is_err());
     }
 }
 
@@ -431,7 +550,9 @@ fn paged_flash_prefill_matches_cpu_within_bf16_rounding<R: Runtime>(g: &Kernels<
     use kernels::gpu::prefill::{prefill_tiles, PrefillKernel};
     let b = PrefillBatch::new();
     let (n, (dt, dl)) = (b.n, (g.upload(&b.tables).unwrap(), g.upload(&b.lens).unwrap()));
-    for (gi, &(heads, kv_heads, head_dim)) in [(4usize, 4usize, 64usize), (9, 3, 32), (16, 2, 128), (80, 1, 16)].iter().enumerate() {
+    for (gi, &(heads, kv_heads, head_dim)) in
+        [(4usize, 4usize, 64usize), (9, 3, 32), (16, 2, 128), (80, 1, 16)].iter().enumerate()
+    {
         let geo = PagedGeometry { heads, kv_heads, head_dim, block_size: b.bs, max_blocks: b.max_blocks };
         let (pool_rows, width) = (b.num_blocks * b.bs, kv_heads * head_dim);
         let q = uniform(n * heads * head_dim, 60 + gi as u64, -1.0, 1.0);
@@ -445,24 +566,68 @@ fn paged_flash_prefill_matches_cpu_within_bf16_rounding<R: Runtime>(g: &Kernels<
         let mut want = vec![0.0; n * per_row];
         let fresh = || g.upload(&vec![7.0f32; n * per_row]).unwrap();
         let (kb, vb) = (bf16_rows(&k), bf16_rows(&v));
-        cpu::attention::paged_attention_decode(&q_bf16, &KvBlocks::Bf16 { k: &kb, v: &vb }, &b.tables, &b.lens, &geo, 1.0, &mut want);
+        cpu::attention::paged_attention_decode(
+            &q_bf16,
+            &KvBlocks::Bf16 { k: &kb, v: &vb },
+            &b.tables,
+            &b.lens,
+            &geo,
+            1.0,
+            &mut want,
+        );
         let mut out = fresh();
-        g.paged_flash_prefill_bf16(&geo, &dq, &g.upload(&kb).unwrap(), &g.upload(&vb).unwrap(), &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
-        b.check(&format!("flash prefill bf16 {heads}/{kv_heads}x{head_dim}"), &g.download(&out).unwrap(), &want, per_row, t.mma);
+        g.paged_flash_prefill_bf16(
+            &geo,
+            &dq,
+            &g.upload(&kb).unwrap(),
+            &g.upload(&vb).unwrap(),
+            &dt,
+            &dl,
+            &dtiles,
+            num_tiles,
+            scale,
+            &mut out,
+        )
+        .unwrap();
+        b.check(
+            &format!("flash prefill bf16 {heads}/{kv_heads}x{head_dim}"),
+            &g.download(&out).unwrap(),
+            &want,
+            per_row,
+            t.mma,
+        );
         // FP8: the kernel multiplies the E4M3 codes (exact in bf16) and applies the row scales to
         // the scores and to P, so the reference reads the FP8 rows as they are.
         let ((kc, ks), (vc, vs)) = (fp8_rows(&k, head_dim), fp8_rows(&v, head_dim));
-        cpu::attention::paged_attention_decode(&q_bf16, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &b.tables, &b.lens, &geo, 1.0, &mut want);
+        cpu::attention::paged_attention_decode(
+            &q_bf16,
+            &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs },
+            &b.tables,
+            &b.lens,
+            &geo,
+            1.0,
+            &mut want,
+        );
         let mut out = fresh();
-        let (dkc, dvc, dks, dvs) = (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
-        g.paged_flash_prefill_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, &dtiles, num_tiles, scale, &mut out).unwrap();
-        b.check(&format!("flash prefill fp8 {heads}/{kv_heads}x{head_dim}"), &g.download(&out).unwrap(), &want, per_row, t.mma);
+        let (dkc, dvc, dks, dvs) =
+            (g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&ks).unwrap(), g.upload(&vs).unwrap());
+        g.paged_flash_prefill_fp8(&geo, &dq, &dkc, &dvc, &dks, &dvs, &dt, &dl, &dtiles, num_tiles, scale, &mut out)
+            .unwrap();
+        b.check(
+            &format!("flash prefill fp8 {heads}/{kv_heads}x{head_dim}"),
+            &g.download(&out).unwrap(),
+            &want,
+            per_row,
+            t.mma,
+        );
     }
     // A head width off the MMA tiles is refused, not launched.
     let geo = PagedGeometry { heads: 2, kv_heads: 1, head_dim: 40, block_size: b.bs, max_blocks: b.max_blocks };
     let (q, kv) = (g.zeros::<f32>(n * 80).unwrap(), g.zeros::<u16>(b.num_blocks * b.bs * 40).unwrap());
     let tiles = g.upload(&[0, 1]).unwrap();
-    let err = g.paged_flash_prefill_bf16(&geo, &q, &kv, &kv, &dt, &dl, &tiles, 1, 1.0, &mut g.zeros::<f32>(n * 80).unwrap()).unwrap_err();
+    let err = g
+        .paged_flash_prefill_bf16(&geo, &q, &kv, &kv, &dt, &dl, &tiles, 1, 1.0, &mut g.zeros::<f32>(n * 80).unwrap())
+        .unwrap_err();
     assert!(err.to_string().contains("head_dim 40"), "{err}");
 }
 
@@ -478,14 +643,23 @@ fn sampling_draws_the_same_tokens_as_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     for &(temp, k, p) in &[(1.0f32, 50usize, 1.0f32), (0.7, 0, 0.9), (1.0, 40, 0.8), (1.3, 1, 1.0)] {
         g.sample(&dl, &mut probs, &du, &mut out, vocab, temp, k, p).unwrap();
         let got = g.download(&out).unwrap();
-        let want: Vec<i32> = (0..seqs).map(|s| cpu::sample::sample_top_k_top_p(&logits[s * vocab..(s + 1) * vocab], temp, k, p, u[s]) as i32).collect();
+        let want: Vec<i32> = (0..seqs)
+            .map(|s| cpu::sample::sample_top_k_top_p(&logits[s * vocab..(s + 1) * vocab], temp, k, p, u[s]) as i32)
+            .collect();
         let agree = got.iter().zip(&want).filter(|(a, b)| a == b).count();
         // The CPU reference sums 49k probabilities serially in f32; the kernel sums chunk totals,
         // which is more accurate, so a draw near a token boundary may differ. Such a draw must then
         // be what an f64-accurate sampler picks.
-        let unexplained: Vec<usize> = (0..seqs).filter(|&s| got[s] != want[s] && got[s] as usize != f64_draw(&logits[s * vocab..(s + 1) * vocab], temp, k, p, u[s])).collect();
+        let unexplained: Vec<usize> = (0..seqs)
+            .filter(|&s| {
+                got[s] != want[s] && got[s] as usize != f64_draw(&logits[s * vocab..(s + 1) * vocab], temp, k, p, u[s])
+            })
+            .collect();
         eprintln!("sampling T={temp} k={k} p={p}: {agree}/{seqs} identical draws, {} explained by f32 rounding of the reference", seqs - agree - unexplained.len());
-        assert!(unexplained.len() <= t.unexplained_draws, "T={temp} k={k} p={p}: sequences {unexplained:?} differ: device {got:?} cpu {want:?}");
+        assert!(
+            unexplained.len() <= t.unexplained_draws,
+            "T={temp} k={k} p={p}: sequences {unexplained:?} differ: device {got:?} cpu {want:?}"
+        );
     }
 }
 
@@ -535,11 +709,35 @@ fn device_kv_pool_writes_and_attends_like_the_cpu_reference<R: Runtime>(g: &Kern
         assert!(pool.write(g, 1, blocks, 0, &kf[..w], &vf[..w]).is_err(), "block out of range is an error");
         let mut want = vec![0.0; q.len()];
         match storage {
-            KvStorage::F32 => cpu::attention::paged_attention_decode(&q, &KvBlocks::F32 { k: &kf, v: &vf }, &tables, &lens, &geo, 0.2, &mut want),
-            KvStorage::Bf16 => cpu::attention::paged_attention_decode(&q, &KvBlocks::Bf16 { k: &bf16_rows(&kf), v: &bf16_rows(&vf) }, &tables, &lens, &geo, 0.2, &mut want),
+            KvStorage::F32 => cpu::attention::paged_attention_decode(
+                &q,
+                &KvBlocks::F32 { k: &kf, v: &vf },
+                &tables,
+                &lens,
+                &geo,
+                0.2,
+                &mut want,
+            ),
+            KvStorage::Bf16 => cpu::attention::paged_attention_decode(
+                &q,
+                &KvBlocks::Bf16 { k: &bf16_rows(&kf), v: &bf16_rows(&vf) },
+                &tables,
+                &lens,
+                &geo,
+                0.2,
+                &mut want,
+            ),
             KvStorage::Fp8 => {
                 let ((kc, ks), (vc, vs)) = (fp8_rows(&kf, hd), fp8_rows(&vf, hd));
-                cpu::attention::paged_attention_decode(&q, &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs }, &tables, &lens, &geo, 0.2, &mut want)
+                cpu::attention::paged_attention_decode(
+                    &q,
+                    &KvBlocks::Fp8 { k: &kc, v: &vc, k_scales: &ks, v_scales: &vs },
+                    &tables,
+                    &lens,
+                    &geo,
+                    0.2,
+                    &mut want,
+                )
             }
         }
         let (dq, dt, dl) = (g.upload(&q).unwrap(), g.upload(&tables).unwrap(), g.upload(&lens).unwrap());
@@ -586,7 +784,8 @@ fn kv_batch_writes_and_block_copies_match_cpu<R: Runtime>(g: &Kernels<R>, _t: &T
     let w = kvh * hd;
     let rows = blocks * bs;
     // Values spanning magnitudes per head, so FP8 scales differ per (row, head).
-    let k: Vec<f32> = uniform(n * w, 11, -1.0, 1.0).iter().enumerate().map(|(i, v)| v * (1 + i / hd % 5) as f32).collect();
+    let k: Vec<f32> =
+        uniform(n * w, 11, -1.0, 1.0).iter().enumerate().map(|(i, v)| v * (1 + i / hd % 5) as f32).collect();
     let v = uniform(n * w, 12, -4.0, 4.0);
     let slots: Vec<i32> = [17, 2, 3, 8, 0, 19, 9].to_vec();
     let (dk, dv, ds) = (g.upload(&k).unwrap(), g.upload(&v).unwrap(), g.upload(&slots).unwrap());
@@ -607,7 +806,8 @@ fn kv_batch_writes_and_block_copies_match_cpu<R: Runtime>(g: &Kernels<R>, _t: &T
     g.kv_write_bf16(&dk, &dv, &ds, &mut gkb, &mut gvb, n, w).unwrap();
     assert_eq!((g.download(&gkb).unwrap(), g.download(&gvb).unwrap()), (kb, vb), "kv_write_bf16");
 
-    let (mut k8, mut v8, mut ks, mut vs) = (vec![0u8; rows * w], vec![0u8; rows * w], vec![0f32; rows * kvh], vec![0f32; rows * kvh]);
+    let (mut k8, mut v8, mut ks, mut vs) =
+        (vec![0u8; rows * w], vec![0u8; rows * w], vec![0f32; rows * kvh], vec![0f32; rows * kvh]);
     cpu::kv_write::kv_write_fp8(&k, &v, &slots, kvh, hd, &mut k8, &mut v8, &mut ks, &mut vs);
     let (mut gk8, mut gv8) = (g.zeros::<u8>(rows * w).unwrap(), g.zeros::<u8>(rows * w).unwrap());
     let (mut gks, mut gvs) = (g.zeros::<f32>(rows * kvh).unwrap(), g.zeros::<f32>(rows * kvh).unwrap());

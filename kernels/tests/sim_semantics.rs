@@ -130,7 +130,8 @@ fn atomics_and_argument_checks() {
     assert!(e.contains("block (2048, 1, 1)"), "{e}");
     let e = launch(&rt, "simtest_atomic", Dims::new((0, 1, 1), 32), &[KArg::I32s(&out)]).unwrap_err();
     assert!(e.contains("grid (0, 1, 1)"), "{e}");
-    let e = launch(&rt, "simtest_write_past_end", Dims::new((1, 1, 1), 32), &[KArg::F32s(&f), KArg::I32(4)]).unwrap_err();
+    let e =
+        launch(&rt, "simtest_write_past_end", Dims::new((1, 1, 1), 32), &[KArg::F32s(&f), KArg::I32(4)]).unwrap_err();
     assert!(e.contains("out of bounds"), "{e}");
 
     // A read just past the end does not fault, but the padding it reads is a NaN, which fails
@@ -151,7 +152,9 @@ fn memory_faults_fail_the_launch_not_the_process() {
     let Some(rt) = sim("memory_faults_fail_the_launch_not_the_process") else { return };
     let rt = rt.with_order(ThreadOrder::Forward);
     let (input, out) = (rt.upload(&[1.0f32, 2.0, 3.0, 4.0]).unwrap(), rt.zeros::<f32>(32).unwrap());
-    let read_at = |at: i32| launch(&rt, "simtest_read_at", Dims::new((1, 1, 1), 32), &[KArg::F32s(&out), KArg::F32s(&input), KArg::I32(at)]);
+    let read_at = |at: i32| {
+        launch(&rt, "simtest_read_at", Dims::new((1, 1, 1), 32), &[KArg::F32s(&out), KArg::F32s(&input), KArg::I32(at)])
+    };
     // Within the padding: a NaN, no fault.
     read_at(100).unwrap();
     assert!(rt.download(&out).unwrap()[0].is_nan());
@@ -161,9 +164,11 @@ fn memory_faults_fail_the_launch_not_the_process() {
         let e = read_at(at).unwrap_err();
         assert!(e.contains("simtest_read_at: block (0, 0, 0), thread (0, 0, 0): memory fault at"), "{at}: {e}");
     }
-    let e = launch(&rt, "simtest_write_past_end", Dims::new((1, 1, 1), 32), &[KArg::F32s(&out), KArg::I32(1100)]).unwrap_err();
+    let e = launch(&rt, "simtest_write_past_end", Dims::new((1, 1, 1), 32), &[KArg::F32s(&out), KArg::I32(1100)])
+        .unwrap_err();
     assert!(e.contains("memory fault at"), "{e}");
-    let e = launch(&rt, "simtest_stack_overflow", Dims::new((1, 1, 1), 32), &[KArg::F32s(&out), KArg::I32(100_000)]).unwrap_err();
+    let e = launch(&rt, "simtest_stack_overflow", Dims::new((1, 1, 1), 32), &[KArg::F32s(&out), KArg::I32(100_000)])
+        .unwrap_err();
     assert!(e.contains("thread (0, 0, 0): stack overflow"), "{e}");
 
     // The same OS thread goes on launching.
@@ -183,12 +188,21 @@ fn reverse_thread_order_exposes_a_missing_barrier() {
     let (blocks, threads) = (3usize, 64usize);
     let racy = |rt: &SimRuntime, tag: i32| {
         let out = rt.zeros::<i32>(blocks * threads).unwrap();
-        launch(rt, "simtest_missing_barrier", Dims::new((blocks as u32, 1, 1), threads as u32), &[KArg::I32s(&out), KArg::I32(tag)]).unwrap();
+        launch(
+            rt,
+            "simtest_missing_barrier",
+            Dims::new((blocks as u32, 1, 1), threads as u32),
+            &[KArg::I32s(&out), KArg::I32(tag)],
+        )
+        .unwrap();
         rt.download(&out).unwrap()
     };
     let forward = rt.with_order(ThreadOrder::Forward);
     let got = racy(&forward, 100);
-    assert!((0..blocks * threads).all(|i| got[i] == 100 + (i / threads) as i32), "forward order: every thread runs after thread 0's write: {got:?}");
+    assert!(
+        (0..blocks * threads).all(|i| got[i] == 100 + (i / threads) as i32),
+        "forward order: every thread runs after thread 0's write: {got:?}"
+    );
     let reverse = SimRuntime::serial().unwrap().with_order(ThreadOrder::Reverse);
     let got = racy(&reverse, 200);
     for b in 0..blocks {
@@ -196,7 +210,10 @@ fn reverse_thread_order_exposes_a_missing_barrier() {
         assert_eq!(got[b * threads], tag, "thread 0 reads its own write");
         // They read the poison each block's shared memory starts with (all ones), not the write
         // the previous block left there, which would be a plausible tag.
-        assert!(got[b * threads + 1..(b + 1) * threads].iter().all(|&v| v == -1), "block {b}: the other threads ran first and missed the write: {got:?}");
+        assert!(
+            got[b * threads + 1..(b + 1) * threads].iter().all(|&v| v == -1),
+            "block {b}: the other threads ran first and missed the write: {got:?}"
+        );
     }
 
     let collectives = |rt: &SimRuntime| {
@@ -218,7 +235,8 @@ fn concurrent_launches_on_different_threads_share_nothing() {
                 for _ in 0..20 {
                     let out = rt.zeros::<i32>(256).unwrap();
                     let live = 100 + t * 40;
-                    launch(&rt, "simtest_early_exit", Dims::new((1, 1, 1), 256), &[KArg::I32s(&out), KArg::I32(live)]).unwrap();
+                    launch(&rt, "simtest_early_exit", Dims::new((1, 1, 1), 256), &[KArg::I32s(&out), KArg::I32(live)])
+                        .unwrap();
                     let got = rt.download(&out).unwrap();
                     for (i, &v) in got.iter().enumerate().take(live as usize) {
                         assert_eq!(v, (live - 1 - i as i32) * 10);
@@ -236,7 +254,8 @@ fn every_listed_kernel_is_in_the_simulator_registry() {
     let Some(_) = sim("every_listed_kernel_is_in_the_simulator_registry") else { return };
     for src in kernels::cuda::sources::SOURCES {
         for k in src.kernels {
-            let sig = kernels::sim::ffi::signature(k).unwrap_or_else(|| panic!("{k} ({}) is not in the simulator", src.name));
+            let sig =
+                kernels::sim::ffi::signature(k).unwrap_or_else(|| panic!("{k} ({}) is not in the simulator", src.name));
             assert!(!sig.is_empty() && !sig.contains('?'), "{k}: parameter kinds {sig:?}");
         }
     }

@@ -37,13 +37,24 @@ pub fn reference_cases(path: &std::path::Path) -> Vec<ReferenceCase> {
     use serde_json::Value;
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let r: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let rows = |v: &Value| -> Vec<Vec<f32>> { v.as_array().unwrap().iter().map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()).collect() };
+    let rows = |v: &Value| -> Vec<Vec<f32>> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+            .collect()
+    };
     let ids = |v: &Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
     r["cases"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|c| ReferenceCase { ids: ids(&c["ids"]), prefill: rows(&c["prefill_logits"]), greedy: ids(&c["greedy_ids"]), steps: rows(&c["step_logits"]) })
+        .map(|c| ReferenceCase {
+            ids: ids(&c["ids"]),
+            prefill: rows(&c["prefill_logits"]),
+            greedy: ids(&c["greedy_ids"]),
+            steps: rows(&c["step_logits"]),
+        })
         .collect()
 }
 
@@ -58,7 +69,12 @@ pub fn drive(core: &mut wasmserve::engine::EngineCore) {
 
 /// Greedy tokens per prompt (`max_tokens` each, EOS ignored) from an engine serving `model`
 /// with `config`; all prompts are submitted at once, so they share batches.
-pub fn engine_greedy_tokens(model: Arc<LoadedModel>, config: wasmserve::engine::EngineConfig, prompts: &[&[u32]], max_tokens: usize) -> Vec<Vec<u32>> {
+pub fn engine_greedy_tokens(
+    model: Arc<LoadedModel>,
+    config: wasmserve::engine::EngineConfig,
+    prompts: &[&[u32]],
+    max_tokens: usize,
+) -> Vec<Vec<u32>> {
     use tokio::sync::mpsc::unbounded_channel;
     use wasmserve::engine::{EngineCore, EngineEvent, EngineRequest};
     use wasmserve::sampling::SamplingParams;
@@ -66,7 +82,13 @@ pub fn engine_greedy_tokens(model: Arc<LoadedModel>, config: wasmserve::engine::
     let mut rxs = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let (tx, rx) = unbounded_channel();
-        let req = EngineRequest { prompt_ids: p.to_vec(), sampling: SamplingParams::greedy(), max_tokens, ignore_eos: true, ..Default::default() };
+        let req = EngineRequest {
+            prompt_ids: p.to_vec(),
+            sampling: SamplingParams::greedy(),
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        };
         core.add_request(i as u64 + 1, req, tx).unwrap();
         rxs.push(rx);
     }
@@ -100,7 +122,8 @@ pub fn kimi_linear_three_mla_heads(tag: &str) -> PathBuf {
     for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"] {
         std::fs::copy(src.join(f), dst.join(f)).unwrap();
     }
-    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     let heads = cfg["num_attention_heads"].as_u64().unwrap() as usize;
     assert_eq!(heads, 4, "the fixture's MLA heads");
     cfg["num_attention_heads"] = 3.into();
@@ -114,7 +137,9 @@ pub fn kimi_linear_three_mla_heads(tag: &str) -> PathBuf {
         let (shape, data) = (t.shape().to_vec(), t.data());
         let row_bytes = |s: &[usize]| s[1..].iter().product::<usize>() * 4;
         // Layer 2 is the MLA layer (layers 0, 1 and 3 are KDA).
-        let (shape, data) = if name == "model.layers.2.self_attn.q_proj.weight" || name == "model.layers.2.self_attn.kv_b_proj.weight" {
+        let (shape, data) = if name == "model.layers.2.self_attn.q_proj.weight"
+            || name == "model.layers.2.self_attn.kv_b_proj.weight"
+        {
             // Per-head rows: keep the first 3 heads' rows.
             let keep = shape[0] / heads * 3;
             (vec![keep, shape[1]], data[..keep * row_bytes(&shape)].to_vec())
@@ -128,7 +153,8 @@ pub fn kimi_linear_three_mla_heads(tag: &str) -> PathBuf {
         };
         out.push((name, shape, data));
     }
-    let views: Vec<(String, TensorView<'_>)> = out.iter().map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), d).unwrap())).collect();
+    let views: Vec<(String, TensorView<'_>)> =
+        out.iter().map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), d).unwrap())).collect();
     safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
     dst
 }

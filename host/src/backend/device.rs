@@ -99,7 +99,12 @@ fn probe_cuda(ordinal: usize) -> Result<String, String> {
     let ctx = device::open(ordinal).map_err(|e| e.to_string())?;
     let info = device::info(&ctx).map_err(|e| e.to_string())?;
     nvrtc::nvrtc_available().map_err(|e| e.to_string())?;
-    Ok(format!("cuda:{ordinal} ({}, {}, {:.1} GiB)", info.name, info.arch(), info.total_memory as f64 / (1u64 << 30) as f64))
+    Ok(format!(
+        "cuda:{ordinal} ({}, {}, {:.1} GiB)",
+        info.name,
+        info.arch(),
+        info.total_memory as f64 / (1u64 << 30) as f64
+    ))
 }
 
 #[cfg(not(feature = "cuda"))]

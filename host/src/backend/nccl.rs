@@ -16,7 +16,9 @@ use std::any::TypeId;
 use std::sync::{Arc, Mutex};
 
 use kernels::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
-use kernels::cuda::cudarc::nccl::{group_end, group_start, result as nccl_result, sys as nccl_sys, Comm, NcclType, ReduceOp};
+use kernels::cuda::cudarc::nccl::{
+    group_end, group_start, result as nccl_result, sys as nccl_sys, Comm, NcclType, ReduceOp,
+};
 use kernels::cuda::launch::CudaRuntime;
 use kernels::cuda::nvrtc::guarded;
 use kernels::cuda::{device, CudaError};
@@ -42,7 +44,10 @@ fn nccl_available() -> Result<(), CudaError> {
             return Ok(());
         }
     }
-    Err(CudaError::LibraryMissing { lib: "nccl", hint: "install NCCL (e.g. the nvidia-nccl-cu12 wheel) and put it on LD_LIBRARY_PATH" })
+    Err(CudaError::LibraryMissing {
+        lib: "nccl",
+        hint: "install NCCL (e.g. the nvidia-nccl-cu12 wheel) and put it on LD_LIBRARY_PATH",
+    })
 }
 
 unsafe fn libloading_open(name: &str) -> bool {
@@ -65,10 +70,18 @@ impl NcclCollective {
         let mut streams = Vec::new();
         for &o in ordinals {
             let ctx = device::open(o)?;
-            streams.push(guarded("cuStreamCreate", || ctx.new_stream())?.map_err(|e| CudaError::Driver { what: "cuStreamCreate", msg: format!("{e:?}") })?);
+            streams.push(
+                guarded("cuStreamCreate", || ctx.new_stream())?
+                    .map_err(|e| CudaError::Driver { what: "cuStreamCreate", msg: format!("{e:?}") })?,
+            );
         }
-        let comms = guarded("ncclCommInitAll", || Comm::from_devices(streams.clone()))?.map_err(|e| CudaError::Driver { what: "ncclCommInitAll", msg: format!("{e:?}") })?;
-        Ok(comms.into_iter().zip(streams).map(|(comm, stream)| Self { comm, stream, failed: Mutex::new(None) }).collect())
+        let comms = guarded("ncclCommInitAll", || Comm::from_devices(streams.clone()))?
+            .map_err(|e| CudaError::Driver { what: "ncclCommInitAll", msg: format!("{e:?}") })?;
+        Ok(comms
+            .into_iter()
+            .zip(streams)
+            .map(|(comm, stream)| Self { comm, stream, failed: Mutex::new(None) })
+            .collect())
     }
 
     fn live(&self) -> Result<(), CollectiveError> {
@@ -91,10 +104,19 @@ impl NcclCollective {
         }
         self.stream.clone_htod(h).map_err(|e| self.fail(op, e))
     }
-    fn zeros<U: DeviceRepr + ValidAsZeroBits>(&self, op: &'static str, n: usize) -> Result<CudaSlice<U>, CollectiveError> {
+    fn zeros<U: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        op: &'static str,
+        n: usize,
+    ) -> Result<CudaSlice<U>, CollectiveError> {
         self.stream.alloc_zeros(n.max(1)).map_err(|e| self.fail(op, e))
     }
-    fn down<U: DeviceRepr + Default + Clone>(&self, op: &'static str, d: &CudaSlice<U>, h: &mut [U]) -> Result<(), CollectiveError> {
+    fn down<U: DeviceRepr + Default + Clone>(
+        &self,
+        op: &'static str,
+        d: &CudaSlice<U>,
+        h: &mut [U],
+    ) -> Result<(), CollectiveError> {
         let v = self.stream.clone_dtoh(d).map_err(|e| self.fail(op, e))?;
         h.clone_from_slice(&v[..h.len()]);
         Ok(())
@@ -103,7 +125,10 @@ impl NcclCollective {
         self.stream.synchronize().map_err(|e| self.fail(op, e))
     }
 
-    fn all_reduce_t<U: NcclType + DeviceRepr + ValidAsZeroBits + Default + Clone>(&self, buf: &mut [U]) -> Result<(), CollectiveError> {
+    fn all_reduce_t<U: NcclType + DeviceRepr + ValidAsZeroBits + Default + Clone>(
+        &self,
+        buf: &mut [U],
+    ) -> Result<(), CollectiveError> {
         if buf.is_empty() {
             return Ok(());
         }
@@ -113,9 +138,16 @@ impl NcclCollective {
         self.down("all_reduce_sum", &d, buf)
     }
 
-    fn all_gather_t<U: NcclType + DeviceRepr + ValidAsZeroBits + Default + Clone>(&self, send: &[U], recv: &mut [U]) -> Result<(), CollectiveError> {
+    fn all_gather_t<U: NcclType + DeviceRepr + ValidAsZeroBits + Default + Clone>(
+        &self,
+        send: &[U],
+        recv: &mut [U],
+    ) -> Result<(), CollectiveError> {
         if recv.len() != send.len() * self.world_size() {
-            return Err(CollectiveError::BadArgument { op: "all_gather", detail: format!("recv has {} elements, need {} ranks x {}", recv.len(), self.world_size(), send.len()) });
+            return Err(CollectiveError::BadArgument {
+                op: "all_gather",
+                detail: format!("recv has {} elements, need {} ranks x {}", recv.len(), self.world_size(), send.len()),
+            });
         }
         if send.is_empty() {
             return Ok(());
@@ -127,9 +159,16 @@ impl NcclCollective {
         self.down("all_gather", &r, recv)
     }
 
-    fn broadcast_t<U: NcclType + DeviceRepr + ValidAsZeroBits + Default + Clone>(&self, buf: &mut [U], root: usize) -> Result<(), CollectiveError> {
+    fn broadcast_t<U: NcclType + DeviceRepr + ValidAsZeroBits + Default + Clone>(
+        &self,
+        buf: &mut [U],
+        root: usize,
+    ) -> Result<(), CollectiveError> {
         if root >= self.world_size() {
-            return Err(CollectiveError::BadArgument { op: "broadcast", detail: format!("root {root} of {} ranks", self.world_size()) });
+            return Err(CollectiveError::BadArgument {
+                op: "broadcast",
+                detail: format!("root {root} of {} ranks", self.world_size()),
+            });
         }
         if buf.is_empty() {
             return Ok(());
@@ -140,11 +179,26 @@ impl NcclCollective {
         self.down("broadcast", &d, buf)
     }
 
-    fn all_to_all_v_t<U: NcclType + DeviceRepr + ValidAsZeroBits + Default + Clone>(&self, send: &[U], send_counts: &[usize], recv: &mut [U], recv_counts: &[usize]) -> Result<(), CollectiveError> {
+    fn all_to_all_v_t<U: NcclType + DeviceRepr + ValidAsZeroBits + Default + Clone>(
+        &self,
+        send: &[U],
+        send_counts: &[usize],
+        recv: &mut [U],
+        recv_counts: &[usize],
+    ) -> Result<(), CollectiveError> {
         let w = self.world_size();
         let (ss, rs): (usize, usize) = (send_counts.iter().sum(), recv_counts.iter().sum());
         if send_counts.len() != w || recv_counts.len() != w || ss != send.len() || rs != recv.len() {
-            return Err(CollectiveError::BadArgument { op: "all_to_all_v", detail: format!("counts for {} / {} peers summing to {ss} / {rs}, buffers {} / {}", send_counts.len(), recv_counts.len(), send.len(), recv.len()) });
+            return Err(CollectiveError::BadArgument {
+                op: "all_to_all_v",
+                detail: format!(
+                    "counts for {} / {} peers summing to {ss} / {rs}, buffers {} / {}",
+                    send_counts.len(),
+                    recv_counts.len(),
+                    send.len(),
+                    recv.len()
+                ),
+            });
         }
         let d = self.up("all_to_all_v", send)?;
         let mut r = self.zeros::<U>("all_to_all_v", recv.len())?;
@@ -153,10 +207,17 @@ impl NcclCollective {
         let mut res = Ok(());
         for p in 0..w {
             if send_counts[p] > 0 && res.is_ok() {
-                res = self.comm.send(&d.slice(so..so + send_counts[p]), p as i32).map_err(|e| self.fail("all_to_all_v", e));
+                res = self
+                    .comm
+                    .send(&d.slice(so..so + send_counts[p]), p as i32)
+                    .map_err(|e| self.fail("all_to_all_v", e));
             }
             if recv_counts[p] > 0 && res.is_ok() {
-                res = self.comm.recv(&mut r.slice_mut(ro..ro + recv_counts[p]), p as i32).map(|_| ()).map_err(|e| self.fail("all_to_all_v", e));
+                res = self
+                    .comm
+                    .recv(&mut r.slice_mut(ro..ro + recv_counts[p]), p as i32)
+                    .map(|_| ())
+                    .map_err(|e| self.fail("all_to_all_v", e));
             }
             so += send_counts[p];
             ro += recv_counts[p];
@@ -186,7 +247,10 @@ macro_rules! by_type {
             type $u = u64;
             $body
         } else {
-            Err(CollectiveError::BadArgument { op: $op, detail: format!("no NCCL type for {}", <$t as Element>::NCCL_NAME) })
+            Err(CollectiveError::BadArgument {
+                op: $op,
+                detail: format!("no NCCL type for {}", <$t as Element>::NCCL_NAME),
+            })
         }
     }};
 }
@@ -230,7 +294,10 @@ impl Collective for NcclCollective {
         self.live()?;
         let w = self.world_size();
         if send_counts.len() != w {
-            return Err(CollectiveError::BadArgument { op: "exchange_counts", detail: format!("{} counts for {w} ranks", send_counts.len()) });
+            return Err(CollectiveError::BadArgument {
+                op: "exchange_counts",
+                detail: format!("{} counts for {w} ranks", send_counts.len()),
+            });
         }
         // Every rank's whole count vector, then column `rank` is what each peer sends here.
         let mine: Vec<u64> = send_counts.iter().map(|&c| c as u64).collect();
@@ -239,7 +306,13 @@ impl Collective for NcclCollective {
         Ok((0..w).map(|p| all[p * w + self.rank()] as usize).collect())
     }
 
-    fn all_to_all_v<T: Element>(&self, send: &[T], send_counts: &[usize], recv: &mut [T], recv_counts: &[usize]) -> Result<(), CollectiveError> {
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<(), CollectiveError> {
         self.live()?;
         by_type!(T, "all_to_all_v", |U| self.all_to_all_v_t::<U>(cast(send), send_counts, cast_mut(recv), recv_counts))
     }
@@ -325,10 +398,14 @@ impl NcclDeviceGroup {
         let ordinals: Vec<i32> = gpus.iter().map(|g| g.rt.ctx.ordinal() as i32).collect();
         let mut handles = vec![std::ptr::null_mut(); gpus.len()];
         // SAFETY: `handles` has one slot per device listed in `ordinals`.
-        guarded("ncclCommInitAll", || unsafe { nccl_result::comm_init_all(handles.as_mut_ptr(), ordinals.len() as i32, ordinals.as_ptr()) })?
-            .map_err(|e| CudaError::Driver { what: "ncclCommInitAll", msg: format!("{e:?}") })?;
+        guarded("ncclCommInitAll", || unsafe {
+            nccl_result::comm_init_all(handles.as_mut_ptr(), ordinals.len() as i32, ordinals.as_ptr())
+        })?
+        .map_err(|e| CudaError::Driver { what: "ncclCommInitAll", msg: format!("{e:?}") })?;
         tracing::info!(?ordinals, "NCCL group for the tensor-parallel device forward");
-        Ok(Self { shared: Arc::new(NcclShared { comms: std::sync::RwLock::new(Some(handles)), failed: Mutex::new(None) }) })
+        Ok(Self {
+            shared: Arc::new(NcclShared { comms: std::sync::RwLock::new(Some(handles)), failed: Mutex::new(None) }),
+        })
     }
 }
 
@@ -339,10 +416,16 @@ impl DeviceGroup<CudaRuntime> for NcclDeviceGroup {
 
     fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<CudaRuntime>>>, DeviceCollectiveError> {
         if let Some(reason) = self.shared.failure() {
-            return Err(DeviceCollectiveError::Invalid(format!("the tensor-parallel NCCL group was aborted after an earlier failure ({reason}); restart the server")));
+            return Err(DeviceCollectiveError::Invalid(format!(
+                "the tensor-parallel NCCL group was aborted after an earlier failure ({reason}); restart the server"
+            )));
         }
         let world = self.world_size();
-        Ok((0..world).map(|rank| Arc::new(NcclDeviceRank { rank, shared: self.shared.clone() }) as Arc<dyn DeviceCollective<CudaRuntime>>).collect())
+        Ok((0..world)
+            .map(|rank| {
+                Arc::new(NcclDeviceRank { rank, shared: self.shared.clone() }) as Arc<dyn DeviceCollective<CudaRuntime>>
+            })
+            .collect())
     }
 }
 
@@ -355,9 +438,17 @@ impl DeviceCollective<CudaRuntime> for NcclDeviceRank {
         self.shared.comms.read().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, Vec::len)
     }
 
-    fn all_reduce_sum(&self, gpu: &kernels::cuda::launch::Gpu, buf: &mut CudaSlice<f32>, n: usize) -> Result<(), DeviceCollectiveError> {
+    fn all_reduce_sum(
+        &self,
+        gpu: &kernels::cuda::launch::Gpu,
+        buf: &mut CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), DeviceCollectiveError> {
         if n > buf.len() {
-            return Err(DeviceCollectiveError::Invalid(format!("all_reduce_sum of {n} elements on a buffer of {}", buf.len())));
+            return Err(DeviceCollectiveError::Invalid(format!(
+                "all_reduce_sum of {n} elements on a buffer of {}",
+                buf.len()
+            )));
         }
         if n == 0 {
             return Ok(());
@@ -368,15 +459,28 @@ impl DeviceCollective<CudaRuntime> for NcclDeviceRank {
         };
         let stream = &gpu.rt.stream;
         // NCCL does not bind the context itself, and this rank's thread may be a fresh one.
-        stream.context().bind_to_thread().map_err(|e| CudaError::Driver { what: "cuCtxSetCurrent", msg: format!("{e:?}") })?;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| CudaError::Driver { what: "cuCtxSetCurrent", msg: format!("{e:?}") })?;
         let (ptr, _sync) = buf.device_ptr_mut(stream);
         // SAFETY: `ptr` is a live device buffer of at least `n` f32 on this rank's device, the
         // handle is this rank's (kept alive by the read lock), and the stream is the one every
         // kernel of this rank runs on, so the reduce is ordered after them.
         let r = unsafe {
-            nccl_result::all_reduce(ptr as *const _, ptr as *mut _, n, nccl_sys::ncclDataType_t::ncclFloat32, nccl_sys::ncclRedOp_t::ncclSum, handles[self.rank], stream.cu_stream() as _)
+            nccl_result::all_reduce(
+                ptr as *const _,
+                ptr as *mut _,
+                n,
+                nccl_sys::ncclDataType_t::ncclFloat32,
+                nccl_sys::ncclRedOp_t::ncclSum,
+                handles[self.rank],
+                stream.cu_stream() as _,
+            )
         };
-        r.map(|_| ()).map_err(|e| DeviceCollectiveError::Device(CudaError::Driver { what: "ncclAllReduce", msg: format!("{e:?}") }))
+        r.map(|_| ()).map_err(|e| {
+            DeviceCollectiveError::Device(CudaError::Driver { what: "ncclAllReduce", msg: format!("{e:?}") })
+        })
     }
 
     /// Aborts every rank's communicator: peers spinning in an all-reduce this rank will never

@@ -6,10 +6,10 @@
 //! naming the cause for an explicit `cuda:N`, and a logged fallback for `auto`.
 
 use super::DeviceSpec;
-use crate::parallel::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
 use crate::model::device::weights::DenseWeights;
 use crate::model::device::{device_ranks, place_on_devices};
 use crate::model::LoadedModel;
+use crate::parallel::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
 
 /// Moves `m` to the device(s) `spec` names (unchanged for `cpu`): one device per tensor-parallel
 /// rank, so `--device cuda:0,1` goes with `--tensor-parallel-size 2`. `dense` (`--dtype`) is how
@@ -56,8 +56,12 @@ pub fn place_model(m: LoadedModel, spec: &DeviceSpec, dense: DenseWeights) -> Re
 /// `--device sim` (development and tests): the device forward on the CUDA-kernel simulator, one
 /// simulated device per tensor-parallel rank, their all-reduces staged through the host.
 fn onto_sim(m: LoadedModel, ranks: usize, dense: DenseWeights) -> Result<LoadedModel, String> {
-    let gpus = (0..ranks).map(|_| kernels::sim::SimGpu::sim()).collect::<Result<Vec<_>, _>>().map_err(|e| format!("--device sim: {e}"))?;
-    let group: Box<dyn DeviceGroup<_>> = if ranks == 1 { Box::new(SoleRank) } else { Box::new(LocalDeviceGroup { world: ranks }) };
+    let gpus = (0..ranks)
+        .map(|_| kernels::sim::SimGpu::sim())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("--device sim: {e}"))?;
+    let group: Box<dyn DeviceGroup<_>> =
+        if ranks == 1 { Box::new(SoleRank) } else { Box::new(LocalDeviceGroup { world: ranks }) };
     tracing::warn!(ranks, "--device sim: the model's forward runs on the CUDA-kernel simulator (a development/test device, far slower than --device cpu)");
     let m = place_on_devices(m, gpus, group, dense).map_err(|e| format!("--device sim: {e}"))?;
     note_cpu_activations(&m);
@@ -73,7 +77,8 @@ fn note_cpu_activations(m: &LoadedModel) {
 }
 
 fn cpu_activations_note(m: &LoadedModel) -> Option<&'static str> {
-    (m.cpu_activations == crate::model::activations::CpuActivations::Int8).then_some("--cpu-activations int8 applies to the CPU forward only; the device forward ignores it")
+    (m.cpu_activations == crate::model::activations::CpuActivations::Int8)
+        .then_some("--cpu-activations int8 applies to the CPU forward only; the device forward ignores it")
 }
 
 // Without the `cuda` feature only `Unavailable` is ever built.
@@ -128,7 +133,11 @@ mod tests {
     #[test]
     fn device_count_must_match_the_tensor_parallel_size() {
         let e = place_model(tiny_tp(2), &DeviceSpec::Cuda(vec![0]), DenseWeights::Bf16).err().unwrap();
-        assert!(e.contains("names 1 device(s) but the model is loaded as 2 rank(s)") && e.contains("--device cuda:0,1 --tensor-parallel-size 2"), "{e}");
+        assert!(
+            e.contains("names 1 device(s) but the model is loaded as 2 rank(s)")
+                && e.contains("--device cuda:0,1 --tensor-parallel-size 2"),
+            "{e}"
+        );
         let e = place_model(tiny_tp(1), &DeviceSpec::Cuda(vec![0, 1]), DenseWeights::Bf16).err().unwrap();
         assert!(e.contains("names 2 device(s) but the model is loaded as 1"), "{e}");
     }
@@ -151,7 +160,10 @@ mod tests {
     #[test]
     fn int8_cpu_activations_are_noted_as_cpu_only() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
-        let opts = crate::model::LoadOptions { cpu_activations: crate::model::activations::CpuActivations::Int8, ..Default::default() };
+        let opts = crate::model::LoadOptions {
+            cpu_activations: crate::model::activations::CpuActivations::Int8,
+            ..Default::default()
+        };
         let m = crate::model::load_with_options(&dir, &opts).unwrap();
         assert!(cpu_activations_note(&m).is_some_and(|n| n.contains("CPU forward only")));
         assert_eq!(cpu_activations_note(&tiny_tp(1)), None);

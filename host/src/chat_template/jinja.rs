@@ -30,7 +30,9 @@ fn tojson_opts(kwargs: &Kwargs) -> Result<pyjson::DumpOpts, Error> {
         None => None,
         Some(v) => match <[String; 2]>::try_from(v) {
             Ok([item, key]) => Some((item, key)),
-            Err(_) => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be an (item, key) pair")),
+            Err(_) => {
+                return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be an (item, key) pair"))
+            }
         },
     };
     Ok(pyjson::DumpOpts {
@@ -51,7 +53,6 @@ fn strftime_now(format: String) -> String {
     format_utc(now, &format)
 }
 
-
 impl JinjaChatTemplate {
     pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self, String> {
         let mut env = Environment::new();
@@ -65,14 +66,19 @@ impl JinjaChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned("chat", source.to_string()).map_err(|e| format!("chat template does not compile: {e:#}"))?;
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| format!("chat template does not compile: {e:#}"))?;
         Ok(Self { env, bos_token: bos_token.unwrap_or("").into(), eos_token: eos_token.unwrap_or("").into() })
     }
 }
 
 impl ChatTemplate for JinjaChatTemplate {
     fn render(&self, input: &ChatTemplateInput) -> Result<String, RenderError> {
-        let tmpl = self.env.get_template("chat").map_err(|e| RenderError::Renderer { status: 500, code: "chat_template_missing", message: e.to_string() })?;
+        let tmpl = self.env.get_template("chat").map_err(|e| RenderError::Renderer {
+            status: 500,
+            code: "chat_template_missing",
+            message: e.to_string(),
+        })?;
         let mut ctx = serde_json::Map::new();
         // Extra variables first so the standard ones cannot be overridden by a client.
         for (k, v) in &input.extra {
@@ -85,7 +91,8 @@ impl ChatTemplate for JinjaChatTemplate {
         ctx.insert("add_generation_prompt".into(), input.add_generation_prompt.into());
         ctx.insert("bos_token".into(), self.bos_token.clone().into());
         ctx.insert("eos_token".into(), self.eos_token.clone().into());
-        tmpl.render(JValue::from(minijinja::value::Serde(&ctx))).map_err(|e| RenderError::Input(format!("chat template failed: {e:#}")))
+        tmpl.render(JValue::from(minijinja::value::Serde(&ctx)))
+            .map_err(|e| RenderError::Input(format!("chat template failed: {e:#}")))
     }
 }
 
@@ -101,14 +108,17 @@ pub(crate) mod fixtures {
     /// A JSON file under tests/reference/.
     pub fn reference(file: &str) -> serde_json::Value {
         let path = dir().join(file);
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+            .unwrap()
     }
 
     /// The source of a template named in templates/expected.json: SmolLM2's from its fixtures,
     /// the others from templates/<name>.jinja.
     pub fn template_source(name: &str) -> String {
         match name {
-            "SmolLM2-135M-Instruct" => reference("smollm2/fixtures.json")["chat_template"].as_str().unwrap().to_string(),
+            "SmolLM2-135M-Instruct" => {
+                reference("smollm2/fixtures.json")["chat_template"].as_str().unwrap().to_string()
+            }
             _ => std::fs::read_to_string(dir().join(format!("templates/{name}.jinja"))).unwrap(),
         }
     }
@@ -129,7 +139,11 @@ mod tests {
         )
         .unwrap();
         let out = t
-            .render(&ChatTemplateInput { messages: vec![json!({"role": "user", "content": "hi"})], add_generation_prompt: true, ..Default::default() })
+            .render(&ChatTemplateInput {
+                messages: vec![json!({"role": "user", "content": "hi"})],
+                add_generation_prompt: true,
+                ..Default::default()
+            })
             .unwrap();
         assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     }
@@ -139,7 +153,6 @@ mod tests {
         let t = JinjaChatTemplate::new("{{ raise_exception('no system') }}", None, None).unwrap();
         assert!(t.render(&ChatTemplateInput::default()).unwrap_err().to_string().contains("no system"));
     }
-
 
     /// `tojson` with ensure_ascii / indent / separators / sort_keys writes what Python's
     /// json.dumps writes (tests/reference/templates/tojson_expected.json, made by transformers).
@@ -154,7 +167,10 @@ mod tests {
             extra.insert("value".into(), case["value"].clone());
             let got = t.render(&ChatTemplateInput { extra, ..Default::default() });
             if got.as_deref() != Ok(case["expected"].as_str().unwrap()) {
-                failures.push(format!("{} {}: got {got:?}, want {}", case["value_name"], case["template"], case["expected"]));
+                failures.push(format!(
+                    "{} {}: got {got:?}, want {}",
+                    case["value_name"], case["template"], case["expected"]
+                ));
             }
         }
         assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
@@ -171,16 +187,18 @@ mod tests {
         let (mut same, mut refused, mut failures) = (0, 0, Vec::new());
         for case in data["cases"].as_array().unwrap() {
             let name = case["template"].as_str().unwrap();
-            let t = templates
-                .entry(name.to_string())
-                .or_insert_with(|| JinjaChatTemplate::new(&template_source(name), case["bos_token"].as_str(), case["eos_token"].as_str()).unwrap());
+            let t = templates.entry(name.to_string()).or_insert_with(|| {
+                JinjaChatTemplate::new(&template_source(name), case["bos_token"].as_str(), case["eos_token"].as_str())
+                    .unwrap()
+            });
             let input = ChatTemplateInput {
                 messages: case["messages"].as_array().unwrap().clone(),
                 tools: case["tools"].as_array().cloned(),
                 add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
                 extra: case["kwargs"].as_object().cloned().unwrap_or_default(),
             };
-            let label = format!("{name}/{}/gen={}/{}", case["conversation"], case["add_generation_prompt"], case["kwargs"]);
+            let label =
+                format!("{name}/{}/gen={}/{}", case["conversation"], case["add_generation_prompt"], case["kwargs"]);
             match (t.render(&input), case["prompt"].as_str()) {
                 (Ok(got), Some(want)) if got == want => same += 1,
                 (Err(_), None) => refused += 1,

@@ -116,7 +116,14 @@ pub enum EngineEvent {
     /// empty while a multi-byte character or a possible stop string is held back).
     Token { index: usize, token: u32, text: String, logprob: Option<TokenLogprob> },
     /// Choice `index` ended. `text` is any held-back text released at the end.
-    Finished { index: usize, reason: FinishReason, text: String, prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize },
+    Finished {
+        index: usize,
+        reason: FinishReason,
+        text: String,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    },
     /// The prompt's logprobs (`prompt_logprobs`): one entry per prompt token after the first,
     /// sent once, before the first `Token`.
     PromptLogprobs(Vec<TokenLogprob>),

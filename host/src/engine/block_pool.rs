@@ -11,8 +11,8 @@ use std::hash::{Hash, Hasher};
 
 use kernels::cpu::fp8::quantize_e4m3;
 
-use crate::model::kv::{BlockCopy, CacheLayout, KvRow, LayerKvShape};
 use super::recurrent_slots::RecurrentSlots;
+use crate::model::kv::{BlockCopy, CacheLayout, KvRow, LayerKvShape};
 
 pub type BlockId = u32;
 
@@ -57,7 +57,11 @@ pub enum KvCacheDtype {
 
 impl KvCacheDtype {
     pub fn parse(s: &str) -> Result<Self, String> {
-        if s == "auto" { Ok(Self::Auto) } else { KvDtype::parse(s).map(Self::Fixed) }
+        if s == "auto" {
+            Ok(Self::Auto)
+        } else {
+            KvDtype::parse(s).map(Self::Fixed)
+        }
     }
 
     /// The storage type for a model whose forward runs on a device (`on_device`) with dense
@@ -106,7 +110,10 @@ enum Store {
     F32(Vec<f32>),
     /// bf16 bit patterns.
     Bf16(Vec<u16>),
-    Fp8 { codes: Vec<u8>, scales: Vec<f32> },
+    Fp8 {
+        codes: Vec<u8>,
+        scales: Vec<f32>,
+    },
 }
 
 /// One layer's keys and values.
@@ -140,7 +147,8 @@ impl Store {
             Store::Fp8 { codes, scales } => {
                 let g = w / groups;
                 for h in 0..groups {
-                    scales[i * groups + h] = quantize_e4m3(&x[h * g..(h + 1) * g], &mut codes[i * w + h * g..i * w + (h + 1) * g]);
+                    scales[i * groups + h] =
+                        quantize_e4m3(&x[h * g..(h + 1) * g], &mut codes[i * w + h * g..i * w + (h + 1) * g]);
                 }
             }
         }
@@ -150,7 +158,9 @@ impl Store {
         match self {
             Store::F32(d) => KvRow::F32(&d[i * w..(i + 1) * w]),
             Store::Bf16(d) => KvRow::Bf16(&d[i * w..(i + 1) * w]),
-            Store::Fp8 { codes, scales } => KvRow::Fp8 { codes: &codes[i * w..(i + 1) * w], scales: &scales[i * groups..(i + 1) * groups] },
+            Store::Fp8 { codes, scales } => {
+                KvRow::Fp8 { codes: &codes[i * w..(i + 1) * w], scales: &scales[i * groups..(i + 1) * groups] }
+            }
         }
     }
 
@@ -222,7 +232,11 @@ impl BlockPool {
     /// host allocates no K/V memory, only the block bookkeeping (refcounts, prefix cache), and
     /// records copy-on-write copies for the model to apply ([`Self::take_pending_copies`]).
     pub fn new_external(shape: PoolShape, num_blocks: usize) -> Self {
-        let mut p = Self::new(PoolShape { layers: vec![None; shape.layers.len()], block_size: shape.block_size }, num_blocks, KvDtype::F32);
+        let mut p = Self::new(
+            PoolShape { layers: vec![None; shape.layers.len()], block_size: shape.block_size },
+            num_blocks,
+            KvDtype::F32,
+        );
         p.shape = shape;
         p.external = true;
         p
@@ -412,7 +426,11 @@ mod tests {
     #[test]
     fn layers_of_different_widths_share_block_ids() {
         let layout = CacheLayout {
-            layers: vec![Some(LayerKvShape { key_width: 6, value_width: 2, groups: 2 }), None, Some(LayerKvShape::heads(1, 4))],
+            layers: vec![
+                Some(LayerKvShape { key_width: 6, value_width: 2, groups: 2 }),
+                None,
+                Some(LayerKvShape::heads(1, 4)),
+            ],
             recurrent_bytes_per_seq: 0,
         };
         let shape = PoolShape::new(&layout, 2);

@@ -13,18 +13,18 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineEvent, EngineRequest, EngineStats, RequestId, SubmitError, TokenLogprob};
 
+use super::api::FinishReason;
 use super::block_pool::{BlockPool, KvDtype, PoolShape};
 use super::fair_share::SlotShares;
 use super::paged_kv::PagedKv;
 use super::recurrent_slots::RecurrentSlots;
 use super::sequence::Sequence;
-use super::api::FinishReason;
 use crate::model::kv::BatchRow;
+use crate::model::tokenizer::incremental::IncrementalDecoder;
 use crate::model::LoadedModel;
 use crate::sampling::constraint::{Constraint, ConstraintSpec};
 use crate::sampling::stop::{StopChecker, StopOutcome};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::model::tokenizer::incremental::IncrementalDecoder;
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -81,13 +81,22 @@ fn check_list_sizes(req: &EngineRequest) -> Result<(), SubmitError> {
         return too_many("stop", format!("'stop' may hold at most {MAX_STOP_STRINGS} strings, got {}", req.stop.len()));
     }
     if let Some(s) = req.stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
-        return too_many("stop", format!("a stop string may be at most {MAX_STOP_STRING_BYTES} bytes, got {}", s.len()));
+        return too_many(
+            "stop",
+            format!("a stop string may be at most {MAX_STOP_STRING_BYTES} bytes, got {}", s.len()),
+        );
     }
     if req.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
-        return too_many("stop_token_ids", format!("'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, got {}", req.stop_token_ids.len()));
+        return too_many(
+            "stop_token_ids",
+            format!("'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, got {}", req.stop_token_ids.len()),
+        );
     }
     if req.sampling.logit_bias.len() > MAX_LOGIT_BIAS {
-        return too_many("logit_bias", format!("'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {}", req.sampling.logit_bias.len()));
+        return too_many(
+            "logit_bias",
+            format!("'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {}", req.sampling.logit_bias.len()),
+        );
     }
     match &req.constraint {
         Some(ConstraintSpec::Choice { choices }) if choices.len() > MAX_CHOICES || choices.iter().map(String::len).sum::<usize>() > MAX_CHOICE_BYTES => {
@@ -100,7 +109,12 @@ fn check_list_sizes(req: &EngineRequest) -> Result<(), SubmitError> {
 
 /// The checks every request passes before it is queued (also run by `Engine::submit`, so a bad
 /// request is refused synchronously instead of failing later in its stream).
-pub fn validate_request(model: &LoadedModel, max_model_len: usize, cfg: &EngineConfig, req: &EngineRequest) -> Result<(), SubmitError> {
+pub fn validate_request(
+    model: &LoadedModel,
+    max_model_len: usize,
+    cfg: &EngineConfig,
+    req: &EngineRequest,
+) -> Result<(), SubmitError> {
     let vocab = model.config().vocab_size;
     if req.prompt_ids.is_empty() {
         return Err(SubmitError::Invalid("the prompt is empty".into()));
@@ -112,11 +126,17 @@ pub fn validate_request(model: &LoadedModel, max_model_len: usize, cfg: &EngineC
         return Err(SubmitError::PromptTooLong { prompt: req.prompt_ids.len(), max: max_model_len });
     }
     if req.n == 0 || req.n > cfg.max_n {
-        return Err(SubmitError::InvalidParam { param: "n", message: format!("'n' must be between 1 and {}, got {}", cfg.max_n, req.n) });
+        return Err(SubmitError::InvalidParam {
+            param: "n",
+            message: format!("'n' must be between 1 and {}, got {}", cfg.max_n, req.n),
+        });
     }
     for (param, k) in [("top_logprobs", req.logprobs), ("prompt_logprobs", req.prompt_logprobs)] {
         if k.is_some_and(|k| k > cfg.max_logprobs) {
-            return Err(SubmitError::InvalidParam { param, message: format!("'{param}' must be at most {}", cfg.max_logprobs) });
+            return Err(SubmitError::InvalidParam {
+                param,
+                message: format!("'{param}' must be at most {}", cfg.max_logprobs),
+            });
         }
     }
     check_list_sizes(req)?;
@@ -127,16 +147,28 @@ pub fn validate_request(model: &LoadedModel, max_model_len: usize, cfg: &EngineC
         });
     }
     if req.sampling.allowed_token_ids.as_ref().is_some_and(|a| a.len() > vocab) {
-        return Err(SubmitError::InvalidParam { param: "allowed_token_ids", message: format!("'allowed_token_ids' may list at most the vocabulary's {vocab} ids") });
+        return Err(SubmitError::InvalidParam {
+            param: "allowed_token_ids",
+            message: format!("'allowed_token_ids' may list at most the vocabulary's {vocab} ids"),
+        });
     }
     if let Some(&t) = req.sampling.allowed_token_ids.iter().flatten().find(|&&t| t as usize >= vocab) {
-        return Err(SubmitError::InvalidParam { param: "allowed_token_ids", message: format!("allowed_token_ids token id {t} is outside the vocabulary") });
+        return Err(SubmitError::InvalidParam {
+            param: "allowed_token_ids",
+            message: format!("allowed_token_ids token id {t} is outside the vocabulary"),
+        });
     }
     if let Some(&t) = req.sampling.logit_bias.keys().find(|&&t| t as usize >= vocab) {
-        return Err(SubmitError::InvalidParam { param: "logit_bias", message: format!("logit_bias token id {t} is outside the vocabulary") });
+        return Err(SubmitError::InvalidParam {
+            param: "logit_bias",
+            message: format!("logit_bias token id {t} is outside the vocabulary"),
+        });
     }
     if let Some(&t) = req.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
-        return Err(SubmitError::InvalidParam { param: "stop_token_ids", message: format!("stop token id {t} is outside the vocabulary") });
+        return Err(SubmitError::InvalidParam {
+            param: "stop_token_ids",
+            message: format!("stop token id {t} is outside the vocabulary"),
+        });
     }
     req.sampling.validate().map_err(SubmitError::Invalid)
 }
@@ -201,13 +233,27 @@ impl EngineCore {
         let pool = match model.model.device_kv() {
             Some(dev) => {
                 let storage = cfg.kv_dtype.device_storage();
-                dev.allocate(num_blocks, cfg.block_size, storage).map_err(|e| format!("cannot allocate the device KV pool ({num_blocks} blocks of {}): {e}", cfg.block_size))?;
+                dev.allocate(num_blocks, cfg.block_size, storage).map_err(|e| {
+                    format!("cannot allocate the device KV pool ({num_blocks} blocks of {}): {e}", cfg.block_size)
+                })?;
                 tracing::info!(blocks = num_blocks, "K/V live in the device pool; the host keeps block tables only");
                 BlockPool::new_external(shape, num_blocks).with_recurrent(slots)
             }
             None => BlockPool::new(shape, num_blocks, cfg.kv_dtype).with_recurrent(slots),
         };
-        Ok(Self { model, cfg, pool, max_model_len, requests: HashMap::new(), waiting: Vec::new(), running: Vec::new(), arrivals: 0, stats: EngineStats::default(), token_bytes: None, deferred_last: HashSet::new() })
+        Ok(Self {
+            model,
+            cfg,
+            pool,
+            max_model_len,
+            requests: HashMap::new(),
+            waiting: Vec::new(),
+            running: Vec::new(),
+            arrivals: 0,
+            stats: EngineStats::default(),
+            token_bytes: None,
+            deferred_last: HashSet::new(),
+        })
     }
 
     pub fn max_model_len(&self) -> usize {
@@ -236,7 +282,12 @@ impl EngineCore {
         &self.cfg
     }
 
-    pub fn add_request(&mut self, id: RequestId, req: EngineRequest, tx: UnboundedSender<EngineEvent>) -> Result<(), SubmitError> {
+    pub fn add_request(
+        &mut self,
+        id: RequestId,
+        req: EngineRequest,
+        tx: UnboundedSender<EngineEvent>,
+    ) -> Result<(), SubmitError> {
         self.validate(&req)?;
         let seq = self.new_sequence(id, 0, &req, req.prompt_ids.clone(), req.sampling.clone());
         self.waiting.push(seq);
@@ -245,7 +296,14 @@ impl EngineCore {
         Ok(())
     }
 
-    fn new_sequence(&mut self, id: RequestId, index: usize, req: &EngineRequest, tokens: Vec<u32>, sampling: SamplingParams) -> Sequence {
+    fn new_sequence(
+        &mut self,
+        id: RequestId,
+        index: usize,
+        req: &EngineRequest,
+        tokens: Vec<u32>,
+        sampling: SamplingParams,
+    ) -> Sequence {
         self.arrivals += 1;
         let prompt_len = req.prompt_ids.len();
         Sequence {
@@ -318,7 +376,11 @@ impl EngineCore {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step())) {
             Ok(worked) => worked,
             Err(panic) => {
-                let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into());
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
                 self.stats.step_panics_total += 1;
                 let mut ids: Vec<RequestId> = self.running.iter().map(|s| s.request).collect();
                 ids.sort_unstable();
@@ -370,7 +432,10 @@ impl EngineCore {
                 .filter(|&j| j > i || !is_deferred(&self.running[j]))
                 .min_by_key(|&j| (self.running[j].priority, std::cmp::Reverse(self.running[j].arrival)));
             match victim {
-                Some(j) if self.running[j].arrival > self.running[i].arrival || self.running[j].priority < self.running[i].priority => {
+                Some(j)
+                    if self.running[j].arrival > self.running[i].arrival
+                        || self.running[j].priority < self.running[i].priority =>
+                {
                     // (A deferred row before `i` is never the victim, so `num_deferred` stays right.)
                     let mut s = self.running.remove(j);
                     s.release_blocks(&mut self.pool);
@@ -432,7 +497,13 @@ impl EngineCore {
         }
         let tokens: usize = plan.iter().map(|p| p.1).sum();
         self.run_batch(&plan);
-        tracing::debug!(rows = plan.len(), tokens, deferred = num_deferred, ms = started.elapsed().as_secs_f64() * 1e3, "engine step");
+        tracing::debug!(
+            rows = plan.len(),
+            tokens,
+            deferred = num_deferred,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "engine step"
+        );
         true
     }
 
@@ -470,7 +541,9 @@ impl EngineCore {
         let key = |s: &Sequence| (std::cmp::Reverse(s.priority), held(s) as f64 / s.weight.max(1e-6), s.arrival);
         (0..self.waiting.len())
             .filter(|&i| held(&self.waiting[i]) < cap && !deferred.contains(&self.waiting[i].tenant))
-            .min_by(|&a, &b| key(&self.waiting[a]).partial_cmp(&key(&self.waiting[b])).unwrap_or(std::cmp::Ordering::Equal))
+            .min_by(|&a, &b| {
+                key(&self.waiting[a]).partial_cmp(&key(&self.waiting[b])).unwrap_or(std::cmp::Ordering::Equal)
+            })
     }
 
     fn fail_request(&mut self, id: RequestId, msg: &str) {
@@ -544,8 +617,13 @@ impl EngineCore {
             }
         }
         let vocab = self.model.config().vocab_size;
-        let (prompt_logits, sample_logits): (Vec<usize>, Vec<usize>) = (0..logit_rows.len()).partition(|&k| logit_is_prompt[k]);
-        self.score_prompt_rows(&prompt_rows, prompt_logits.iter().map(|&k| &logits[k * vocab..(k + 1) * vocab]), &sampled_seqs);
+        let (prompt_logits, sample_logits): (Vec<usize>, Vec<usize>) =
+            (0..logit_rows.len()).partition(|&k| logit_is_prompt[k]);
+        self.score_prompt_rows(
+            &prompt_rows,
+            prompt_logits.iter().map(|&k| &logits[k * vocab..(k + 1) * vocab]),
+            &sampled_seqs,
+        );
         let mut finished: Vec<usize> = Vec::new();
         let mut forks: Vec<(usize, Vec<f32>)> = Vec::new();
         for (&k, &i) in sample_logits.iter().zip(&sampled_seqs) {
@@ -582,7 +660,12 @@ impl EngineCore {
     /// Records the logprob of the prompt token each of `rows` scores (`logits` in the same
     /// order), and sends a sequence's prompt logprobs once they are all in, before its first
     /// token.
-    fn score_prompt_rows<'a>(&mut self, rows: &[(usize, usize)], logits: impl Iterator<Item = &'a [f32]>, sampled: &[usize]) {
+    fn score_prompt_rows<'a>(
+        &mut self,
+        rows: &[(usize, usize)],
+        logits: impl Iterator<Item = &'a [f32]>,
+        sampled: &[usize],
+    ) {
         for (&(i, pos), l) in rows.iter().zip(logits) {
             let s = &mut self.running[i];
             let k = s.prompt_logprobs.unwrap_or(0);
@@ -621,7 +704,8 @@ impl EngineCore {
             child.cached_tokens = self.running[parent].cached_tokens;
             child.num_computed = req.prompt_ids.len();
             child.blocks = self.running[parent].blocks[..req.prompt_ids.len().div_ceil(self.cfg.block_size)].to_vec();
-            child.hashes = self.running[parent].hashes.iter().take(req.prompt_ids.len() / self.cfg.block_size).copied().collect();
+            child.hashes =
+                self.running[parent].hashes.iter().take(req.prompt_ids.len() / self.cfg.block_size).copied().collect();
             if let Some(from) = self.running[parent].slot {
                 match self.pool.recurrent.fork(from) {
                     Some(slot) => child.slot = Some(slot),
@@ -674,7 +758,8 @@ impl EngineCore {
                     // The constrained output is complete: nothing but EOS may follow.
                     eos.unwrap_or(0)
                 } else {
-                    let allowed = |t: u32| bytes.get(t as usize).and_then(|b| b.as_deref()).is_some_and(|b| js.accepts(b));
+                    let allowed =
+                        |t: u32| bytes.get(t as usize).and_then(|b| b.as_deref()).is_some_and(|b| js.accepts(b));
                     match s.sampler.sample_allowed(&mut logits, allowed) {
                         Some(x) => x.token,
                         None => eos.unwrap_or(0),
@@ -682,7 +767,9 @@ impl EngineCore {
                 }
             }
         };
-        if let (Some(js), Some(Some(b))) = (&mut s.constraint, self.token_bytes.as_ref().map(|t| t.get(next as usize).cloned().flatten())) {
+        if let (Some(js), Some(Some(b))) =
+            (&mut s.constraint, self.token_bytes.as_ref().map(|t| t.get(next as usize).cloned().flatten()))
+        {
             js.feed(&b);
         }
         s.sampler.observe(next);
@@ -771,13 +858,24 @@ fn recurrent_slots(model: &LoadedModel, cfg: &EngineConfig, bytes_per_seq: usize
         return Ok(RecurrentSlots::none());
     }
     if let Some(dev) = model.model.device_kv() {
-        dev.allocate_recurrent(count).map_err(|e| format!("cannot allocate {count} recurrent state slots on the device: {e}"))?;
-        tracing::info!(slots = count, bytes_per_seq, total_bytes = count * bytes_per_seq, "recurrent state slots allocated on the device");
+        dev.allocate_recurrent(count)
+            .map_err(|e| format!("cannot allocate {count} recurrent state slots on the device: {e}"))?;
+        tracing::info!(
+            slots = count,
+            bytes_per_seq,
+            total_bytes = count * bytes_per_seq,
+            "recurrent state slots allocated on the device"
+        );
         return Ok(RecurrentSlots::external(count, bytes_per_seq));
     }
     Ok(match model.model.new_recurrent_state() {
         Some(fresh) => {
-            tracing::info!(slots = count, bytes_per_seq, total_bytes = count * bytes_per_seq, "recurrent state slots allocated");
+            tracing::info!(
+                slots = count,
+                bytes_per_seq,
+                total_bytes = count * bytes_per_seq,
+                "recurrent state slots allocated"
+            );
             RecurrentSlots::new(fresh, count, bytes_per_seq)
         }
         None => RecurrentSlots::none(),

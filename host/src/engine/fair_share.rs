@@ -25,7 +25,11 @@ pub struct SlotShares<'a> {
 impl<'a> SlotShares<'a> {
     /// `running` and `waiting` give (tenant, weight) per sequence. Active tenants are those with
     /// a running or waiting sequence; an idle tenant claims no share.
-    pub fn new(running: impl IntoIterator<Item = (&'a str, f64)>, waiting: impl IntoIterator<Item = (&'a str, f64)>, slots: usize) -> Self {
+    pub fn new(
+        running: impl IntoIterator<Item = (&'a str, f64)>,
+        waiting: impl IntoIterator<Item = (&'a str, f64)>,
+        slots: usize,
+    ) -> Self {
         let mut held: HashMap<&str, usize> = HashMap::new();
         let mut demand: HashMap<&str, usize> = HashMap::new();
         let mut weight: HashMap<&str, f64> = HashMap::new();
@@ -74,13 +78,22 @@ impl<'a> SlotShares<'a> {
     /// two steps in a row. A flooder that momentarily holds less than its share (several of its
     /// requests just finished) still yields, or its fresh prompts would join the light
     /// tenant's step.
-    pub fn deferred<'b>(&self, prefilling: impl IntoIterator<Item = &'b str>, deferred_last: &HashSet<String>) -> HashSet<String> {
-        let Some(bar) = prefilling.into_iter().filter(|t| self.light(t)).map(|t| self.per_weight(t)).reduce(f64::max) else {
+    pub fn deferred<'b>(
+        &self,
+        prefilling: impl IntoIterator<Item = &'b str>,
+        deferred_last: &HashSet<String>,
+    ) -> HashSet<String> {
+        let Some(bar) = prefilling.into_iter().filter(|t| self.light(t)).map(|t| self.per_weight(t)).reduce(f64::max)
+        else {
             return HashSet::new();
         };
         self.held
             .keys()
-            .filter(|t| self.per_weight(t) > bar && self.demand.get(**t).copied().unwrap_or(0) as f64 > self.share(t) && !deferred_last.contains(**t))
+            .filter(|t| {
+                self.per_weight(t) > bar
+                    && self.demand.get(**t).copied().unwrap_or(0) as f64 > self.share(t)
+                    && !deferred_last.contains(**t)
+            })
             .map(|t| t.to_string())
             .collect()
     }
@@ -91,7 +104,9 @@ mod tests {
     use super::*;
 
     fn flood_and_quiet(flood_running: usize, quiet_running: usize, quiet_weight: f64) -> SlotShares<'static> {
-        let running = std::iter::repeat(("flood", 1.0)).take(flood_running).chain(std::iter::repeat(("quiet", quiet_weight)).take(quiet_running));
+        let running = std::iter::repeat(("flood", 1.0))
+            .take(flood_running)
+            .chain(std::iter::repeat(("quiet", quiet_weight)).take(quiet_running));
         let waiting = std::iter::repeat(("flood", 1.0)).take(50).chain([("quiet", quiet_weight)]);
         SlotShares::new(running.collect::<Vec<_>>(), waiting.collect::<Vec<_>>(), 8)
     }
@@ -130,7 +145,11 @@ mod tests {
         assert!(s.deferred(["a", "b"], &HashSet::new()).is_empty(), "two tenants at their share defer nobody");
         // Two flooders: one dipping below its share does not make the other sit out.
         let running = [("a", 1.0); 5].into_iter().chain([("b", 1.0); 3]);
-        let s = SlotShares::new(running.collect::<Vec<_>>(), [("a", 1.0); 20].into_iter().chain([("b", 1.0); 20]).collect::<Vec<_>>(), 8);
+        let s = SlotShares::new(
+            running.collect::<Vec<_>>(),
+            [("a", 1.0); 20].into_iter().chain([("b", 1.0); 20]).collect::<Vec<_>>(),
+            8,
+        );
         assert!(s.deferred(["b"], &HashSet::new()).is_empty());
         // A tenant holding more than the light one but wanting no more than its share runs on.
         let s = SlotShares::new([("a", 1.0); 3], [("q", 1.0)], 8);

@@ -3,8 +3,8 @@
 
 use super::block_pool::{BlockId, BlockPool};
 use super::recurrent_slots::SlotId;
-use crate::model::layers::kda::state::{KdaState, RecurrentStates};
 use crate::model::kv::{BlockCopy, KvCache, KvRow, PagedView, SlotOp};
+use crate::model::layers::kda::state::{KdaState, RecurrentStates};
 
 pub struct PagedKv<'a> {
     pub pool: &'a mut BlockPool,
@@ -41,7 +41,13 @@ impl KvCache for PagedKv<'_> {
     }
 
     fn paged_view(&self) -> Option<PagedView<'_>> {
-        Some(PagedView { block_size: self.pool.shape().block_size, tables: &self.tables, copies: &self.copies, slots: &self.slots, slot_ops: &self.slot_ops })
+        Some(PagedView {
+            block_size: self.pool.shape().block_size,
+            tables: &self.tables,
+            copies: &self.copies,
+            slots: &self.slots,
+            slot_ops: &self.slot_ops,
+        })
     }
 
     fn recurrent(&mut self) -> Option<&mut dyn RecurrentStates> {
@@ -56,7 +62,8 @@ impl KvCache for PagedKv<'_> {
 impl RecurrentStates for PagedKv<'_> {
     fn layer(&mut self, ordinal: usize) -> Vec<&mut KdaState> {
         // Every running sequence of a recurrent model holds a slot (`Sequence::reserve`).
-        let ids: Vec<SlotId> = self.slots.iter().map(|s| s.expect("a running sequence without a recurrent slot")).collect();
+        let ids: Vec<SlotId> =
+            self.slots.iter().map(|s| s.expect("a running sequence without a recurrent slot")).collect();
         self.pool.recurrent.layer(&ids, ordinal)
     }
 }

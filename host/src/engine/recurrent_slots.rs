@@ -6,8 +6,8 @@
 //! in every token before `num_computed`; it cannot be rewound or rebuilt from cached KV blocks, so
 //! a preempted sequence loses its slot and recomputes from its first token.
 
-use crate::model::layers::kda::state::{KdaState, SequenceState};
 use crate::model::kv::SlotOp;
+use crate::model::layers::kda::state::{KdaState, SequenceState};
 
 /// Index of a slot in the pool.
 pub type SlotId = usize;
@@ -29,18 +29,39 @@ pub struct RecurrentSlots {
 impl RecurrentSlots {
     /// A pool for a model without recurrent state: no slots, never needed.
     pub fn none() -> Self {
-        Self { slots: Vec::new(), in_use: Vec::new(), free: Vec::new(), bytes_per_slot: 0, external: false, pending: Vec::new() }
+        Self {
+            slots: Vec::new(),
+            in_use: Vec::new(),
+            free: Vec::new(),
+            bytes_per_slot: 0,
+            external: false,
+            pending: Vec::new(),
+        }
     }
 
     /// `count` slots shaped like `template` (a fresh state of the model).
     pub fn new(template: SequenceState, count: usize, bytes_per_slot: usize) -> Self {
-        Self { slots: vec![template; count], in_use: vec![false; count], free: (0..count).rev().collect(), bytes_per_slot, external: false, pending: Vec::new() }
+        Self {
+            slots: vec![template; count],
+            in_use: vec![false; count],
+            free: (0..count).rev().collect(),
+            bytes_per_slot,
+            external: false,
+            pending: Vec::new(),
+        }
     }
 
     /// `count` slot ids whose states the model keeps (a device model's own state pool): this
     /// side lends ids and records what the model must do to them ([`Self::take_pending`]).
     pub fn external(count: usize, bytes_per_slot: usize) -> Self {
-        Self { slots: Vec::new(), in_use: vec![false; count], free: (0..count).rev().collect(), bytes_per_slot, external: true, pending: Vec::new() }
+        Self {
+            slots: Vec::new(),
+            in_use: vec![false; count],
+            free: (0..count).rev().collect(),
+            bytes_per_slot,
+            external: true,
+            pending: Vec::new(),
+        }
     }
 
     /// The resets and forks since the last call, in order (external slots only; empty otherwise).
@@ -131,7 +152,8 @@ impl RecurrentSlots {
     /// states never asks).
     pub fn layer(&mut self, ids: &[SlotId], ordinal: usize) -> Vec<&mut KdaState> {
         assert!(!self.external, "the model keeps these recurrent states itself");
-        let mut by_id: Vec<Option<&mut KdaState>> = self.slots.iter_mut().map(|s| Some(&mut s.layers[ordinal])).collect();
+        let mut by_id: Vec<Option<&mut KdaState>> =
+            self.slots.iter_mut().map(|s| Some(&mut s.layers[ordinal])).collect();
         ids.iter()
             .map(|&id| {
                 assert!(self.in_use[id], "recurrent slot {id} used while free");
@@ -147,7 +169,15 @@ mod tests {
     use crate::model::layers::kda::KdaConfig;
 
     fn cfgs() -> Vec<KdaConfig> {
-        let c = KdaConfig { hidden_size: 8, num_heads: 2, head_dim: 2, conv_kernel: 3, rms_norm_eps: 1e-6, gate_lower_bound: None, full_rank_gate: false };
+        let c = KdaConfig {
+            hidden_size: 8,
+            num_heads: 2,
+            head_dim: 2,
+            conv_kernel: 3,
+            rms_norm_eps: 1e-6,
+            gate_lower_bound: None,
+            full_rank_gate: false,
+        };
         vec![c.clone(), c]
     }
 

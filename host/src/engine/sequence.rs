@@ -7,10 +7,10 @@ use super::recurrent_slots::SlotId;
 /// Prompt rows of one sequence scheduled per step while it collects prompt logprobs: each row
 /// returns a vocabulary of logits (128 rows of a 150k vocabulary: 77 MB).
 pub const PROMPT_LOGPROB_ROWS: usize = 128;
+use crate::model::tokenizer::incremental::IncrementalDecoder;
 use crate::sampling::constraint::Constraint;
 use crate::sampling::stop::StopChecker;
 use crate::sampling::Sampler;
-use crate::model::tokenizer::incremental::IncrementalDecoder;
 
 pub struct Sequence {
     pub request: RequestId,
@@ -74,7 +74,10 @@ impl Sequence {
     /// Whether the logits of row `pos` are wanted for the prompt logprobs (they score prompt
     /// token `pos + 1`, and it was not scored before a preemption).
     pub fn wants_prompt_logprob(&self, pos: usize) -> bool {
-        self.prompt_logprobs.is_some() && !self.prompt_lp_sent && pos + 1 < self.prompt_len && pos >= self.prompt_lp.len()
+        self.prompt_logprobs.is_some()
+            && !self.prompt_lp_sent
+            && pos + 1 < self.prompt_len
+            && pos >= self.prompt_lp.len()
     }
 
     /// The most prompt tokens to schedule in one step: a prompt-logprobs prompt returns one

@@ -13,9 +13,9 @@ use std::path::PathBuf;
 use crate::model::shard::Split;
 
 use crate::model::error::LoadError;
-use crate::model::layers::linear::Linear;
 use crate::model::format::quant::int_linear::IntLinear;
 use crate::model::format::source::WeightSource;
+use crate::model::layers::linear::Linear;
 use crate::model::tensor::Tensor;
 
 /// How a CPU forward feeds packed integer layers.
@@ -117,7 +117,15 @@ mod tests {
             };
             let codes: Vec<u8> = (0..rows * cols).map(|i| (i * 7 % (1 << bits)) as u8).collect();
             let groups = rows * cols / 32;
-            Ok(Linear::Int(IntLinear::new(IntMatrix::new(PackedRows::from_codes(bits, rows, cols, &codes), 32, &vec![0.01; groups], &vec![4.0; groups]), None)))
+            Ok(Linear::Int(IntLinear::new(
+                IntMatrix::new(
+                    PackedRows::from_codes(bits, rows, cols, &codes),
+                    32,
+                    &vec![0.01; groups],
+                    &vec![4.0; groups],
+                ),
+                None,
+            )))
         }
     }
 
@@ -142,7 +150,8 @@ mod tests {
 
     #[test]
     fn switched_layers_compute_with_quantised_inputs() {
-        let (f32_layer, int8_layer) = (Fake.linear("int", 4, 64).unwrap(), Int8ActivationSource::new(&Fake).linear("int", 4, 64).unwrap());
+        let (f32_layer, int8_layer) =
+            (Fake.linear("int", 4, 64).unwrap(), Int8ActivationSource::new(&Fake).linear("int", 4, 64).unwrap());
         let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 101) as f32 / 50.0 - 1.0) * 0.731).collect();
         let (a, b) = (f32_layer.forward(&x, 1), int8_layer.forward(&x, 1));
         assert_ne!(a, b, "8-bit activations round the inputs");

@@ -87,7 +87,12 @@ impl ModelConfig {
 
     fn validate(self, file: &Path) -> Result<Self, LoadError> {
         let bad = |detail: String| Err(LoadError::Config { file: file.to_path_buf(), detail });
-        if self.hidden_size == 0 || self.num_heads == 0 || self.num_kv_heads == 0 || self.layers.is_empty() || self.vocab_size == 0 {
+        if self.hidden_size == 0
+            || self.num_heads == 0
+            || self.num_kv_heads == 0
+            || self.layers.is_empty()
+            || self.vocab_size == 0
+        {
             return bad(format!(
                 "zero-sized model dimension (hidden {}, heads {}, kv heads {}, layers {}, vocab {})",
                 self.hidden_size,
@@ -98,7 +103,10 @@ impl ModelConfig {
             ));
         }
         if self.num_heads % self.num_kv_heads != 0 {
-            return bad(format!("{} attention heads is not a multiple of {} key/value heads", self.num_heads, self.num_kv_heads));
+            return bad(format!(
+                "{} attention heads is not a multiple of {} key/value heads",
+                self.num_heads, self.num_kv_heads
+            ));
         }
         if self.head_dim % 2 != 0 {
             return bad(format!("head_dim {} is odd; RoPE needs an even size", self.head_dim));
@@ -108,9 +116,8 @@ impl ModelConfig {
 
     pub fn from_gguf(g: &GgufFile) -> Result<Self, LoadError> {
         let file = &g.path;
-        let arch_name = g.meta("general.architecture").and_then(MetaValue::as_str).ok_or_else(|| LoadError::Config {
-            file: file.clone(),
-            detail: "metadata key general.architecture is missing".into(),
+        let arch_name = g.meta("general.architecture").and_then(MetaValue::as_str).ok_or_else(|| {
+            LoadError::Config { file: file.clone(), detail: "metadata key general.architecture is missing".into() }
         })?;
         let architecture = Architecture::from_name(arch_name).ok_or_else(|| LoadError::UnknownArchitecture {
             file: file.clone(),
@@ -126,7 +133,11 @@ impl ModelConfig {
         };
         let hidden_size = req("embedding_length")? as usize;
         let num_heads = req("attention.head_count")? as usize;
-        let num_kv_heads = g.meta(&key("attention.head_count_kv")).and_then(MetaValue::as_u64).map(|v| v as usize).unwrap_or(num_heads);
+        let num_kv_heads = g
+            .meta(&key("attention.head_count_kv"))
+            .and_then(MetaValue::as_u64)
+            .map(|v| v as usize)
+            .unwrap_or(num_heads);
         let head_dim = g
             .meta(&key("attention.key_length"))
             .and_then(MetaValue::as_u64)
@@ -146,9 +157,11 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            rms_norm_eps: g.meta(&key("attention.layer_norm_rms_epsilon")).and_then(MetaValue::as_f64).unwrap_or(1e-5) as f32,
+            rms_norm_eps: g.meta(&key("attention.layer_norm_rms_epsilon")).and_then(MetaValue::as_f64).unwrap_or(1e-5)
+                as f32,
             rope_theta: g.meta(&key("rope.freq_base")).and_then(MetaValue::as_f64).unwrap_or(10000.0) as f32,
-            max_position_embeddings: g.meta(&key("context_length")).and_then(MetaValue::as_u64).unwrap_or(2048) as usize,
+            max_position_embeddings: g.meta(&key("context_length")).and_then(MetaValue::as_u64).unwrap_or(2048)
+                as usize,
             tie_word_embeddings: g.tensor("output.weight").is_none(),
             layers: vec![spec; n_layers],
             hf_config: None,
@@ -169,18 +182,24 @@ impl ModelConfig {
             supported: Architecture::SUPPORTED.into(),
         })?;
         let req = |k: &str| -> Result<usize, LoadError> {
-            cfg.get(k).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| cfg_err(format!("field '{k}' is missing or not an integer")))
+            cfg.get(k)
+                .and_then(Value::as_u64)
+                .map(|v| v as usize)
+                .ok_or_else(|| cfg_err(format!("field '{k}' is missing or not an integer")))
         };
         let hidden_size = req("hidden_size")?;
         let num_heads = req("num_attention_heads")?;
-        let num_kv_heads = cfg.get("num_key_value_heads").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(num_heads);
-        let head_dim = cfg.get("head_dim").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(hidden_size / num_heads.max(1));
+        let num_kv_heads =
+            cfg.get("num_key_value_heads").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(num_heads);
+        let head_dim =
+            cfg.get("head_dim").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(hidden_size / num_heads.max(1));
         // transformers >= 5 nests RoPE settings in `rope_parameters`; older configs use
         // `rope_theta` and `rope_scaling` at the top level.
         let rope = cfg.get("rope_parameters").filter(|v| v.is_object());
         let scaling = rope.or_else(|| cfg.get("rope_scaling").filter(|v| !v.is_null()));
         if let Some(scaling) = scaling {
-            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str).unwrap_or("default");
+            let kind =
+                scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str).unwrap_or("default");
             // MLA parses its own RoPE scaling (YaRN) in model/layers/mla/config.rs.
             if kind != "default" && architecture != Architecture::DeepseekV3 {
                 return Err(cfg_err(format!("rope scaling type '{kind}' is not supported yet")));
@@ -210,7 +229,8 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: cfg.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-5) as f32,
             rope_theta,
-            max_position_embeddings: cfg.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(2048) as usize,
+            max_position_embeddings: cfg.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(2048)
+                as usize,
             tie_word_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
             layers: vec![spec; req("num_hidden_layers")?],
             hf_config: Some(std::sync::Arc::new(cfg.clone())),

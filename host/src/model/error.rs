@@ -5,7 +5,11 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error("{file}: {source}")]
-    Io { file: PathBuf, #[source] source: std::io::Error },
+    Io {
+        file: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{file}: truncated: {detail}")]
     Truncated { file: PathBuf, detail: String },
     #[error("{file}: corrupt: {detail}")]

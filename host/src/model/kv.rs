@@ -74,7 +74,10 @@ pub enum KvRow<'a> {
     /// bf16 bit patterns.
     Bf16(&'a [u16]),
     /// E4M3 codes with one scale per group of `codes.len() / scales.len()` elements.
-    Fp8 { codes: &'a [u8], scales: &'a [f32] },
+    Fp8 {
+        codes: &'a [u8],
+        scales: &'a [f32],
+    },
 }
 
 impl KvRow<'_> {
@@ -93,7 +96,11 @@ impl KvRow<'_> {
                 while at < r.end {
                     let g = at / group;
                     let end = ((g + 1) * group).min(r.end);
-                    let s: f32 = codes[at..end].iter().zip(&q[at - start..end - start]).map(|(&c, &x)| E4M3_TO_F32[c as usize] * x).sum();
+                    let s: f32 = codes[at..end]
+                        .iter()
+                        .zip(&q[at - start..end - start])
+                        .map(|(&c, &x)| E4M3_TO_F32[c as usize] * x)
+                        .sum();
                     total += s * scales[g];
                     at = end;
                 }
@@ -210,12 +217,20 @@ impl ContiguousKvCache {
 
     /// Sized for a model's `CacheLayout`.
     pub fn for_layout(layout: &CacheLayout, num_seqs: usize) -> Self {
-        Self::with_widths(layout.layers.iter().map(|l| l.map_or((0, 0), |s| (s.key_width, s.value_width))).collect(), num_seqs)
+        Self::with_widths(
+            layout.layers.iter().map(|l| l.map_or((0, 0), |s| (s.key_width, s.value_width))).collect(),
+            num_seqs,
+        )
     }
 
     fn with_widths(widths: Vec<(usize, usize)>, num_seqs: usize) -> Self {
         let layers = widths.len();
-        Self { widths, seqs: (0..num_seqs).map(|_| vec![(Vec::new(), Vec::new()); layers]).collect(), lens: vec![0; num_seqs], states: None }
+        Self {
+            widths,
+            seqs: (0..num_seqs).map(|_| vec![(Vec::new(), Vec::new()); layers]).collect(),
+            lens: vec![0; num_seqs],
+            states: None,
+        }
     }
 
     /// Gives every sequence a copy of `fresh` (a model's empty recurrent state), when it has one.
@@ -272,9 +287,21 @@ mod tests {
 
     #[test]
     fn fp8_spans_crossing_scale_groups_match_the_dequantised_row() {
-        let x: Vec<f32> = (0..12).map(|i| (i as f32 - 5.0) * if i < 4 { 0.01 } else if i < 8 { 1.0 } else { 30.0 }).collect();
+        let x: Vec<f32> = (0..12)
+            .map(|i| {
+                (i as f32 - 5.0)
+                    * if i < 4 {
+                        0.01
+                    } else if i < 8 {
+                        1.0
+                    } else {
+                        30.0
+                    }
+            })
+            .collect();
         let mut codes = vec![0u8; 12];
-        let scales: Vec<f32> = (0..3).map(|g| quantize_e4m3(&x[g * 4..(g + 1) * 4], &mut codes[g * 4..(g + 1) * 4])).collect();
+        let scales: Vec<f32> =
+            (0..3).map(|g| quantize_e4m3(&x[g * 4..(g + 1) * 4], &mut codes[g * 4..(g + 1) * 4])).collect();
         let row = KvRow::Fp8 { codes: &codes, scales: &scales };
         let deq: Vec<f32> = (0..12).map(|i| E4M3_TO_F32[codes[i] as usize] * scales[i / 4]).collect();
         let q: Vec<f32> = (0..7).map(|i| 0.5 + i as f32).collect();
@@ -292,7 +319,11 @@ mod tests {
     #[test]
     fn contiguous_cache_follows_per_layer_widths() {
         let layout = CacheLayout {
-            layers: vec![Some(LayerKvShape { key_width: 3, value_width: 1, groups: 1 }), None, Some(LayerKvShape::heads(2, 2))],
+            layers: vec![
+                Some(LayerKvShape { key_width: 3, value_width: 1, groups: 1 }),
+                None,
+                Some(LayerKvShape::heads(2, 2)),
+            ],
             recurrent_bytes_per_seq: 0,
         };
         assert_eq!(layout.floats_per_token(), 3 + 1 + 4 + 4);

@@ -49,7 +49,13 @@ pub trait LanguageModel: Send + Sync {
     /// [`Self::forward`] for models that can fail at run time (a device model: driver errors,
     /// a cache it cannot use); the engine calls this one and fails the batch's requests on an
     /// error instead of panicking. CPU models never fail here.
-    fn try_forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
+    fn try_forward(
+        &self,
+        tokens: &[u32],
+        rows: &[BatchRow],
+        kv: &mut dyn KvCache,
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>, ForwardError> {
         Ok(self.forward(tokens, rows, kv, logit_rows))
     }
 
@@ -114,7 +120,12 @@ impl From<crate::parallel::device_collective::DeviceCollectiveError> for Forward
 /// A device K/V pool a model owns, addressed by the engine's block ids.
 pub trait DeviceKv: Send + Sync {
     /// Allocates (once) `num_blocks` blocks of `block_size` positions for every layer.
-    fn allocate(&self, num_blocks: usize, block_size: usize, storage: kernels::gpu::kv_pool::KvStorage) -> Result<(), ForwardError>;
+    fn allocate(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        storage: kernels::gpu::kv_pool::KvStorage,
+    ) -> Result<(), ForwardError>;
     /// Allocates (once) `slots` recurrent-state slots (models with linear-attention layers; the
     /// engine lends their ids to sequences and reports resets and forks through
     /// `PagedView::slot_ops`). A model without recurrent state has nothing to allocate.
@@ -179,18 +190,23 @@ impl Default for LoadOptions {
 /// opens a `.gguf` file or a Hugging Face directory and builds the model from it.
 pub fn load_with_options(path: &Path, opts: &LoadOptions) -> Result<LoadedModel, LoadError> {
     if opts.tensor_parallel > 1 && opts.expert_parallel > 1 {
-        let detail = format!("tensor parallelism ({}) with expert parallelism ({}): combining both is not implemented yet", opts.tensor_parallel, opts.expert_parallel);
+        let detail = format!(
+            "tensor parallelism ({}) with expert parallelism ({}): combining both is not implemented yet",
+            opts.tensor_parallel, opts.expert_parallel
+        );
         return Err(LoadError::Config { file: path.to_path_buf(), detail });
     }
     let started = Instant::now();
     let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let (model, tokenizer) = if path.is_dir() {
         let cfg_path = path.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| LoadError::Io { file: cfg_path.clone(), source: e })?;
-        let raw: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| LoadError::Corrupt { file: cfg_path.clone(), detail: format!("invalid JSON: {e}") })?;
+        let text =
+            std::fs::read_to_string(&cfg_path).map_err(|e| LoadError::Io { file: cfg_path.clone(), source: e })?;
+        let raw: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| LoadError::Corrupt { file: cfg_path.clone(), detail: format!("invalid JSON: {e}") })?;
         let cfg = ModelConfig::from_hf_config(&cfg_path, &raw)?;
-        let src = format::quant::QuantizedSource::wrap(format::hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
+        let src =
+            format::quant::QuantizedSource::wrap(format::hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
         let tokenizer = Tokenizer::from_hf_dir(path, &raw)?;
         (build_with_options(cfg, src.as_ref(), opts)?, tokenizer)
     } else {
@@ -201,7 +217,11 @@ pub fn load_with_options(path: &Path, opts: &LoadOptions) -> Result<LoadedModel,
         (build_with_options(cfg, &src, opts)?, tokenizer)
     };
     let cfg = model.config();
-    let (sharding, ranks) = if opts.tensor_parallel == 1 && opts.expert_parallel != 1 { ("ep", opts.expert_parallel) } else { ("tp", opts.tensor_parallel) };
+    let (sharding, ranks) = if opts.tensor_parallel == 1 && opts.expert_parallel != 1 {
+        ("ep", opts.expert_parallel)
+    } else {
+        ("tp", opts.tensor_parallel)
+    };
     tracing::info!(
         model = %path.display(),
         layers = cfg.num_layers(),
@@ -218,7 +238,11 @@ pub fn load_with_options(path: &Path, opts: &LoadOptions) -> Result<LoadedModel,
 
 /// [`build_tp`] or [`build_ep`] as `opts` asks, from `src` wrapped for 8-bit activations when
 /// `opts.cpu_activations` is `int8`.
-fn build_with_options(cfg: ModelConfig, src: &dyn WeightSource, opts: &LoadOptions) -> Result<Box<dyn LanguageModel>, LoadError> {
+fn build_with_options(
+    cfg: ModelConfig,
+    src: &dyn WeightSource,
+    opts: &LoadOptions,
+) -> Result<Box<dyn LanguageModel>, LoadError> {
     let wrapped;
     let src: &dyn WeightSource = if opts.cpu_activations == activations::CpuActivations::Int8 {
         wrapped = activations::Int8ActivationSource::new(src);

@@ -18,15 +18,28 @@ pub trait ArchitectureSpec: Sync {
     fn load(&self, cfg: ModelConfig, src: &dyn WeightSource) -> Result<Box<dyn LanguageModel>, LoadError>;
 
     /// The model split over `tp` tensor-parallel ranks (`tp >= 2`).
-    fn load_tensor_parallel(&self, cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
+    fn load_tensor_parallel(
+        &self,
+        cfg: ModelConfig,
+        src: &dyn WeightSource,
+        tp: usize,
+    ) -> Result<Box<dyn LanguageModel>, LoadError> {
         let _ = (cfg, tp);
         Err(unsupported(src, format!("tensor parallelism is not implemented for {}", self.name())))
     }
 
     /// The model with its routed experts split over `ep` expert-parallel ranks (`ep >= 2`).
-    fn load_expert_parallel(&self, cfg: ModelConfig, src: &dyn WeightSource, ep: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
+    fn load_expert_parallel(
+        &self,
+        cfg: ModelConfig,
+        src: &dyn WeightSource,
+        ep: usize,
+    ) -> Result<Box<dyn LanguageModel>, LoadError> {
         let _ = (cfg, ep);
-        Err(unsupported(src, format!("expert parallelism is implemented for models with routed experts only, not {}", self.name())))
+        Err(unsupported(
+            src,
+            format!("expert parallelism is implemented for models with routed experts only, not {}", self.name()),
+        ))
     }
 }
 

@@ -14,11 +14,11 @@ use kernels::cpu::quant_int::IntMatrix;
 
 use crate::model::config::ModelConfig;
 use crate::model::error::LoadError;
+use crate::model::format::quant::IntLinear;
 use crate::model::format::source::WeightSource;
 use crate::model::layers::linear::Linear;
-use crate::parallel::EpRank;
-use crate::model::format::quant::IntLinear;
 use crate::model::tensor::Tensor;
+use crate::parallel::EpRank;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Split {
@@ -139,7 +139,11 @@ pub struct GroupedPart {
 }
 
 fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 /// Rows `rows`, columns `cols` of a group-quantized matrix (`params[r * groups_per_row + g]`).
@@ -154,7 +158,13 @@ fn gcd(a: usize, b: usize) -> usize {
 /// The packed kernels need groups of a multiple of their vector width
 /// (`packed_matmul::LANES` = 16 columns) or one group per row, so a cut finer than that is an
 /// error.
-pub fn slice_grouped(p: &PackedRows, group_size: usize, params: &[[f32; 2]], rows: Range<usize>, cols: Range<usize>) -> Result<GroupedPart, String> {
+pub fn slice_grouped(
+    p: &PackedRows,
+    group_size: usize,
+    params: &[[f32; 2]],
+    rows: Range<usize>,
+    cols: Range<usize>,
+) -> Result<GroupedPart, String> {
     let (bits, all_cols) = (p.bits(), p.cols());
     let groups_per_row = all_cols.div_ceil(group_size);
     let g = gcd(group_size, cols.start % group_size);
@@ -192,7 +202,8 @@ fn slice_mxfp4(m: &Mxfp4Matrix, rows: Range<usize>, cols: Range<usize>) -> Resul
     }
     let (packed, scales) = m.parts();
     let (all, blocks) = (m.cols(), m.cols() / BLOCK);
-    let (mut pk, mut sc) = (Vec::with_capacity(rows.len() * cols.len() / 2), Vec::with_capacity(rows.len() * cols.len() / BLOCK));
+    let (mut pk, mut sc) =
+        (Vec::with_capacity(rows.len() * cols.len() / 2), Vec::with_capacity(rows.len() * cols.len() / BLOCK));
     for r in rows.clone() {
         pk.extend_from_slice(&packed[r * all / 2 + cols.start / 2..r * all / 2 + cols.end / 2]);
         sc.extend_from_slice(&scales[r * blocks + cols.start / BLOCK..r * blocks + cols.end / BLOCK]);
@@ -202,9 +213,17 @@ fn slice_mxfp4(m: &Mxfp4Matrix, rows: Range<usize>, cols: Range<usize>) -> Resul
 
 /// Loads ranks 0..ep of `ep`, each on its own thread (`load(config, rank)`, reading only its
 /// experts from the source). Refuses `ep == 0`.
-pub(crate) fn load_on_threads<M: Send>(cfg: &ModelConfig, src: &dyn WeightSource, ep: usize, load: impl Fn(ModelConfig, EpRank) -> Result<M, LoadError> + Sync) -> Result<Vec<M>, LoadError> {
+pub(crate) fn load_on_threads<M: Send>(
+    cfg: &ModelConfig,
+    src: &dyn WeightSource,
+    ep: usize,
+    load: impl Fn(ModelConfig, EpRank) -> Result<M, LoadError> + Sync,
+) -> Result<Vec<M>, LoadError> {
     if ep == 0 {
-        return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallel size must be at least 1".into() });
+        return Err(LoadError::Config {
+            file: src.file_of("model.embed_tokens.weight"),
+            detail: "expert parallel size must be at least 1".into(),
+        });
     }
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..ep)
@@ -260,21 +279,41 @@ mod tests {
         let (rows, cols, g) = (6usize, 100usize, 32usize);
         let mut seed = 3u64;
         let groups = rows * cols.div_ceil(g);
-        let codes = |bits: u32, seed: &mut u64| -> Vec<u8> { (0..rows * cols).map(|_| (lcg(seed) % (1 << bits)) as u8).collect() };
+        let codes = |bits: u32, seed: &mut u64| -> Vec<u8> {
+            (0..rows * cols).map(|_| (lcg(seed) % (1 << bits)) as u8).collect()
+        };
         let scale: Vec<f32> = (0..groups).map(|i| 0.01 + i as f32 * 1e-3).collect();
         let zero: Vec<f32> = (0..groups).map(|i| (i % 16) as f32).collect();
         let make = |which: usize, seed: &mut u64| -> Linear {
             match which {
-                0 => Linear::Int(IntLinear::new(IntMatrix::new(PackedRows::from_codes(4, rows, cols, &codes(4, seed)), g, &scale, &zero), None)),
-                1 => Linear::Int(IntLinear::new(IntMatrix::new(PackedRows::from_codes(3, rows, cols, &codes(3, seed)), g, &scale, &zero), None)),
+                0 => Linear::Int(IntLinear::new(
+                    IntMatrix::new(PackedRows::from_codes(4, rows, cols, &codes(4, seed)), g, &scale, &zero),
+                    None,
+                )),
+                1 => Linear::Int(IntLinear::new(
+                    IntMatrix::new(PackedRows::from_codes(3, rows, cols, &codes(3, seed)), g, &scale, &zero),
+                    None,
+                )),
                 _ => {
                     let shape: Vec<f32> = (0..groups).map(|i| (i as f32 * 0.37).sin() * 0.3).collect();
-                    Linear::Cubic(AnyCubic::new(PackedRows::from_codes(2, rows, cols, &codes(2, seed)), g, &scale, &shape))
+                    Linear::Cubic(AnyCubic::new(
+                        PackedRows::from_codes(2, rows, cols, &codes(2, seed)),
+                        g,
+                        &scale,
+                        &shape,
+                    ))
                 }
             }
         };
         for which in 0..3 {
-            for split in [Split::Rows(1..4), Split::Cols(0..50), Split::Cols(48..100), Split::Cols(16..80), Split::Cols(64..100), Split::Cols(96..98)] {
+            for split in [
+                Split::Rows(1..4),
+                Split::Cols(0..50),
+                Split::Cols(48..100),
+                Split::Cols(16..80),
+                Split::Cols(64..100),
+                Split::Cols(96..98),
+            ] {
                 let whole = dequant(&make(which, &mut seed.clone()));
                 let part = slice_linear(make(which, &mut seed.clone()), &split).unwrap();
                 let got = dequant(&part);
@@ -296,12 +335,20 @@ mod tests {
         let scales: Vec<u8> = (0..r * c / 32).map(|i| 120 + (i % 7) as u8).collect();
         let m = || Linear::Mxfp4(Mxfp4Matrix::new(r, c, &packed, &scales));
         let whole = dequant(&m());
-        assert_eq!(dequant(&slice_linear(m(), &Split::Cols(32..96)).unwrap()), whole.iter().map(|row| row[32..96].to_vec()).collect::<Vec<_>>());
+        assert_eq!(
+            dequant(&slice_linear(m(), &Split::Cols(32..96)).unwrap()),
+            whole.iter().map(|row| row[32..96].to_vec()).collect::<Vec<_>>()
+        );
         assert_eq!(dequant(&slice_linear(m(), &Split::Rows(2..4)).unwrap()), whole[2..4].to_vec());
         assert!(slice_linear(m(), &Split::Cols(16..80)).err().unwrap().contains("scale blocks"));
         // Activation order cannot be cut by columns (rows are fine).
         let perm: Vec<u32> = (0..cols as u32).rev().collect();
-        let act = || Linear::Int(IntLinear::new(IntMatrix::new(PackedRows::from_codes(4, rows, cols, &codes(4, &mut 1)), g, &scale, &zero), Some(perm.clone())));
+        let act = || {
+            Linear::Int(IntLinear::new(
+                IntMatrix::new(PackedRows::from_codes(4, rows, cols, &codes(4, &mut 1)), g, &scale, &zero),
+                Some(perm.clone()),
+            ))
+        };
         assert!(slice_linear(act(), &Split::Cols(0..50)).err().unwrap().contains("g_idx"));
         assert!(slice_linear(act(), &Split::Rows(0..3)).is_ok());
     }

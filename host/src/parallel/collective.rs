@@ -79,7 +79,13 @@ pub trait Collective: Send + Sync {
     /// All-to-all with per-peer counts: `send` is the concatenation, in peer order, of the
     /// `send_counts[p]` elements for each rank `p`; `recv` receives, in peer order, the
     /// `recv_counts[p]` elements rank `p` sent here (get `recv_counts` from [`Self::exchange_counts`]).
-    fn all_to_all_v<T: Element>(&self, send: &[T], send_counts: &[usize], recv: &mut [T], recv_counts: &[usize]) -> Result<(), CollectiveError>;
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<(), CollectiveError>;
 
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), CollectiveError>;

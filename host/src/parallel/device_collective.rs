@@ -61,7 +61,12 @@ impl<R: Runtime> DeviceCollective<R> for SoleRank {
     fn world_size(&self) -> usize {
         1
     }
-    fn all_reduce_sum(&self, _gpu: &Kernels<R>, _buf: &mut R::Buf<f32>, _n: usize) -> Result<(), DeviceCollectiveError> {
+    fn all_reduce_sum(
+        &self,
+        _gpu: &Kernels<R>,
+        _buf: &mut R::Buf<f32>,
+        _n: usize,
+    ) -> Result<(), DeviceCollectiveError> {
         Ok(())
     }
     fn abort(&self, _reason: &str) {}
@@ -89,7 +94,10 @@ impl<R: Runtime, C: Collective> DeviceCollective<R> for HostStaged<C> {
     fn all_reduce_sum(&self, gpu: &Kernels<R>, buf: &mut R::Buf<f32>, n: usize) -> Result<(), DeviceCollectiveError> {
         let mut host = gpu.download(buf)?;
         if host.len() < n {
-            return Err(DeviceCollectiveError::Invalid(format!("all_reduce_sum of {n} elements on a buffer of {}", host.len())));
+            return Err(DeviceCollectiveError::Invalid(format!(
+                "all_reduce_sum of {n} elements on a buffer of {}",
+                host.len()
+            )));
         }
         self.0.all_reduce_sum(&mut host[..n])?;
         gpu.write(buf, 0, &host[..n])?;
@@ -111,6 +119,9 @@ impl<R: Runtime> DeviceGroup<R> for LocalDeviceGroup {
         self.world
     }
     fn step_comms(&self) -> Result<Vec<Arc<dyn DeviceCollective<R>>>, DeviceCollectiveError> {
-        Ok(LocalCollective::group(self.world).into_iter().map(|c| Arc::new(HostStaged(c)) as Arc<dyn DeviceCollective<R>>).collect())
+        Ok(LocalCollective::group(self.world)
+            .into_iter()
+            .map(|c| Arc::new(HostStaged(c)) as Arc<dyn DeviceCollective<R>>)
+            .collect())
     }
 }

@@ -19,7 +19,11 @@ impl Drop for AbortOnPanic<'_> {
 /// Runs `step(rank's model, rank's communicator)` on every rank and returns rank 0's result
 /// (callers arrange for all ranks to return the same). `what` names the group in thread names
 /// and in the panic raised when the step fails (the engine's forward contract is infallible).
-pub(crate) fn run_on_ranks<M: Sync>(ranks: &[M], what: &str, step: impl Fn(&M, &LocalCollective) -> Result<Vec<f32>, CollectiveError> + Sync) -> Vec<f32> {
+pub(crate) fn run_on_ranks<M: Sync>(
+    ranks: &[M],
+    what: &str,
+    step: impl Fn(&M, &LocalCollective) -> Result<Vec<f32>, CollectiveError> + Sync,
+) -> Vec<f32> {
     let comms = LocalCollective::group(ranks.len());
     let run = |model: &M, comm: &LocalCollective| -> Result<Vec<f32>, CollectiveError> {
         let _guard = AbortOnPanic(comm);

@@ -102,7 +102,13 @@ impl LocalCollective {
                 ep[rank] = Some(comm);
             }
         }
-        tp.into_iter().zip(ep).map(|(tp, ep)| MeshComms { tp: tp.expect("every rank in one TP group"), ep: ep.expect("every rank in one EP group") }).collect()
+        tp.into_iter()
+            .zip(ep)
+            .map(|(tp, ep)| MeshComms {
+                tp: tp.expect("every rank in one TP group"),
+                ep: ep.expect("every rank in one EP group"),
+            })
+            .collect()
     }
 
     fn post<T: Element>(&self, data: Vec<T>, counts: Vec<usize>) {
@@ -121,7 +127,8 @@ impl LocalCollective {
         self.post(data, counts);
         self.shared.wait()?;
         let result = {
-            let guards: Vec<_> = self.shared.slots.iter().map(|s| s.read().unwrap_or_else(|e| e.into_inner())).collect();
+            let guards: Vec<_> =
+                self.shared.slots.iter().map(|s| s.read().unwrap_or_else(|e| e.into_inner())).collect();
             let mut posts = Vec::with_capacity(guards.len());
             let mut typed = Ok(());
             for (rank, g) in guards.iter().enumerate() {
@@ -187,7 +194,10 @@ impl Collective for LocalCollective {
         self.exchange("all_gather", send.to_vec(), Vec::new(), |posts| {
             let n = same_lengths("all_gather", posts)?;
             if recv.len() != want_recv {
-                return Err(CollectiveError::BadArgument { op: "all_gather", detail: format!("recv holds {} elements, need {world} × {n}", recv.len()) });
+                return Err(CollectiveError::BadArgument {
+                    op: "all_gather",
+                    detail: format!("recv holds {} elements, need {world} × {n}", recv.len()),
+                });
             }
             for (chunk, p) in recv.chunks_exact_mut(n.max(1)).zip(posts) {
                 chunk.copy_from_slice(&p.data);
@@ -200,14 +210,22 @@ impl Collective for LocalCollective {
         let world = self.shared.world;
         if root >= world {
             self.abort(&format!("broadcast root {root} out of range"));
-            return Err(CollectiveError::BadArgument { op: "broadcast", detail: format!("root {root} is not a rank of a world of {world}") });
+            return Err(CollectiveError::BadArgument {
+                op: "broadcast",
+                detail: format!("root {root} is not a rank of a world of {world}"),
+            });
         }
         let mine = if self.rank == root { buf.to_vec() } else { Vec::new() };
         let rank = self.rank;
         self.exchange("broadcast", mine, vec![buf.len()], |posts| {
             let want = posts[root].data.len();
             if let Some(r) = posts.iter().position(|p| p.counts[0] != want) {
-                return Err(CollectiveError::LengthMismatch { op: "broadcast", rank: r, got: posts[r].counts[0], want });
+                return Err(CollectiveError::LengthMismatch {
+                    op: "broadcast",
+                    rank: r,
+                    got: posts[r].counts[0],
+                    want,
+                });
             }
             if rank != root {
                 buf.copy_from_slice(&posts[root].data);
@@ -220,13 +238,22 @@ impl Collective for LocalCollective {
         let (world, rank) = (self.shared.world, self.rank);
         self.exchange::<u64, _>("exchange_counts", Vec::new(), send_counts.to_vec(), |posts| {
             if let Some(r) = posts.iter().position(|p| p.counts.len() != world) {
-                return Err(CollectiveError::BadArgument { op: "exchange_counts", detail: format!("rank {r} passed {} counts for {world} peers", posts[r].counts.len()) });
+                return Err(CollectiveError::BadArgument {
+                    op: "exchange_counts",
+                    detail: format!("rank {r} passed {} counts for {world} peers", posts[r].counts.len()),
+                });
             }
             Ok(posts.iter().map(|p| p.counts[rank]).collect())
         })
     }
 
-    fn all_to_all_v<T: Element>(&self, send: &[T], send_counts: &[usize], recv: &mut [T], recv_counts: &[usize]) -> Result<(), CollectiveError> {
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<(), CollectiveError> {
         let (world, rank) = (self.shared.world, self.rank);
         const OP: &str = "all_to_all_v";
         self.exchange(OP, send.to_vec(), send_counts.to_vec(), |posts| {
@@ -234,19 +261,36 @@ impl Collective for LocalCollective {
                 if p.counts.len() != world || p.counts.iter().sum::<usize>() != p.data.len() {
                     return Err(CollectiveError::BadArgument {
                         op: OP,
-                        detail: format!("rank {r}: {} send counts summing to {} for {world} peers and {} elements", p.counts.len(), p.counts.iter().sum::<usize>(), p.data.len()),
+                        detail: format!(
+                            "rank {r}: {} send counts summing to {} for {world} peers and {} elements",
+                            p.counts.len(),
+                            p.counts.iter().sum::<usize>(),
+                            p.data.len()
+                        ),
                     });
                 }
             }
             if recv_counts.len() != world || recv_counts.iter().sum::<usize>() != recv.len() {
-                return Err(CollectiveError::BadArgument { op: OP, detail: format!("rank {rank}: recv counts {recv_counts:?} do not match a recv buffer of {}", recv.len()) });
+                return Err(CollectiveError::BadArgument {
+                    op: OP,
+                    detail: format!(
+                        "rank {rank}: recv counts {recv_counts:?} do not match a recv buffer of {}",
+                        recv.len()
+                    ),
+                });
             }
             let mut at = 0;
             for (peer, p) in posts.iter().enumerate() {
                 let off: usize = p.counts[..rank].iter().sum();
                 let n = p.counts[rank];
                 if n != recv_counts[peer] {
-                    return Err(CollectiveError::BadArgument { op: OP, detail: format!("rank {rank} expects {} elements from rank {peer}, which sends {n}", recv_counts[peer]) });
+                    return Err(CollectiveError::BadArgument {
+                        op: OP,
+                        detail: format!(
+                            "rank {rank} expects {} elements from rank {peer}, which sends {n}",
+                            recv_counts[peer]
+                        ),
+                    });
                 }
                 recv[at..at + n].copy_from_slice(&p.data[off..off + n]);
                 at += n;

@@ -40,7 +40,10 @@ impl std::fmt::Display for PolicyError {
             PolicyError::Plugin(e) => write!(f, "{e}"),
             PolicyError::Misbehaved { policy, message } => write!(f, "policy '{policy}': {message}"),
             PolicyError::BindingMissing { policy } => {
-                write!(f, "this key is bound to request policy '{policy}', which is not deployed as a request-policy plugin")
+                write!(
+                    f,
+                    "this key is bound to request policy '{policy}', which is not deployed as a request-policy plugin"
+                )
             }
         }
     }
@@ -51,7 +54,12 @@ impl std::error::Error for PolicyError {}
 /// Every policy deployment that applies to a request of `tenant` for `served_model`: the ones
 /// whose model and tenant lists match, plus the one the caller is bound to (`bound`, the key's
 /// or tenant's stored `request_policy`), whatever its lists say; in name order, each once.
-pub fn policies_for(reg: &Registry, served_model: &str, tenant: &str, bound: Option<&str>) -> Result<Vec<Arc<Deployment>>, PolicyError> {
+pub fn policies_for(
+    reg: &Registry,
+    served_model: &str,
+    tenant: &str,
+    bound: Option<&str>,
+) -> Result<Vec<Arc<Deployment>>, PolicyError> {
     let mut list = reg.policies(served_model, tenant);
     if let Some(name) = bound {
         match reg.get(name) {
@@ -98,7 +106,12 @@ fn override_param(r: &mut EngineRequest, k: &str, v: &Value) -> Result<(), Strin
 }
 
 /// Runs `policies` (from [`policies_for`]) on `req`: each may reject it or rewrite it.
-pub fn apply(policies: &[Arc<Deployment>], served_model: &str, tenant: &str, req: &mut EngineRequest) -> Result<Applied, PolicyError> {
+pub fn apply(
+    policies: &[Arc<Deployment>],
+    served_model: &str,
+    tenant: &str,
+    req: &mut EngineRequest,
+) -> Result<Applied, PolicyError> {
     let mut applied = Applied { policies: Vec::new() };
     for d in policies {
         let Pools::Policy(pool) = &d.pools else { continue };
@@ -112,7 +125,9 @@ pub fn apply(policies: &[Arc<Deployment>], served_model: &str, tenant: &str, req
         let name = || d.spec.name.clone();
         match policy::check(pool, &info).map_err(PolicyError::Plugin)? {
             Decision::Allow => {}
-            Decision::Reject { status, message } => return Err(PolicyError::Rejected { policy: name(), status, message }),
+            Decision::Reject { status, message } => {
+                return Err(PolicyError::Rejected { policy: name(), status, message })
+            }
             Decision::Rewrite { max_tokens_cap, add_stop, model, params } => {
                 if let Some(cap) = max_tokens_cap {
                     req.max_tokens = req.max_tokens.min(cap.max(1) as usize);

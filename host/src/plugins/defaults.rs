@@ -83,7 +83,11 @@ pub fn reasoning_component(name: &str) -> Result<&'static str, String> {
         "qwen3" => "reasoning-qwen3",
         "kimi_k2" => "reasoning-kimi-k2",
         "kimi_k3" => "reasoning-kimi-k3",
-        other => return Err(format!("unknown reasoning parser '{other}' (shipped: deepseek_r1, qwen3, kimi_k2, kimi_k3; or auto, none)")),
+        other => {
+            return Err(format!(
+                "unknown reasoning parser '{other}' (shipped: deepseek_r1, qwen3, kimi_k2, kimi_k3; or auto, none)"
+            ))
+        }
     })
 }
 
@@ -110,7 +114,12 @@ pub struct Planned {
 
 /// What to deploy for the two choices. `configured(kind)` says whether the plugin config already
 /// deploys that kind: `auto` then adds nothing, and a named parser is a conflict.
-pub fn plan(reasoning: &Choice, tool: &Choice, detected: Detected, configured: impl Fn(Kind) -> bool) -> Result<Vec<Planned>, String> {
+pub fn plan(
+    reasoning: &Choice,
+    tool: &Choice,
+    detected: Detected,
+    configured: impl Fn(Kind) -> bool,
+) -> Result<Vec<Planned>, String> {
     let mut out = Vec::new();
     let kinds: [(Kind, &Choice, Option<&'static str>, fn(&str) -> Result<&'static str, String>, &str); 2] = [
         (Kind::ReasoningParser, reasoning, detected.reasoning, reasoning_component, "--reasoning-parser"),
@@ -119,7 +128,11 @@ pub fn plan(reasoning: &Choice, tool: &Choice, detected: Detected, configured: i
     for (kind, choice, auto, component, flag) in kinds {
         let (parser, explicit) = match choice {
             Choice::Off => continue,
-            Choice::Named(n) if configured(kind) => return Err(format!("{flag} {n}: the --plugins config already deploys a {kind:?} (use one or the other)")),
+            Choice::Named(n) if configured(kind) => {
+                return Err(format!(
+                    "{flag} {n}: the --plugins config already deploys a {kind:?} (use one or the other)"
+                ))
+            }
             Choice::Named(n) => (n.clone(), true),
             Choice::Auto if configured(kind) => continue,
             Choice::Auto => match auto {
@@ -152,7 +165,14 @@ pub fn deploy(reg: &Registry, planned: &[Planned], dir: &Path) -> Result<(), Str
         let file = dir.join(format!("{}.wasm", p.component));
         let bytes = match std::fs::read(&file) {
             Ok(b) => b,
-            Err(e) if p.explicit => return Err(format!("{} parser '{}': reading {}: {e} (run scripts/build-plugins or pass --plugin-dir)", kind_flag(p.kind), p.parser, file.display())),
+            Err(e) if p.explicit => {
+                return Err(format!(
+                    "{} parser '{}': reading {}: {e} (run scripts/build-plugins or pass --plugin-dir)",
+                    kind_flag(p.kind),
+                    p.parser,
+                    file.display()
+                ))
+            }
             Err(e) => {
                 tracing::warn!(parser = %p.parser, file = %file.display(), error = %e, "auto-selected parser not deployed: component missing (scripts/build-plugins)");
                 continue;
@@ -171,7 +191,8 @@ pub fn deploy(reg: &Registry, planned: &[Planned], dir: &Path) -> Result<(), Str
             config: serde_json::json!({}),
             limits: Default::default(),
         };
-        reg.deploy(spec, &bytes).map_err(|e| format!("{} parser '{}' ({}): {e}", kind_flag(p.kind), p.parser, file.display()))?;
+        reg.deploy(spec, &bytes)
+            .map_err(|e| format!("{} parser '{}' ({}): {e}", kind_flag(p.kind), p.parser, file.display()))?;
         tracing::info!(parser = %p.parser, component = p.component, auto = !p.explicit, "parser deployed");
     }
     Ok(())
@@ -191,7 +212,8 @@ mod tests {
     fn template(file: &str) -> String {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference");
         if file == "SmolLM2" {
-            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("smollm2/fixtures.json")).unwrap()).unwrap();
+            let v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("smollm2/fixtures.json")).unwrap()).unwrap();
             return v["chat_template"].as_str().unwrap().to_string();
         }
         std::fs::read_to_string(dir.join("templates").join(file)).unwrap()
@@ -219,7 +241,10 @@ mod tests {
             assert_eq!(detect("model", Some(&t)), want, "{file} by its markers");
         }
         // Names alone (a GGUF whose template is missing, or a name the template cannot tell).
-        assert_eq!(detect("DeepSeek-R1-Distill-Qwen-7B", None), Detected { reasoning: Some("deepseek_r1"), tool: None });
+        assert_eq!(
+            detect("DeepSeek-R1-Distill-Qwen-7B", None),
+            Detected { reasoning: Some("deepseek_r1"), tool: None }
+        );
         assert_eq!(detect("kimi_k3_tiny", None), Detected { reasoning: Some("kimi_k3"), tool: Some("kimi_k3") });
         // DeepSeek-V3.x think only when asked: no deepseek_r1 by default (vLLM: deepseek_v3).
         assert_eq!(detect("DeepSeek-V3.1", Some(&template("deepseek-ai-DeepSeek-V3.1.jinja"))), Detected::default());
@@ -230,17 +255,27 @@ mod tests {
         let k3 = detect("Kimi-K3", None);
         let none = |_: Kind| false;
         let p = plan(&Choice::Auto, &Choice::Auto, k3, none).unwrap();
-        assert_eq!(p.iter().map(|p| (p.component, p.explicit)).collect::<Vec<_>>(), [("reasoning-kimi-k3", false), ("tool-kimi-k3", false)]);
+        assert_eq!(
+            p.iter().map(|p| (p.component, p.explicit)).collect::<Vec<_>>(),
+            [("reasoning-kimi-k3", false), ("tool-kimi-k3", false)]
+        );
         // vLLM-style names: qwen3_coder is served by the tool-qwen3 component.
         let p = plan(&Choice::parse("qwen3").unwrap(), &Choice::parse("qwen3_coder").unwrap(), k3, none).unwrap();
-        assert_eq!(p.iter().map(|p| (p.component, p.explicit)).collect::<Vec<_>>(), [("reasoning-qwen3", true), ("tool-qwen3", true)]);
+        assert_eq!(
+            p.iter().map(|p| (p.component, p.explicit)).collect::<Vec<_>>(),
+            [("reasoning-qwen3", true), ("tool-qwen3", true)]
+        );
         assert!(plan(&Choice::Off, &Choice::parse("none").unwrap(), k3, none).unwrap().is_empty());
         // A config that deploys a tool parser wins over auto; naming one as well is refused.
         let cfg_tool = |k: Kind| k == Kind::ToolParser;
         let p = plan(&Choice::Auto, &Choice::Auto, k3, cfg_tool).unwrap();
         assert_eq!(p.iter().map(|p| p.component).collect::<Vec<_>>(), ["reasoning-kimi-k3"]);
-        assert!(plan(&Choice::Auto, &Choice::Named("hermes".into()), k3, cfg_tool).unwrap_err().contains("already deploys"));
-        assert!(plan(&Choice::Named("nope".into()), &Choice::Auto, k3, none).unwrap_err().contains("unknown reasoning parser 'nope'"));
+        assert!(plan(&Choice::Auto, &Choice::Named("hermes".into()), k3, cfg_tool)
+            .unwrap_err()
+            .contains("already deploys"));
+        assert!(plan(&Choice::Named("nope".into()), &Choice::Auto, k3, none)
+            .unwrap_err()
+            .contains("unknown reasoning parser 'nope'"));
     }
 
     #[test]

@@ -24,7 +24,13 @@ pub struct ChatParsers {
 impl ChatParsers {
     /// `tools` is the request's tool list when tool parsing applies (present, non-empty, and
     /// `tool_choice` not "none").
-    pub fn select(reg: &Registry, model: &str, tenant: &str, tools: Option<&[Value]>, kwargs: Option<&serde_json::Map<String, Value>>) -> Option<Self> {
+    pub fn select(
+        reg: &Registry,
+        model: &str,
+        tenant: &str,
+        tools: Option<&[Value]>,
+        kwargs: Option<&serde_json::Map<String, Value>>,
+    ) -> Option<Self> {
         let reasoning = reg.select(Kind::ReasoningParser, model, tenant);
         let tool = tools.and_then(|_| reg.select(Kind::ToolParser, model, tenant));
         if reasoning.is_none() && tool.is_none() {

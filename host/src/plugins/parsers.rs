@@ -34,7 +34,11 @@ fn check_size<W: super::pool::World>(lease: &mut Lease<W>, what: &str, bytes: us
     Ok(())
 }
 
-pub fn reasoning_parse(pool: &Arc<ReasoningPool>, text: &str, ctx: &RequestContext) -> Result<ReasoningResult, PluginError> {
+pub fn reasoning_parse(
+    pool: &Arc<ReasoningPool>,
+    text: &str,
+    ctx: &RequestContext,
+) -> Result<ReasoningResult, PluginError> {
     let mut lease = pool.lease()?;
     let c = ctx!(reasoning, ctx);
     let r = lease.call("parse", |s, w| w.inference_plugins_reasoning_parser().call_parse(s, text, &c))?;
@@ -47,11 +51,16 @@ pub fn tool_parse(pool: &Arc<ToolPool>, text: &str, ctx: &RequestContext) -> Res
     let mut lease = pool.lease()?;
     let c = ctx!(tool, ctx);
     let r = lease.call("parse", |s, w| w.inference_plugins_tool_parser().call_parse(s, text, &c))?;
-    let size = r.content.as_ref().map_or(0, String::len) + r.tool_calls.iter().map(|t| t.id.len() + t.name.len() + t.arguments.len()).sum::<usize>();
+    let size = r.content.as_ref().map_or(0, String::len)
+        + r.tool_calls.iter().map(|t| t.id.len() + t.name.len() + t.arguments.len()).sum::<usize>();
     check_size(&mut lease, "parse", size)?;
     Ok(ToolResult {
         content: r.content,
-        tool_calls: r.tool_calls.into_iter().map(|t| ToolCall { id: t.id, name: t.name, arguments: t.arguments }).collect(),
+        tool_calls: r
+            .tool_calls
+            .into_iter()
+            .map(|t| ToolCall { id: t.id, name: t.name, arguments: t.arguments })
+            .collect(),
     })
 }
 
@@ -78,14 +87,16 @@ pub type ToolSession = Session<tool::ToolParserPlugin>;
 pub fn reasoning_session(pool: &Arc<ReasoningPool>, ctx: &RequestContext) -> Result<ReasoningSession, PluginError> {
     let mut lease = pool.lease()?;
     let c = ctx!(reasoning, ctx);
-    let r = lease.call("session constructor", |s, w| w.inference_plugins_reasoning_parser().session().call_constructor(s, &c))?;
+    let r = lease
+        .call("session constructor", |s, w| w.inference_plugins_reasoning_parser().session().call_constructor(s, &c))?;
     Ok(Session { lease, resource: Some(r) })
 }
 
 pub fn tool_session(pool: &Arc<ToolPool>, ctx: &RequestContext) -> Result<ToolSession, PluginError> {
     let mut lease = pool.lease()?;
     let c = ctx!(tool, ctx);
-    let r = lease.call("session constructor", |s, w| w.inference_plugins_tool_parser().session().call_constructor(s, &c))?;
+    let r = lease
+        .call("session constructor", |s, w| w.inference_plugins_tool_parser().session().call_constructor(s, &c))?;
     Ok(Session { lease, resource: Some(r) })
 }
 
@@ -123,11 +134,20 @@ impl ToolSession {
             }
         })?;
         let size = d.content.len()
-            + d.tool_calls.iter().map(|c| c.arguments.len() + c.id.as_ref().map_or(0, String::len) + c.name.as_ref().map_or(0, String::len)).sum::<usize>();
+            + d.tool_calls
+                .iter()
+                .map(|c| {
+                    c.arguments.len() + c.id.as_ref().map_or(0, String::len) + c.name.as_ref().map_or(0, String::len)
+                })
+                .sum::<usize>();
         check_size(&mut self.lease, what, size)?;
         Ok(ToolDelta {
             content: d.content,
-            tool_calls: d.tool_calls.into_iter().map(|c| ToolCallDelta { index: c.index, id: c.id, name: c.name, arguments: c.arguments }).collect(),
+            tool_calls: d
+                .tool_calls
+                .into_iter()
+                .map(|c| ToolCallDelta { index: c.index, id: c.id, name: c.name, arguments: c.arguments })
+                .collect(),
         })
     }
 

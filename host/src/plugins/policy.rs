@@ -56,9 +56,12 @@ pub fn check(pool: &Arc<PolicyPool>, req: &RequestInfo) -> Result<Decision, Plug
             Decision::Reject { status, message: r.message }
         }
         D::Rewrite(w) => {
-            let size = w.params.len() + w.add_stop.iter().map(String::len).sum::<usize>() + w.model.as_ref().map_or(0, String::len);
+            let size = w.params.len()
+                + w.add_stop.iter().map(String::len).sum::<usize>()
+                + w.model.as_ref().map_or(0, String::len);
             if size > MAX_MESSAGE || w.add_stop.len() > 16 {
-                return Err(lease.reject_output("check", format!("a rewrite of {size} bytes / {} stop strings", w.add_stop.len())));
+                return Err(lease
+                    .reject_output("check", format!("a rewrite of {size} bytes / {} stop strings", w.add_stop.len())));
             }
             let params = if w.params.trim().is_empty() {
                 Map::new()
@@ -66,7 +69,9 @@ pub fn check(pool: &Arc<PolicyPool>, req: &RequestInfo) -> Result<Decision, Plug
                 match serde_json::from_str::<Value>(&w.params) {
                     Ok(Value::Object(m)) => m,
                     Ok(_) => return Err(lease.reject_output("check", "rewrite params is not a JSON object".into())),
-                    Err(e) => return Err(lease.reject_output("check", format!("rewrite params is not valid JSON ({e})"))),
+                    Err(e) => {
+                        return Err(lease.reject_output("check", format!("rewrite params is not valid JSON ({e})")))
+                    }
                 }
             };
             Decision::Rewrite { max_tokens_cap: w.max_tokens_cap, add_stop: w.add_stop, model: w.model, params }
@@ -74,9 +79,19 @@ pub fn check(pool: &Arc<PolicyPool>, req: &RequestInfo) -> Result<Decision, Plug
     })
 }
 
-pub fn observe(pool: &Arc<PolicyPool>, req: &RequestInfo, prompt_tokens: u32, completion_tokens: u32, finish_reason: &str) -> Result<(), PluginError> {
+pub fn observe(
+    pool: &Arc<PolicyPool>,
+    req: &RequestInfo,
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    finish_reason: &str,
+) -> Result<(), PluginError> {
     let mut lease = pool.lease()?;
     let i = info(req);
-    let u = p::exports::inference::plugins::request_policy::Usage { prompt_tokens, completion_tokens, finish_reason: finish_reason.to_string() };
+    let u = p::exports::inference::plugins::request_policy::Usage {
+        prompt_tokens,
+        completion_tokens,
+        finish_reason: finish_reason.to_string(),
+    };
     lease.call("observe", |s, w| w.inference_plugins_request_policy().call_observe(s, &i, &u))
 }

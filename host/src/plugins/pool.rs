@@ -59,7 +59,14 @@ impl<W: World> Pool<W> {
     /// Validates `component` against the world (imports linkable, exports of the right types),
     /// instantiates and configures one instance (kept warm): any failure is returned as text and
     /// nothing is created.
-    pub fn new(rt: &Runtime, name: &str, component: &Component, config: &str, limits: PluginLimits, metrics: Arc<PluginMetrics>) -> Result<Arc<Self>, String> {
+    pub fn new(
+        rt: &Runtime,
+        name: &str,
+        component: &Component,
+        config: &str,
+        limits: PluginLimits,
+        metrics: Arc<PluginMetrics>,
+    ) -> Result<Arc<Self>, String> {
         let mut linker = Linker::new(&rt.engine);
         W::link(&mut linker).map_err(|e| format!("linking: {e:#}"))?;
         let ip = linker
@@ -110,7 +117,9 @@ impl<W: World> Pool<W> {
         store.set_epoch_deadline(self.deadline_ticks());
         match world.configure(&mut store, &self.config) {
             Ok(Ok(())) => {}
-            Ok(Err(msg)) => return Err(self.fail(FailureKind::PluginError, format!("configure() rejected the config: {msg}"))),
+            Ok(Err(msg)) => {
+                return Err(self.fail(FailureKind::PluginError, format!("configure() rejected the config: {msg}")))
+            }
             Err(e) => {
                 let kind = classify(&e, &store);
                 return Err(self.fail(kind, format!("configure() failed: {e:#}")));
@@ -162,10 +171,16 @@ impl<W: World> Lease<W> {
 
     /// Runs one guest call under the deadline, timing it. On any error the instance is
     /// discarded and the error names the plugin and what went wrong.
-    pub fn call<R>(&mut self, what: &str, f: impl FnOnce(&mut Store<HostState>, &W) -> wasmtime::Result<R>) -> Result<R, PluginError> {
+    pub fn call<R>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&mut Store<HostState>, &W) -> wasmtime::Result<R>,
+    ) -> Result<R, PluginError> {
         let pool = self.pool.clone();
         let Some(inst) = self.inst.as_mut() else {
-            return Err(pool.fail(FailureKind::Trap, format!("{what}: the instance was discarded after an earlier failure")));
+            return Err(
+                pool.fail(FailureKind::Trap, format!("{what}: the instance was discarded after an earlier failure"))
+            );
         };
         inst.store.set_epoch_deadline(pool.deadline_ticks());
         let t = Instant::now();
@@ -179,7 +194,9 @@ impl<W: World> Lease<W> {
                 let root = e.root_cause().to_string();
                 let detail = match kind {
                     FailureKind::Timeout => format!("{what} ran past its {} ms deadline", pool.limits.call_timeout_ms),
-                    FailureKind::OutOfMemory => format!("{what} exceeded the {} byte memory limit ({root})", pool.limits.memory_bytes),
+                    FailureKind::OutOfMemory => {
+                        format!("{what} exceeded the {} byte memory limit ({root})", pool.limits.memory_bytes)
+                    }
                     FailureKind::Trap => format!("{what} trapped: {root}"),
                     _ => format!("{what} returned an invalid result: {root}"),
                 };
@@ -203,7 +220,10 @@ impl<W: World> Lease<W> {
     /// Rejects a result the guest returned (too large, bad JSON...): the instance is discarded.
     pub fn reject_output(&mut self, what: &str, why: String) -> PluginError {
         self.discard();
-        self.pool.fail(FailureKind::InvalidOutput, format!("{what} returned an invalid result: {why}; the instance was discarded"))
+        self.pool.fail(
+            FailureKind::InvalidOutput,
+            format!("{what} returned an invalid result: {why}; the instance was discarded"),
+        )
     }
 }
 

@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use super::metrics::PluginMetrics;
 use super::parsers::{ReasoningPool, ToolPool};
 use super::policy::PolicyPool;
-use super::template::TemplatePool;
 use super::runtime::{PluginLimits, Runtime};
+use super::template::TemplatePool;
 use super::PluginInfo;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,7 +123,12 @@ pub struct Registry {
 
 impl Registry {
     pub fn new(runtime: Arc<Runtime>) -> Self {
-        Self { runtime, deployments: RwLock::new(BTreeMap::new()), admin_key: RwLock::new(None), model_template: RwLock::new(None) }
+        Self {
+            runtime,
+            deployments: RwLock::new(BTreeMap::new()),
+            admin_key: RwLock::new(None),
+            model_template: RwLock::new(None),
+        }
     }
 
     /// The key `/admin/plugins` requires (none: the admin API answers 403).
@@ -132,7 +137,9 @@ impl Registry {
     }
 
     pub fn set_model_template(&self, template: &str, bos: Option<&str>, eos: Option<&str>) {
-        *self.model_template.write().unwrap() = Some(serde_json::json!({"template": template, "bos_token": bos.unwrap_or(""), "eos_token": eos.unwrap_or("")}));
+        *self.model_template.write().unwrap() = Some(
+            serde_json::json!({"template": template, "bos_token": bos.unwrap_or(""), "eos_token": eos.unwrap_or("")}),
+        );
     }
 
     /// The chat-template deployment serving `model`, if any.
@@ -147,14 +154,19 @@ impl Registry {
     /// Compiles, validates (world, `info`, `configure` on a fresh instance) and warms a
     /// deployment, then swaps it in under its name. Errors leave the registry unchanged.
     pub fn deploy(&self, spec: DeploymentSpec, bytes: &[u8]) -> Result<Arc<Deployment>, String> {
-        if spec.name.is_empty() || spec.name.len() > 64 || !spec.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+        if spec.name.is_empty()
+            || spec.name.len() > 64
+            || !spec.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
             return Err("'name' must be 1-64 characters of [A-Za-z0-9._-]".into());
         }
         let component = self.runtime.compile(bytes).map_err(|e| format!("not a valid Wasm component: {e:#}"))?;
         let metrics = Arc::new(PluginMetrics::default());
         let mut config = spec.config.clone();
         if spec.kind == Kind::ChatTemplate {
-            if let (Some(obj), Some(serde_json::Value::Object(def))) = (config.as_object_mut(), self.model_template.read().unwrap().clone()) {
+            if let (Some(obj), Some(serde_json::Value::Object(def))) =
+                (config.as_object_mut(), self.model_template.read().unwrap().clone())
+            {
                 if !obj.contains_key("template") {
                     for (k, v) in def {
                         obj.entry(k).or_insert(v);
@@ -167,8 +179,12 @@ impl Registry {
         let name = spec.name.as_str();
         let l = spec.limits.clone();
         let pools = match spec.kind {
-            Kind::ChatTemplate => Pools::Template(TemplatePool::new(rt, name, &component, &config, l, metrics.clone())?),
-            Kind::ReasoningParser => Pools::Reasoning(ReasoningPool::new(rt, name, &component, &config, l, metrics.clone())?),
+            Kind::ChatTemplate => {
+                Pools::Template(TemplatePool::new(rt, name, &component, &config, l, metrics.clone())?)
+            }
+            Kind::ReasoningParser => {
+                Pools::Reasoning(ReasoningPool::new(rt, name, &component, &config, l, metrics.clone())?)
+            }
             Kind::ToolParser => Pools::Tool(ToolPool::new(rt, name, &component, &config, l, metrics.clone())?),
             Kind::RequestPolicy => Pools::Policy(PolicyPool::new(rt, name, &component, &config, l, metrics.clone())?),
         };
@@ -204,7 +220,13 @@ impl Registry {
 
     /// Every policy serving (model, tenant), in name order.
     pub fn policies(&self, model: &str, tenant: &str) -> Vec<Arc<Deployment>> {
-        self.deployments.read().unwrap().values().filter(|d| d.spec.kind == Kind::RequestPolicy && d.matches(model, tenant)).cloned().collect()
+        self.deployments
+            .read()
+            .unwrap()
+            .values()
+            .filter(|d| d.spec.kind == Kind::RequestPolicy && d.matches(model, tenant))
+            .cloned()
+            .collect()
     }
 
     /// Per-deployment counters in the Prometheus text format (appended to `/metrics`).
@@ -225,7 +247,13 @@ impl Registry {
         for (key, name, help) in COUNTERS {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
             for d in &list {
-                let _ = writeln!(out, "{name}{{plugin=\"{}\",kind=\"{}\"}} {}", d.spec.name, kind_name(d.spec.kind), d.metrics.to_json()[*key]);
+                let _ = writeln!(
+                    out,
+                    "{name}{{plugin=\"{}\",kind=\"{}\"}} {}",
+                    d.spec.name,
+                    kind_name(d.spec.kind),
+                    d.metrics.to_json()[*key]
+                );
             }
         }
         out
@@ -239,9 +267,13 @@ impl Registry {
         let base = path.parent().unwrap_or(Path::new("."));
         let n = cfg.plugins.len();
         for spec in cfg.plugins {
-            let file = spec.component.clone().ok_or_else(|| format!("plugin '{}': 'component' (a path) is required", spec.name))?;
+            let file = spec
+                .component
+                .clone()
+                .ok_or_else(|| format!("plugin '{}': 'component' (a path) is required", spec.name))?;
             let file = if file.is_absolute() { file } else { base.join(file) };
-            let bytes = std::fs::read(&file).map_err(|e| format!("plugin '{}': reading {}: {e}", spec.name, file.display()))?;
+            let bytes =
+                std::fs::read(&file).map_err(|e| format!("plugin '{}': reading {}: {e}", spec.name, file.display()))?;
             let name = spec.name.clone();
             self.deploy(spec, &bytes).map_err(|e| format!("plugin '{name}': {e}"))?;
         }

@@ -33,7 +33,14 @@ pub struct PluginLimits {
 
 impl Default for PluginLimits {
     fn default() -> Self {
-        Self { memory_bytes: 64 << 20, call_timeout_ms: 100, max_output_bytes: 1 << 20, max_instances: 256, pool_size: 8, table_elements: 10_000 }
+        Self {
+            memory_bytes: 64 << 20,
+            call_timeout_ms: 100,
+            max_output_bytes: 1 << 20,
+            max_instances: 256,
+            pool_size: 8,
+            table_elements: 10_000,
+        }
     }
 }
 
@@ -83,7 +90,11 @@ impl HostState {
     pub fn new(plugin: Arc<str>, limits: &PluginLimits) -> Self {
         Self {
             plugin,
-            limits: StoreLimiter { memory_bytes: limits.memory_bytes, table_elements: limits.table_elements, hit: false },
+            limits: StoreLimiter {
+                memory_bytes: limits.memory_bytes,
+                table_elements: limits.table_elements,
+                hit: false,
+            },
             log_lines: 0,
         }
     }
@@ -170,7 +181,9 @@ impl Runtime {
                     self.compiled.lock().unwrap().insert(key, c.clone());
                     return Ok(c);
                 }
-                Err(e) => tracing::warn!(path = %p.display(), error = %e, "ignoring unusable compiled plugin cache entry"),
+                Err(e) => {
+                    tracing::warn!(path = %p.display(), error = %e, "ignoring unusable compiled plugin cache entry")
+                }
             }
         }
         let c = Component::new(&self.engine, bytes).map_err(anyhow::Error::from)?;

@@ -19,7 +19,14 @@ pub struct Rendered {
     pub token_ids: Option<Vec<u32>>,
 }
 
-pub fn render(pool: &Arc<TemplatePool>, messages: &str, tools: Option<&str>, add_generation_prompt: bool, reasoning_effort: Option<&str>, extra: &str) -> Result<Rendered, PluginError> {
+pub fn render(
+    pool: &Arc<TemplatePool>,
+    messages: &str,
+    tools: Option<&str>,
+    add_generation_prompt: bool,
+    reasoning_effort: Option<&str>,
+    extra: &str,
+) -> Result<Rendered, PluginError> {
     let mut lease = pool.lease()?;
     let opts = ct::exports::inference::plugins::chat_template::RenderOptions {
         add_generation_prompt,
@@ -32,7 +39,9 @@ pub fn render(pool: &Arc<TemplatePool>, messages: &str, tools: Option<&str>, add
             let size = r.prompt.len() + r.token_ids.as_ref().map_or(0, |t| t.len() * 4);
             let max = pool.limits.max_output_bytes;
             if size > max {
-                return Err(lease.reject_output("render", format!("{size} bytes of output, more than the {max} allowed")));
+                return Err(
+                    lease.reject_output("render", format!("{size} bytes of output, more than the {max} allowed"))
+                );
             }
             Ok(Rendered { prompt: r.prompt, token_ids: r.token_ids })
         }
@@ -49,21 +58,34 @@ pub struct WasmChatTemplate {
 
 impl ChatTemplate for WasmChatTemplate {
     fn render(&self, input: &ChatTemplateInput) -> Result<String, RenderError> {
-        let misconfigured = |message: String| RenderError::Renderer { status: 500, code: "chat_template_missing", message };
-        let d = self.registry.get(&self.name).ok_or_else(|| misconfigured(format!("chat template plugin '{}' is not deployed", self.name)))?;
-        let Pools::Template(pool) = &d.pools else { return Err(misconfigured(format!("plugin '{}' is not a chat template", self.name))) };
+        let misconfigured =
+            |message: String| RenderError::Renderer { status: 500, code: "chat_template_missing", message };
+        let d = self
+            .registry
+            .get(&self.name)
+            .ok_or_else(|| misconfigured(format!("chat template plugin '{}' is not deployed", self.name)))?;
+        let Pools::Template(pool) = &d.pools else {
+            return Err(misconfigured(format!("plugin '{}' is not a chat template", self.name)));
+        };
         let mut extra = input.extra.clone();
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         extra.insert("__now".into(), now.into());
         let reasoning_effort = extra.remove("reasoning_effort").and_then(|v| v.as_str().map(str::to_string));
         let messages = Value::Array(input.messages.clone()).to_string();
         let tools = input.tools.as_ref().map(|t| Value::Array(t.clone()).to_string());
-        render(pool, &messages, tools.as_deref(), input.add_generation_prompt, reasoning_effort.as_deref(), &Value::Object(extra).to_string())
-            .map(|r| r.prompt)
-            .map_err(|e| match e.kind {
-                // The template's own error result (it raised): the request's fault.
-                FailureKind::PluginError => RenderError::Input(e.to_string()),
-                kind => RenderError::Renderer { status: kind.status(), code: kind.code(), message: e.to_string() },
-            })
+        render(
+            pool,
+            &messages,
+            tools.as_deref(),
+            input.add_generation_prompt,
+            reasoning_effort.as_deref(),
+            &Value::Object(extra).to_string(),
+        )
+        .map(|r| r.prompt)
+        .map_err(|e| match e.kind {
+            // The template's own error result (it raised): the request's fault.
+            FailureKind::PluginError => RenderError::Input(e.to_string()),
+            kind => RenderError::Renderer { status: kind.status(), code: kind.code(), message: e.to_string() },
+        })
     }
 }

@@ -32,7 +32,8 @@ struct Row {
 fn quantize_row(w: &[f32], bits: u32, gs: usize, symmetric: bool) -> Row {
     let (qmin, qmax) = (-(1i32 << (bits - 1)) as f32, ((1i32 << (bits - 1)) - 1) as f32);
     let offset = (1i32 << (bits - 1)) as f32;
-    let mut r = Row { codes: Vec::with_capacity(w.len()), scale: Vec::new(), zero: Vec::new(), stats: Stats::default() };
+    let mut r =
+        Row { codes: Vec::with_capacity(w.len()), scale: Vec::new(), zero: Vec::new(), stats: Stats::default() };
     for g in w.chunks(gs) {
         let lo = g.iter().copied().fold(0.0f32, f32::min);
         let hi = g.iter().copied().fold(0.0f32, f32::max);
@@ -70,7 +71,13 @@ pub fn quantize_int(w: &[f32], rows: usize, cols: usize, bits: u32, gs: usize, s
     assert_eq!(cols % gs, 0, "compressed-tensors group quantization needs the columns to divide into groups");
     let words = (cols * bits as usize).div_ceil(32);
     let out: Vec<Row> = w.par_chunks(cols).map(|row| quantize_row(row, bits, gs, symmetric)).collect();
-    let mut t = IntTensors { packed: Vec::with_capacity(rows * words * 4), words, scale: Vec::new(), zero_point: None, stats: Stats::default() };
+    let mut t = IntTensors {
+        packed: Vec::with_capacity(rows * words * 4),
+        words,
+        scale: Vec::new(),
+        zero_point: None,
+        stats: Stats::default(),
+    };
     for r in &out {
         let mut p = pack_row(&r.codes, bits);
         p.resize(words * 4, 0);

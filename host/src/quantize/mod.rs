@@ -65,11 +65,23 @@ fn is_embedding(module: &str) -> bool {
 }
 
 enum Job {
-    Copy { name: String },
-    Quantize { module: String, rows: usize, cols: usize, plan: LayerPlan, stored: Stored },
+    Copy {
+        name: String,
+    },
+    Quantize {
+        module: String,
+        rows: usize,
+        cols: usize,
+        plan: LayerPlan,
+        stored: Stored,
+    },
     /// An MXFP4 source weight the policy keeps unquantized: written as BF16 `<m>.weight`
     /// (exact: an E2M1 value times a power of two has 3 significant bits).
-    Decode { module: String, rows: usize, cols: usize },
+    Decode {
+        module: String,
+        rows: usize,
+        cols: usize,
+    },
 }
 
 fn plan_tensors(src: &SafetensorsSource, policy: &Policy) -> Result<(Vec<Job>, Vec<Planned>, Vec<String>)> {
@@ -84,7 +96,12 @@ fn plan_tensors(src: &SafetensorsSource, policy: &Policy) -> Result<(Vec<Job>, V
         let float = matches!(t.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16);
         let (module, stored, rows, cols) = match source::mxfp4_module(src, name) {
             Some(m) => (Some(m), Stored::Mxfp4, t.shape[0], t.shape[1] * 2),
-            None => (name.strip_suffix(".weight").filter(|_| float && t.shape.len() == 2), Stored::Float, t.shape.first().copied().unwrap_or(0), t.shape.get(1).copied().unwrap_or(0)),
+            None => (
+                name.strip_suffix(".weight").filter(|_| float && t.shape.len() == 2),
+                Stored::Float,
+                t.shape.first().copied().unwrap_or(0),
+                t.shape.get(1).copied().unwrap_or(0),
+            ),
         };
         let plan = match module {
             Some(m) if !is_embedding(m) => policy.plan_for(m),
@@ -96,7 +113,10 @@ fn plan_tensors(src: &SafetensorsSource, policy: &Policy) -> Result<(Vec<Job>, V
             Some(p) if p.format == Format::Int && cols % p.group_size != 0 => {
                 match (16..=p.group_size).rev().step_by(16).find(|g| g % 16 == 0 && cols % g == 0) {
                     Some(g) => {
-                        notes.push(format!("{cols} columns do not divide into groups of {}; using groups of {g}", p.group_size));
+                        notes.push(format!(
+                            "{cols} columns do not divide into groups of {}; using groups of {g}",
+                            p.group_size
+                        ));
                         Some(LayerPlan { group_size: g, ..p })
                     }
                     None => {
@@ -124,16 +144,44 @@ fn plan_tensors(src: &SafetensorsSource, policy: &Policy) -> Result<(Vec<Job>, V
                 let b = plan.bits as usize;
                 match plan.format {
                     Format::Cubic => {
-                        planned.push(Planned { name: format!("{m}.cubic_codes"), dtype: "U8".into(), shape: vec![rows, (cols * b).div_ceil(8)] });
-                        planned.push(Planned { name: format!("{m}.cubic_scale"), dtype: "F16".into(), shape: vec![rows, groups] });
-                        planned.push(Planned { name: format!("{m}.cubic_shape"), dtype: "F16".into(), shape: vec![rows, groups] });
+                        planned.push(Planned {
+                            name: format!("{m}.cubic_codes"),
+                            dtype: "U8".into(),
+                            shape: vec![rows, (cols * b).div_ceil(8)],
+                        });
+                        planned.push(Planned {
+                            name: format!("{m}.cubic_scale"),
+                            dtype: "F16".into(),
+                            shape: vec![rows, groups],
+                        });
+                        planned.push(Planned {
+                            name: format!("{m}.cubic_shape"),
+                            dtype: "F16".into(),
+                            shape: vec![rows, groups],
+                        });
                     }
                     Format::Int => {
-                        planned.push(Planned { name: format!("{m}.weight_packed"), dtype: "I32".into(), shape: vec![rows, (cols * b).div_ceil(32)] });
-                        planned.push(Planned { name: format!("{m}.weight_scale"), dtype: "BF16".into(), shape: vec![rows, groups] });
-                        planned.push(Planned { name: format!("{m}.weight_shape"), dtype: "I64".into(), shape: vec![2] });
+                        planned.push(Planned {
+                            name: format!("{m}.weight_packed"),
+                            dtype: "I32".into(),
+                            shape: vec![rows, (cols * b).div_ceil(32)],
+                        });
+                        planned.push(Planned {
+                            name: format!("{m}.weight_scale"),
+                            dtype: "BF16".into(),
+                            shape: vec![rows, groups],
+                        });
+                        planned.push(Planned {
+                            name: format!("{m}.weight_shape"),
+                            dtype: "I64".into(),
+                            shape: vec![2],
+                        });
                         if !plan.symmetric {
-                            planned.push(Planned { name: format!("{m}.weight_zero_point"), dtype: "I32".into(), shape: vec![(rows * b).div_ceil(32), groups] });
+                            planned.push(Planned {
+                                name: format!("{m}.weight_zero_point"),
+                                dtype: "I32".into(),
+                                shape: vec![(rows * b).div_ceil(32), groups],
+                            });
                         }
                     }
                 }
@@ -159,8 +207,10 @@ fn quantization_config(jobs: &[Job]) -> Value {
     let format = quantized.first().map(|(_, p)| p.format).unwrap_or(Format::Cubic);
     match format {
         Format::Cubic => {
-            let modules: serde_json::Map<String, Value> =
-                quantized.iter().map(|(m, p)| (m.to_string(), json!({"bits": p.bits, "group_size": p.group_size}))).collect();
+            let modules: serde_json::Map<String, Value> = quantized
+                .iter()
+                .map(|(m, p)| (m.to_string(), json!({"bits": p.bits, "group_size": p.group_size})))
+                .collect();
             json!({"quant_method": "cubic", "version": 1, "modules": modules})
         }
         Format::Int => {
@@ -191,8 +241,10 @@ pub fn quantize(a: &QuantizeArgs) -> Result<Report> {
         bail!("{} already exists; refusing to overwrite", a.output.display());
     }
     let cfg_path = a.input.join("config.json");
-    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?)
-        .with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?,
+    )
+    .with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
     source::check_source_config(&a.input, &cfg)?;
     let policy_text = match &a.policy {
         Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?),
@@ -225,7 +277,13 @@ pub fn quantize(a: &QuantizeArgs) -> Result<Report> {
     result
 }
 
-fn write_output(a: &QuantizeArgs, src: &SafetensorsSource, jobs: &[Job], planned: Vec<Planned>, mut cfg: Value) -> Result<Report> {
+fn write_output(
+    a: &QuantizeArgs,
+    src: &SafetensorsSource,
+    jobs: &[Job],
+    planned: Vec<Planned>,
+    mut cfg: Value,
+) -> Result<Report> {
     let total: u64 = jobs
         .iter()
         .map(|j| match j {
@@ -235,9 +293,18 @@ fn write_output(a: &QuantizeArgs, src: &SafetensorsSource, jobs: &[Job], planned
         .sum();
     // Checkpoint-wide effective bits per weight: every stored tensor's bits (codes, scales,
     // zero points, levels, norms, embeddings) over the source's parameter count.
-    let mut report = Report { checkpoint_params: total, checkpoint_bits: planned.iter().map(Planned::bits).sum(), ..Report::default() };
+    let mut report = Report {
+        checkpoint_params: total,
+        checkpoint_bits: planned.iter().map(Planned::bits).sum(),
+        ..Report::default()
+    };
     let bar = if a.quiet { ProgressBar::hidden() } else { ProgressBar::new(total) };
-    bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% {human_pos}/{human_len} weights, eta {eta} {msg}").unwrap());
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% {human_pos}/{human_len} weights, eta {eta} {msg}",
+        )
+        .unwrap(),
+    );
     let mut w = StreamWriter::create(&a.output.join("model.safetensors"), planned)?;
     for job in jobs {
         match job {
@@ -273,7 +340,8 @@ fn write_output(a: &QuantizeArgs, src: &SafetensorsSource, jobs: &[Job], planned
                         let t = int_rtn::quantize_int(x, *rows, *cols, plan.bits, plan.group_size, plan.symmetric);
                         w.write(&format!("{module}.weight_packed"), &t.packed)?;
                         w.write(&format!("{module}.weight_scale"), &u16s(&t.scale))?;
-                        let shape: Vec<u8> = [*rows as i64, *cols as i64].iter().flat_map(|v| v.to_le_bytes()).collect();
+                        let shape: Vec<u8> =
+                            [*rows as i64, *cols as i64].iter().flat_map(|v| v.to_le_bytes()).collect();
                         w.write(&format!("{module}.weight_shape"), &shape)?;
                         if let Some(zp) = &t.zero_point {
                             w.write(&format!("{module}.weight_zero_point"), zp)?;
@@ -298,7 +366,8 @@ fn copy_side_files(from: &Path, to: &Path) -> Result<()> {
     for e in std::fs::read_dir(from)? {
         let e = e?;
         let name = e.file_name().to_string_lossy().into_owned();
-        let weights = name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name.ends_with(".bin");
+        let weights =
+            name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name.ends_with(".bin");
         if e.file_type()?.is_file() && !weights && name != "config.json" {
             std::fs::copy(e.path(), to.join(&name))?;
         }

@@ -31,7 +31,9 @@ pub struct LayerPlan {
 impl LayerPlan {
     pub fn kind(&self) -> String {
         match self.format {
-            Format::Int => format!("int{} g{}{}", self.bits, self.group_size, if self.symmetric { "" } else { " asym" }),
+            Format::Int => {
+                format!("int{} g{}{}", self.bits, self.group_size, if self.symmetric { "" } else { " asym" })
+            }
             Format::Cubic => format!("cubic b{} g{}", self.bits, self.group_size),
         }
     }
@@ -54,7 +56,12 @@ pub struct Policy {
 impl Policy {
     /// `file` (JSON text) may override the format and defaults; flags given on the command line
     /// (`Some`) override both.
-    pub fn new(file: Option<&str>, format: Option<Format>, bits: Option<u32>, group_size: Option<usize>) -> Result<Self, String> {
+    pub fn new(
+        file: Option<&str>,
+        format: Option<Format>,
+        bits: Option<u32>,
+        group_size: Option<usize>,
+    ) -> Result<Self, String> {
         let v: Value = match file {
             Some(text) => serde_json::from_str(text).map_err(|e| format!("policy: invalid JSON: {e}"))?,
             None => Value::Object(Default::default()),
@@ -68,7 +75,9 @@ impl Policy {
         let format = format.or(file_format).unwrap_or(Format::Cubic);
         let default = LayerPlan {
             format,
-            bits: bits.or(v.get("bits").and_then(Value::as_u64).map(|b| b as u32)).unwrap_or(if format == Format::Int { 4 } else { 3 }),
+            bits: bits
+                .or(v.get("bits").and_then(Value::as_u64).map(|b| b as u32))
+                .unwrap_or(if format == Format::Int { 4 } else { 3 }),
             group_size: group_size
                 .or(v.get("group_size").and_then(Value::as_u64).map(|g| g as usize))
                 .unwrap_or(if format == Format::Int { 128 } else { 512 }),
@@ -76,9 +85,16 @@ impl Policy {
         };
         let mut rules = Vec::new();
         for r in v.get("rules").and_then(Value::as_array).into_iter().flatten() {
-            let target = r.get("match").and_then(Value::as_str).ok_or("policy: every rule needs a \"match\" string")?.to_string();
+            let target = r
+                .get("match")
+                .and_then(Value::as_str)
+                .ok_or("policy: every rule needs a \"match\" string")?
+                .to_string();
             let regex = match target.strip_prefix("re:") {
-                Some(re) => Some(fancy_regex::Regex::new(&format!(r"\A(?:{re})")).map_err(|e| format!("policy: rule '{target}': {e}"))?),
+                Some(re) => Some(
+                    fancy_regex::Regex::new(&format!(r"\A(?:{re})"))
+                        .map_err(|e| format!("policy: rule '{target}': {e}"))?,
+                ),
                 None => None,
             };
             rules.push(Rule {
@@ -107,7 +123,10 @@ impl Policy {
         if !(1..=8).contains(&l.bits) {
             return Err(format!("bits {} outside 1..=8", l.bits));
         }
-        if !(16..=1024).contains(&l.group_size) || l.group_size % 16 != 0 || (l.format == Format::Cubic && l.group_size < 32) {
+        if !(16..=1024).contains(&l.group_size)
+            || l.group_size % 16 != 0
+            || (l.format == Format::Cubic && l.group_size < 32)
+        {
             return Err(format!("group size {} must be a multiple of 16 in 32..=1024", l.group_size));
         }
         Ok(())

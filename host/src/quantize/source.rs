@@ -32,7 +32,9 @@ pub fn check_source_config(dir: &std::path::Path, cfg: &Value) -> Result<()> {
         let global = q.get("format").and_then(Value::as_str);
         let groups = q.get("config_groups").and_then(Value::as_object);
         let formats: Vec<Option<&str>> = match groups {
-            Some(g) if !g.is_empty() => g.values().map(|grp| grp.get("format").and_then(Value::as_str).or(global)).collect(),
+            Some(g) if !g.is_empty() => {
+                g.values().map(|grp| grp.get("format").and_then(Value::as_str).or(global)).collect()
+            }
             _ => vec![global],
         };
         if formats.iter().all(|f| *f == Some("mxfp4-pack-quantized")) {
@@ -45,7 +47,10 @@ pub fn check_source_config(dir: &std::path::Path, cfg: &Value) -> Result<()> {
         );
     }
     if method == "mxfp4" {
-        bail!("{}: gpt-oss mxfp4 expert tensors (*_blocks/*_scales) are not supported as quantize input yet", dir.display());
+        bail!(
+            "{}: gpt-oss mxfp4 expert tensors (*_blocks/*_scales) are not supported as quantize input yet",
+            dir.display()
+        );
     }
     bail!("{} is already quantized (quant_method '{method}'); only float or mxfp4-pack-quantized sources can be quantized", dir.display())
 }

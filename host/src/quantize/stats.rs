@@ -66,8 +66,17 @@ impl Report {
     /// `format  loss  clipped %` per storage configuration (loss = scale-free NRMSE), then the
     /// checkpoint-wide effective bits per weight.
     pub fn table(&self) -> String {
-        let mut out = format!("{:<16} {:>9}  {:>9}  {:>11}  {:>11}\n", "format", "loss", "clipped %", "weights", "bits/weight");
-        let row = |k: &str, s: &Stats| format!("{k:<16} {:>9.5}  {:>9.4}  {:>11}  {:>11.4}\n", s.nrmse(), s.clipped_pct(), s.weights, s.bits_per_weight());
+        let mut out =
+            format!("{:<16} {:>9}  {:>9}  {:>11}  {:>11}\n", "format", "loss", "clipped %", "weights", "bits/weight");
+        let row = |k: &str, s: &Stats| {
+            format!(
+                "{k:<16} {:>9.5}  {:>9.4}  {:>11}  {:>11.4}\n",
+                s.nrmse(),
+                s.clipped_pct(),
+                s.weights,
+                s.bits_per_weight()
+            )
+        };
         let mut total = Stats::default();
         for (k, s) in &self.by_kind {
             out += &row(k, s);
@@ -99,7 +108,10 @@ mod tests {
         let t = r.table();
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[0].starts_with("format") && lines[0].contains("loss") && lines[0].contains("clipped %"), "{t}");
-        assert!(lines[1].starts_with("int4 g128") && lines[1].contains("0.10000") && lines[1].contains("1.0000"), "{t}");
+        assert!(
+            lines[1].starts_with("int4 g128") && lines[1].contains("0.10000") && lines[1].contains("1.0000"),
+            "{t}"
+        );
         assert!(lines[2].starts_with("checkpoint: 6.0000 effective bits per weight"), "{t}");
     }
 }

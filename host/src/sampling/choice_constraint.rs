@@ -14,7 +14,11 @@ pub struct ChoiceConstraint {
 
 impl ChoiceConstraint {
     pub fn new(choices: &[String]) -> Self {
-        Self { choices: choices.iter().map(|c| c.as_bytes().to_vec()).collect(), live: (0..choices.len()).collect(), sofar: Vec::new() }
+        Self {
+            choices: choices.iter().map(|c| c.as_bytes().to_vec()).collect(),
+            live: (0..choices.len()).collect(),
+            sofar: Vec::new(),
+        }
     }
 
     /// The output equals a choice (the first one reached ends it, as the shorter of two choices

@@ -56,7 +56,9 @@ impl Constraint {
     pub fn new(spec: &ConstraintSpec) -> Self {
         match spec {
             ConstraintSpec::JsonObject { whitespace } => Constraint::Json(JsonState::with_whitespace(*whitespace)),
-            ConstraintSpec::JsonSchema { schema, whitespace } => Constraint::Schema(SchemaState::with_whitespace(schema.clone(), *whitespace)),
+            ConstraintSpec::JsonSchema { schema, whitespace } => {
+                Constraint::Schema(SchemaState::with_whitespace(schema.clone(), *whitespace))
+            }
             ConstraintSpec::ToolCall { names } => Constraint::ToolCall(ToolCallConstraint::new(names)),
             ConstraintSpec::Choice { choices } => Constraint::Choice(ChoiceConstraint::new(choices)),
         }

@@ -233,19 +233,17 @@ impl JsonState {
                     _ => true, // UTF-8 bytes are checked when the text is decoded
                 }
             }
-            Expect::Number(n) => {
-                match n.next(b, false) {
-                    Some(s) => {
-                        self.expect = Expect::Number(s);
-                        true
-                    }
-                    None if n.can_end() => {
-                        self.after_value();
-                        self.byte(b)
-                    }
-                    None => false,
+            Expect::Number(n) => match n.next(b, false) {
+                Some(s) => {
+                    self.expect = Expect::Number(s);
+                    true
                 }
-            }
+                None if n.can_end() => {
+                    self.after_value();
+                    self.byte(b)
+                }
+                None => false,
+            },
             Expect::Literal(rest) => {
                 if rest.first() != Some(&b) {
                     return false;

@@ -32,17 +32,30 @@ const MAX_PROPERTIES: usize = 256;
 pub enum Node {
     Any,
     /// A string of `min..=max` characters.
-    Str { min: u32, max: u32 },
-    Num { integer: bool },
+    Str {
+        min: u32,
+        max: u32,
+    },
+    Num {
+        integer: bool,
+    },
     /// Exactly these bytes (a `const`, an `enum` value, `true`, `null`).
     Lit(Box<[u8]>),
     /// One of these.
     Union(Vec<NodeId>),
-    Array { items: NodeId, min: u32, max: u32 },
+    Array {
+        items: NodeId,
+        min: u32,
+        max: u32,
+    },
     /// Declared properties in order: each key as its JSON string literal (quotes included).
-    Object { props: Vec<Prop> },
+    Object {
+        props: Vec<Prop>,
+    },
     /// Any string keys, values of one schema.
-    Map { values: NodeId },
+    Map {
+        values: NodeId,
+    },
     /// A `$ref` not yet resolved (only while compiling).
     Pending,
 }
@@ -74,7 +87,9 @@ impl Schema {
         if root == ANY {
             root = c.push(Node::Map { values: ANY })?;
         }
-        if c.nodes[root as usize] == (Node::Num { integer: true }) || c.nodes[root as usize] == (Node::Num { integer: false }) {
+        if c.nodes[root as usize] == (Node::Num { integer: true })
+            || c.nodes[root as usize] == (Node::Num { integer: false })
+        {
             return Err("the schema's root is a number, whose end cannot be told: wrap it in an object".into());
         }
         let schema = Self { nodes: c.nodes, root };
@@ -191,7 +206,10 @@ impl Compiler<'_> {
         }
         for key in ["anyOf", "oneOf"] {
             if let Some(list) = o.get(key) {
-                let branches = list.as_array().filter(|a| !a.is_empty()).ok_or_else(|| format!("'{key}' must be a non-empty array"))?;
+                let branches = list
+                    .as_array()
+                    .filter(|a| !a.is_empty())
+                    .ok_or_else(|| format!("'{key}' must be a non-empty array"))?;
                 let ids = branches.iter().map(|b| self.node(b)).collect::<Result<Vec<_>, _>>()?;
                 return self.push(Node::Union(ids));
             }
@@ -203,14 +221,23 @@ impl Compiler<'_> {
             };
         }
         match o.get("type") {
-            None if o.contains_key("properties") || o.contains_key("additionalProperties") || o.contains_key("required") => self.typed("object", o),
+            None if o.contains_key("properties")
+                || o.contains_key("additionalProperties")
+                || o.contains_key("required") =>
+            {
+                self.typed("object", o)
+            }
             None if o.contains_key("items") => self.typed("array", o),
             None => Ok(ANY),
             Some(Value::String(t)) => self.typed(t, o),
             Some(Value::Array(types)) if !types.is_empty() => {
                 let ids = types
                     .iter()
-                    .map(|t| t.as_str().ok_or_else(|| "'type' entries must be strings".to_string()).and_then(|t| self.typed(t, o)))
+                    .map(|t| {
+                        t.as_str()
+                            .ok_or_else(|| "'type' entries must be strings".to_string())
+                            .and_then(|t| self.typed(t, o))
+                    })
                     .collect::<Result<Vec<_>, _>>()?;
                 self.push(Node::Union(ids))
             }
@@ -242,7 +269,8 @@ impl Compiler<'_> {
             "integer" => self.push(Node::Num { integer: true }),
             "number" => self.push(Node::Num { integer: false }),
             "boolean" => {
-                let (t, f) = (self.push(Node::Lit(b"true".to_vec().into()))?, self.push(Node::Lit(b"false".to_vec().into()))?);
+                let (t, f) =
+                    (self.push(Node::Lit(b"true".to_vec().into()))?, self.push(Node::Lit(b"false".to_vec().into()))?);
                 self.push(Node::Union(vec![t, f]))
             }
             "null" => self.push(Node::Lit(b"null".to_vec().into())),
@@ -262,7 +290,9 @@ impl Compiler<'_> {
         }
         let required: Vec<&str> = match o.get("required") {
             None => vec![],
-            Some(Value::Array(r)) => r.iter().map(|k| k.as_str().ok_or("'required' entries must be strings")).collect::<Result<_, _>>()?,
+            Some(Value::Array(r)) => {
+                r.iter().map(|k| k.as_str().ok_or("'required' entries must be strings")).collect::<Result<_, _>>()?
+            }
             Some(_) => return Err("'required' must be an array of strings".into()),
         };
         if let Some(k) = required.iter().find(|k| !props.contains_key(**k)) {
@@ -299,7 +329,9 @@ impl Compiler<'_> {
         if let Some(&id) = self.refs.get(r) {
             return Ok(id);
         }
-        let pointer = r.strip_prefix('#').ok_or_else(|| format!("only references into the schema itself ('#...') are supported, not '{r}'"))?;
+        let pointer = r
+            .strip_prefix('#')
+            .ok_or_else(|| format!("only references into the schema itself ('#...') are supported, not '{r}'"))?;
         let target = self.doc.pointer(pointer).ok_or_else(|| format!("'$ref' {r} points at nothing"))?;
         // A placeholder first: a recursive reference resolves to it, and it becomes a union of
         // the one compiled target (the matcher expands unions).
@@ -314,7 +346,10 @@ impl Compiler<'_> {
 fn bound(o: &Map<String, Value>, key: &str, default: u32) -> Result<u32, String> {
     match o.get(key) {
         None => Ok(default),
-        Some(v) => v.as_u64().map(|n| n.min(u32::MAX as u64) as u32).ok_or_else(|| format!("'{key}' must be a non-negative integer")),
+        Some(v) => v
+            .as_u64()
+            .map(|n| n.min(u32::MAX as u64) as u32)
+            .ok_or_else(|| format!("'{key}' must be a non-negative integer")),
     }
 }
 
@@ -336,7 +371,10 @@ mod tests {
             (json!(false), "matches nothing"),
             (json!({"type": "string", "minLength": 3, "maxLength": 2}), "minLength"),
             (json!({"$ref": "#"}), "no finite JSON value"),
-            (json!({"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]}), "no finite JSON value"),
+            (
+                json!({"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]}),
+                "no finite JSON value",
+            ),
         ] {
             let e = Schema::compile(&schema).unwrap_err();
             assert!(e.contains(want), "{schema}: {e}");
@@ -352,6 +390,9 @@ mod tests {
         .unwrap();
         let Node::Union(u) = s.node(s.root) else { panic!("a reference compiles to a union") };
         let Node::Object { props } = s.node(u[0]) else { panic!("an object") };
-        assert_eq!(props.iter().map(|p| (String::from_utf8_lossy(&p.key).into_owned(), p.required)).collect::<Vec<_>>(), [("\"v\"".into(), true), ("\"next\"".into(), false)]);
+        assert_eq!(
+            props.iter().map(|p| (String::from_utf8_lossy(&p.key).into_owned(), p.required)).collect::<Vec<_>>(),
+            [("\"v\"".into(), true), ("\"next\"".into(), false)]
+        );
     }
 }

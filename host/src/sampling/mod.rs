@@ -120,7 +120,8 @@ impl Sampler {
     pub fn process(&self, logits: &mut [f32]) {
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
-            let mut seen: Vec<u32> = self.prompt_tokens.iter().copied().chain(self.output_counts.keys().copied()).collect();
+            let mut seen: Vec<u32> =
+                self.prompt_tokens.iter().copied().chain(self.output_counts.keys().copied()).collect();
             seen.sort_unstable();
             seen.dedup();
             for t in seen {
@@ -146,7 +147,8 @@ impl Sampler {
         }
         if let Some(allowed) = &p.allowed_token_ids {
             // Keep the listed logits, clear the rest: O(vocab + list) whatever the list's size.
-            let kept: Vec<(usize, f32)> = allowed.iter().filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l))).collect();
+            let kept: Vec<(usize, f32)> =
+                allowed.iter().filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l))).collect();
             logits.fill(f32::NEG_INFINITY);
             for (t, l) in kept {
                 logits[t] = l;
@@ -290,11 +292,15 @@ mod tests {
     #[test]
     fn allowed_token_ids_limit_every_draw_to_the_list() {
         let logits: Vec<f32> = (0..100).map(|i| i as f32 / 10.0).collect();
-        let mut s = Sampler::new(SamplingParams { allowed_token_ids: Some(vec![3, 40, 7]), seed: Some(5), ..Default::default() }, &[]);
+        let mut s = Sampler::new(
+            SamplingParams { allowed_token_ids: Some(vec![3, 40, 7]), seed: Some(5), ..Default::default() },
+            &[],
+        );
         for _ in 0..50 {
             assert!([3, 40, 7].contains(&s.sample(&mut logits.clone()).token));
         }
-        let mut g = Sampler::new(SamplingParams { allowed_token_ids: Some(vec![3, 40, 7]), ..SamplingParams::greedy() }, &[]);
+        let mut g =
+            Sampler::new(SamplingParams { allowed_token_ids: Some(vec![3, 40, 7]), ..SamplingParams::greedy() }, &[]);
         assert_eq!(g.sample(&mut logits.clone()).token, 40);
     }
 

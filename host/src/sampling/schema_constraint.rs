@@ -30,7 +30,10 @@ enum LitSrc {
     /// A `Node::Lit`.
     Node(NodeId),
     /// The key (with its quotes) of property `prop` of object node `obj`.
-    Key { obj: NodeId, prop: u16 },
+    Key {
+        obj: NodeId,
+        prop: u16,
+    },
 }
 
 /// What remains to be matched, one step of it.
@@ -39,20 +42,44 @@ enum Task {
     /// A value of this node (leading whitespace allowed).
     Value(NodeId),
     /// Literal bytes from `pos` on (whitespace allowed before the first).
-    Lit { src: LitSrc, pos: u16 },
+    Lit {
+        src: LitSrc,
+        pos: u16,
+    },
     /// An opening `"`, then a string body.
-    StrStart { min: u32, max: u32 },
+    StrStart {
+        min: u32,
+        max: u32,
+    },
     /// Inside a string: `count` characters so far; `esc` 0 = none, 1 = after `\`, 2..=5 = that
     /// many minus one hex digits of `\u` left.
-    Str { min: u32, max: u32, count: u32, esc: u8 },
-    Num { state: NumState, integer: bool },
+    Str {
+        min: u32,
+        max: u32,
+        count: u32,
+        esc: u8,
+    },
+    Num {
+        state: NumState,
+        integer: bool,
+    },
     /// After `{` of object node `obj` (or after a property): the next property may be `next`
     /// or any later one past optional ones; `first` means no property was written yet.
-    Obj { obj: NodeId, next: u16, first: bool },
+    Obj {
+        obj: NodeId,
+        next: u16,
+        first: bool,
+    },
     /// After `{` of a map (or after an entry) whose values are `values`.
-    Map { values: NodeId, first: bool },
+    Map {
+        values: NodeId,
+        first: bool,
+    },
     /// After `[` (or after an item): `count` items written.
-    Arr { arr: NodeId, count: u32 },
+    Arr {
+        arr: NodeId,
+        count: u32,
+    },
 }
 
 impl Task {
@@ -338,7 +365,12 @@ impl Matcher<'_> {
                 if first || b == b',' {
                     // Any property from `next` on, skipping only optional ones.
                     for (j, prop) in props.iter().enumerate().skip(next as usize) {
-                        let tasks = [Task::Obj { obj, next: j as u16 + 1, first: false }, Task::Value(prop.node), Task::Lit { src: LitSrc::Static(b":"), pos: 0 }, Task::Lit { src: LitSrc::Key { obj, prop: j as u16 }, pos: 0 }];
+                        let tasks = [
+                            Task::Obj { obj, next: j as u16 + 1, first: false },
+                            Task::Value(prop.node),
+                            Task::Lit { src: LitSrc::Static(b":"), pos: 0 },
+                            Task::Lit { src: LitSrc::Key { obj, prop: j as u16 }, pos: 0 },
+                        ];
                         if first {
                             then(path.clone(), &tasks, out);
                         } else {
@@ -355,8 +387,19 @@ impl Matcher<'_> {
                 let colon = Task::Lit { src: LitSrc::Static(b":"), pos: 0 };
                 match (b, first) {
                     (b'}', _) => out.push(path),
-                    (b'"', true) => done(path, &[Task::Map { values, first: false }, Task::Value(values), colon, key], out),
-                    (b',', false) => done(path, &[Task::Map { values, first: false }, Task::Value(values), colon, Task::StrStart { min: 0, max: u32::MAX }], out),
+                    (b'"', true) => {
+                        done(path, &[Task::Map { values, first: false }, Task::Value(values), colon, key], out)
+                    }
+                    (b',', false) => done(
+                        path,
+                        &[
+                            Task::Map { values, first: false },
+                            Task::Value(values),
+                            colon,
+                            Task::StrStart { min: 0, max: u32::MAX },
+                        ],
+                        out,
+                    ),
                     _ => {}
                 }
             }
@@ -449,14 +492,14 @@ mod tests {
             assert_eq!(check(&s, good), (true, true), "{good}");
         }
         for bad in [
-            r#"{"age": 30"#,                          // a required property skipped
-            r#"{"name": "Ann"}"#,                     // closed before a required one
-            r#"{"name": "Annabel""#,                  // longer than maxLength
-            r#"{"name": "A", "age": 1.5"#,            // not an integer
-            r#"{"name": "A", "age": 1, "tags": ["c""#, // not in the enum
+            r#"{"age": 30"#,                                     // a required property skipped
+            r#"{"name": "Ann"}"#,                                // closed before a required one
+            r#"{"name": "Annabel""#,                             // longer than maxLength
+            r#"{"name": "A", "age": 1.5"#,                       // not an integer
+            r#"{"name": "A", "age": 1, "tags": ["c""#,           // not in the enum
             r#"{"name": "A", "age": 1, "tags": ["a", "b", "a""#, // over maxItems
-            r#"{"name": "A", "age": 1, "extra": 1"#,  // undeclared
-            r#"{"name": "A", "ok": true, "age": 1"#,  // out of the declared order
+            r#"{"name": "A", "age": 1, "extra": 1"#,             // undeclared
+            r#"{"name": "A", "ok": true, "age": 1"#,             // out of the declared order
             r#"["#,
         ] {
             assert!(!check(&s, bad).0, "{bad}");
@@ -497,7 +540,15 @@ mod tests {
         let schema = Arc::new(Schema::compile(&json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}}, "b": {"type": "integer"}}, "required": ["a"]})).unwrap());
         let compact = SchemaState::with_whitespace(schema.clone(), JsonWhitespace::Disabled);
         assert_eq!(check(&compact, r#"{"a":["x y","z"],"b":-3}"#), (true, true));
-        for spaced in [r#" {"a":[]}"#, r#"{ "a":[]}"#, r#"{"a" :[]}"#, r#"{"a": []}"#, r#"{"a":[ "x"]}"#, r#"{"a":["x"] ,"b":1}"#, "{\"a\":[]\n}"] {
+        for spaced in [
+            r#" {"a":[]}"#,
+            r#"{ "a":[]}"#,
+            r#"{"a" :[]}"#,
+            r#"{"a": []}"#,
+            r#"{"a":[ "x"]}"#,
+            r#"{"a":["x"] ,"b":1}"#,
+            "{\"a\":[]\n}",
+        ] {
             assert!(!check(&compact, spaced).0, "{spaced}");
             assert_eq!(check(&SchemaState::new(schema.clone()), spaced), (true, true), "{spaced}");
         }
@@ -508,13 +559,27 @@ mod tests {
     /// table of the previous state must not survive a `feed`).
     #[test]
     fn accepts_agrees_with_feeding_a_copy() {
-        let s = state(json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "number"}}, "b": {"enum": ["x y", null]}}}));
-        let texts: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).chain([r#""a": ["#, r#" "b""#, "1.5e3,", r#"null}"#, r#""x y"}"#, "\n\t ", r#""a"#].map(|t| t.as_bytes().to_vec())).collect();
+        let s = state(
+            json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "number"}}, "b": {"enum": ["x y", null]}}}),
+        );
+        let texts: Vec<Vec<u8>> = (0..=255u8)
+            .map(|b| vec![b])
+            .chain(
+                [r#""a": ["#, r#" "b""#, "1.5e3,", r#"null}"#, r#""x y"}"#, "\n\t ", r#""a"#]
+                    .map(|t| t.as_bytes().to_vec()),
+            )
+            .collect();
         let mut st = s.clone();
         for step in [&br#"{"#[..], br#" "a""#, b": [", b"1", b".25", b", -3]", br#", "b": "#, b"\"x", b" y\"", b"}"] {
             for t in &texts {
                 let mut copy = st.clone();
-                assert_eq!(st.accepts(t), copy.feed(t), "after {:?}: {:?}", String::from_utf8_lossy(step), String::from_utf8_lossy(t));
+                assert_eq!(
+                    st.accepts(t),
+                    copy.feed(t),
+                    "after {:?}: {:?}",
+                    String::from_utf8_lossy(step),
+                    String::from_utf8_lossy(t)
+                );
             }
             assert!(st.feed(step), "{:?}", String::from_utf8_lossy(step));
         }
@@ -525,7 +590,8 @@ mod tests {
     #[test]
     fn the_path_set_stays_bounded() {
         // 30 optional properties: after a comma any of them may come next.
-        let props: serde_json::Map<String, serde_json::Value> = (0..30).map(|i| (format!("p{i}"), json!({"type": "integer"}))).collect();
+        let props: serde_json::Map<String, serde_json::Value> =
+            (0..30).map(|i| (format!("p{i}"), json!({"type": "integer"}))).collect();
         let s = state(json!({"type": "object", "properties": props}));
         let mut st = s.clone();
         assert!(st.feed(br#"{"p0": 1,"#));

@@ -45,7 +45,9 @@ impl StopChecker {
         }
         self.pending.push_str(delta);
         // The earliest match; of stop strings matching there, the longest.
-        if let Some((at, neg_len)) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str()).map(|at| (at, usize::MAX - s.len()))).min() {
+        if let Some((at, neg_len)) =
+            self.stops.iter().filter_map(|s| self.pending.find(s.as_str()).map(|at| (at, usize::MAX - s.len()))).min()
+        {
             let end = if self.include_stop { at + (usize::MAX - neg_len) } else { at };
             let out = self.pending[..end].to_string();
             self.pending.clear();
@@ -57,7 +59,10 @@ impl StopChecker {
             for l in (1..s.len().min(self.pending.len() + 1)).rev() {
                 // Both boundary checks before any slicing: a stop string's prefix may end inside
                 // one of its characters ("é" has a 1-byte proper prefix).
-                if s.is_char_boundary(l) && self.pending.is_char_boundary(self.pending.len() - l) && self.pending.ends_with(&s[..l]) {
+                if s.is_char_boundary(l)
+                    && self.pending.is_char_boundary(self.pending.len() - l)
+                    && self.pending.ends_with(&s[..l])
+                {
                     keep = keep.max(l);
                     break;
                 }

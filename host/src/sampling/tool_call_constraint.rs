@@ -57,7 +57,8 @@ impl ToolCallConstraint {
                     if !self.names.iter().any(|n| n == sofar) {
                         return false;
                     }
-                    self.phase = Phase::Literal(AFTER_NAME[1..].to_vec(), Box::new(Phase::Arguments(JsonState::default())));
+                    self.phase =
+                        Phase::Literal(AFTER_NAME[1..].to_vec(), Box::new(Phase::Arguments(JsonState::default())));
                     return true;
                 }
                 sofar.push(b);

@@ -73,7 +73,11 @@ impl Gate {
     /// Steps 5-9 for `reqs` (one per prompt). `name_errors` rewrites an error to name the
     /// endpoint's own field (e.g. a context overflow is `prompt` on text completions and
     /// `messages` on chat).
-    pub fn submit(self, mut reqs: Vec<EngineRequest>, name_errors: impl Fn(ApiError) -> ApiError) -> ApiResult<Generation> {
+    pub fn submit(
+        self,
+        mut reqs: Vec<EngineRequest>,
+        name_errors: impl Fn(ApiError) -> ApiError,
+    ) -> ApiResult<Generation> {
         let state = &self.state;
         for r in &reqs {
             state.engine.validate(r).map_err(|e| name_errors(e.into()))?;
@@ -92,12 +96,15 @@ impl Gate {
             for r in &mut reqs {
                 policies.push(apply::apply(&serving, &state.served_model_name, self.tenant(), r)?);
                 state.engine.validate(r).map_err(|e| {
-                    ApiError::internal(format!("a request policy made the request invalid: {e}")).with_code("policy_error")
+                    ApiError::internal(format!("a request policy made the request invalid: {e}"))
+                        .with_code("policy_error")
                 })?;
             }
         }
-        let admission = tenancy::admit(state, &self.caller, self.endpoint, self.started, &mut reqs).map_err(&name_errors)?;
-        let admitted = Admitted { reqs, policies, tenancy: admission, in_flight: self.in_flight, started: self.started };
+        let admission =
+            tenancy::admit(state, &self.caller, self.endpoint, self.started, &mut reqs).map_err(&name_errors)?;
+        let admitted =
+            Admitted { reqs, policies, tenancy: admission, in_flight: self.in_flight, started: self.started };
         Generation::submit(&self.state, admitted).map_err(name_errors)
     }
 }

@@ -6,23 +6,23 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
+use super::admission::Gate;
 use super::error::{ApiError, ApiResult};
-use crate::plugins::output_parsers::{ChatParsers, StreamParsers};
 use super::extract::OpenAiJson;
+use super::forced_call_stream::ForcedCallStream;
 use super::generation::{collect, GenEvent, Usage};
 use super::logprobs::{chat_entry, vllm_prompt_logprobs, TokenNames};
 use super::openai::ChatCompletionRequest;
 use super::sse::{stream_response, ChunkFormatter};
-use super::token_ids::StreamTokenIds;
-use super::forced_call_stream::ForcedCallStream;
-use super::tool_choice::{forced_constraint, tool_call_json};
-use super::admission::Gate;
 use super::state::{unix_now, AppState, ServerState};
-use crate::chat_template::{ChatTemplateInput, RenderError};
-use crate::sampling::constraint::ConstraintSpec;
-use crate::model::LoadedModel;
-use crate::engine::TokenLogprob;
 use super::tenancy::{self as tenancy, CallerExt};
+use super::token_ids::StreamTokenIds;
+use super::tool_choice::{forced_constraint, tool_call_json};
+use crate::chat_template::{ChatTemplateInput, RenderError};
+use crate::engine::TokenLogprob;
+use crate::model::LoadedModel;
+use crate::plugins::output_parsers::{ChatParsers, StreamParsers};
+use crate::sampling::constraint::ConstraintSpec;
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool", "function"];
 
@@ -118,18 +118,35 @@ fn decode_tool_call_arguments(calls: &mut Value, message: usize) -> ApiResult<()
     let calls = match calls {
         Value::Null => return Ok(()),
         Value::Array(calls) => calls,
-        _ => return Err(ApiError::invalid_param(&format!("messages[{message}].tool_calls"), format!("messages[{message}].tool_calls must be an array"))),
+        _ => {
+            return Err(ApiError::invalid_param(
+                &format!("messages[{message}].tool_calls"),
+                format!("messages[{message}].tool_calls must be an array"),
+            ))
+        }
     };
     for (j, call) in calls.iter_mut().enumerate() {
         let param = format!("messages[{message}].tool_calls[{j}]");
-        let Some(function) = call.get_mut("function").and_then(Value::as_object_mut).filter(|f| f.get("name").is_some_and(Value::is_string)) else {
-            return Err(ApiError::invalid_param(&param, format!("{param} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": ...}}}}")));
+        let Some(function) = call
+            .get_mut("function")
+            .and_then(Value::as_object_mut)
+            .filter(|f| f.get("name").is_some_and(Value::is_string))
+        else {
+            return Err(ApiError::invalid_param(
+                &param,
+                format!(
+                    "{param} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": ...}}}}"
+                ),
+            ));
         };
         let decoded = match function.get("arguments") {
             None | Some(Value::Null) => Value::Object(Default::default()),
             Some(Value::String(text)) if text.trim().is_empty() => Value::Object(Default::default()),
             Some(Value::String(text)) => serde_json::from_str(text).map_err(|e| {
-                ApiError::invalid_param(&format!("{param}.function.arguments"), format!("{param}.function.arguments is not valid JSON: {e}"))
+                ApiError::invalid_param(
+                    &format!("{param}.function.arguments"),
+                    format!("{param}.function.arguments is not valid JSON: {e}"),
+                )
             })?,
             Some(v @ (Value::Object(_) | Value::Array(_))) => v.clone(),
             Some(_) => {
@@ -147,10 +164,14 @@ fn decode_tool_call_arguments(calls: &mut Value, message: usize) -> ApiResult<()
 pub fn validate_tools(tools: &[Value]) -> ApiResult<()> {
     let max = crate::engine::core::MAX_TOOLS;
     if tools.len() > max {
-        return Err(ApiError::invalid_param("tools", format!("'tools' may hold at most {max} tools, got {}", tools.len())));
+        return Err(ApiError::invalid_param(
+            "tools",
+            format!("'tools' may hold at most {max} tools, got {}", tools.len()),
+        ));
     }
     for (i, t) in tools.iter().enumerate() {
-        let ok = t.get("type").and_then(Value::as_str) == Some("function") && t.pointer("/function/name").and_then(Value::as_str).is_some();
+        let ok = t.get("type").and_then(Value::as_str) == Some("function")
+            && t.pointer("/function/name").and_then(Value::as_str).is_some();
         if !ok {
             return Err(ApiError::invalid_param(
                 &format!("tools[{i}]"),
@@ -164,7 +185,11 @@ pub fn validate_tools(tools: &[Value]) -> ApiResult<()> {
 /// [`render_chat`] on tokio's blocking pool: rendering (a template plugin, too) and tokenizing a
 /// prompt of megabytes takes long enough to stall every other connection on an async worker
 /// (`/health` included).
-pub async fn render_chat_off_runtime(state: &AppState, input: ChatTemplateInput, opts: PromptOptions) -> ApiResult<(String, Vec<u32>)> {
+pub async fn render_chat_off_runtime(
+    state: &AppState,
+    input: ChatTemplateInput,
+    opts: PromptOptions,
+) -> ApiResult<(String, Vec<u32>)> {
     let state = state.clone();
     off_runtime(move || render_chat(&state, &input, opts)).await?
 }
@@ -187,10 +212,16 @@ pub struct PromptOptions {
 fn cut_after_final_message(rendered: &str, messages: &[Value]) -> ApiResult<String> {
     let text = messages.last().and_then(|m| m.get("content")).and_then(Value::as_str).map(str::trim).unwrap_or("");
     if text.is_empty() {
-        return Err(ApiError::invalid_param("continue_final_message", "'continue_final_message' needs a final message with text to continue"));
+        return Err(ApiError::invalid_param(
+            "continue_final_message",
+            "'continue_final_message' needs a final message with text to continue",
+        ));
     }
     let at = rendered.rfind(text).ok_or_else(|| {
-        ApiError::invalid_param("continue_final_message", "the final message's text does not appear in the rendered chat, so it cannot be continued")
+        ApiError::invalid_param(
+            "continue_final_message",
+            "the final message's text does not appear in the rendered chat, so it cannot be continued",
+        )
     })?;
     Ok(rendered[..at + text.len()].to_string())
 }
@@ -202,12 +233,20 @@ pub async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 's
 
 /// Renders the chat template and tokenizes the result. Special tokens come from the template
 /// text itself, so by default none are added (as transformers' `apply_chat_template(tokenize=True)`).
-pub fn render_chat(state: &ServerState, input: &ChatTemplateInput, opts: PromptOptions) -> ApiResult<(String, Vec<u32>)> {
-    let tmpl = state.template.as_ref().ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions"))?;
+pub fn render_chat(
+    state: &ServerState,
+    input: &ChatTemplateInput,
+    opts: PromptOptions,
+) -> ApiResult<(String, Vec<u32>)> {
+    let tmpl = state
+        .template
+        .as_ref()
+        .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions"))?;
     let prompt = tmpl.render(input).map_err(|e| match e {
         RenderError::Input(m) => ApiError::invalid_param("messages", m),
         RenderError::Renderer { status, code, message } => {
-            let status = axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+            let status =
+                axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR);
             ApiError::new(status, "server_error", message).with_code(code)
         }
     })?;
@@ -218,10 +257,17 @@ pub fn render_chat(state: &ServerState, input: &ChatTemplateInput, opts: PromptO
 
 /// The request's prompt options; a final message cannot both be continued and followed by the
 /// assistant's new turn (`add_generation_prompt`, which then defaults to false).
-pub fn prompt_options(continue_final_message: Option<bool>, add_generation_prompt: Option<bool>, add_special_tokens: Option<bool>) -> ApiResult<PromptOptions> {
+pub fn prompt_options(
+    continue_final_message: Option<bool>,
+    add_generation_prompt: Option<bool>,
+    add_special_tokens: Option<bool>,
+) -> ApiResult<PromptOptions> {
     let continue_final_message = continue_final_message.unwrap_or(false);
     if continue_final_message && add_generation_prompt == Some(true) {
-        return Err(ApiError::invalid_param("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both be true"));
+        return Err(ApiError::invalid_param(
+            "continue_final_message",
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+        ));
     }
     Ok(PromptOptions {
         add_generation_prompt: add_generation_prompt.unwrap_or(!continue_final_message),
@@ -252,12 +298,10 @@ fn check_unsupported(req: &ChatCompletionRequest) -> ApiResult<()> {
         // Forced tool calls are served by constrained decoding (see tool_choice.rs).
         Some(Value::String(s)) if s == "required" => {}
         Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {}
-        Some(_) => {
-            return Err(ApiError::invalid_param(
-                "tool_choice",
-                "tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
-            ))
-        }
+        Some(_) => return Err(ApiError::invalid_param(
+            "tool_choice",
+            "tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+        )),
     }
     if let Some(rf) = &req.response_format {
         match rf.get("type").and_then(Value::as_str) {
@@ -306,7 +350,8 @@ pub async fn handler(
         extra: template_extra(req.reasoning_effort.as_deref(), req.chat_template_kwargs.as_ref()),
     };
     let (_, prompt_ids) = render_chat_off_runtime(&state, input, opts).await?;
-    let max_tokens = req.max_completion_tokens.or(req.max_tokens).map_or(usize::MAX, |m| m.min(usize::MAX as u64) as usize);
+    let max_tokens =
+        req.max_completion_tokens.or(req.max_tokens).map_or(usize::MAX, |m| m.min(usize::MAX as u64) as usize);
     let mut ereq = req.sampling.to_engine_request(max_tokens).map_err(|e| {
         if e.param.as_deref() == Some("max_tokens") && req.max_completion_tokens.is_some() {
             e.with_param("max_completion_tokens")
@@ -319,7 +364,12 @@ pub async fn handler(
     let whitespace = super::structured::json_whitespace(req.sampling.structured_outputs.as_ref())?;
     match req.response_format.as_ref().and_then(|rf| rf.get("type")).and_then(Value::as_str) {
         Some("json_object") => ereq.constraint = Some(ConstraintSpec::JsonObject { whitespace }),
-        Some("json_schema") => ereq.constraint = Some(super::structured::response_format_schema(req.response_format.as_ref().expect("checked"), whitespace)?),
+        Some("json_schema") => {
+            ereq.constraint = Some(super::structured::response_format_schema(
+                req.response_format.as_ref().expect("checked"),
+                whitespace,
+            )?)
+        }
         _ => {}
     }
     if let Some(c) = super::structured::from_sampling_fields(&req.sampling)? {
@@ -331,9 +381,18 @@ pub async fn handler(
         ereq.constraint = forced;
     }
     // Reasoning / tool-call plugins (a forced tool call is already structured output).
-    let parse_tools = req.tools.as_deref().filter(|t| !t.is_empty() && req.tool_choice.as_ref().and_then(Value::as_str) != Some("none"));
+    let parse_tools = req
+        .tools
+        .as_deref()
+        .filter(|t| !t.is_empty() && req.tool_choice.as_ref().and_then(Value::as_str) != Some("none"));
     let parsers = match (&state.plugins, forced_tool) {
-        (Some(reg), false) => ChatParsers::select(reg, &state.served_model_name, gate.tenant(), parse_tools, req.chat_template_kwargs.as_ref()),
+        (Some(reg), false) => ChatParsers::select(
+            reg,
+            &state.served_model_name,
+            gate.tenant(),
+            parse_tools,
+            req.chat_template_kwargs.as_ref(),
+        ),
         _ => None,
     };
     if parsers.as_ref().is_some_and(ChatParsers::needs_special_tokens) {
@@ -391,7 +450,9 @@ pub async fn handler(
             };
             let forced_call = forced_tool.then(|| tool_call_json(&c.text, 0)).flatten();
             let (message, finish_reason) = match (forced_call, &parsers) {
-                (Some(call), _) => (json!({"role": "assistant", "content": null, "tool_calls": [call]}), Some("tool_calls")),
+                (Some(call), _) => {
+                    (json!({"role": "assistant", "content": null, "tool_calls": [call]}), Some("tool_calls"))
+                }
                 (None, Some(p)) => {
                     let (msg, called) = p.message(&c.text).map_err(|e| ApiError::from(&e))?;
                     (msg, if called { Some("tool_calls") } else { c.finish_reason.map(|r| r.as_str()) })
@@ -524,7 +585,9 @@ impl ChunkFormatter for ChatChunks {
             if delta.is_none() && lp.is_null() {
                 return None;
             }
-            return Some(self.chunk(json!({"index": choice, "delta": delta.unwrap_or(json!({})), "logprobs": lp, "finish_reason": null})));
+            return Some(self.chunk(
+                json!({"index": choice, "delta": delta.unwrap_or(json!({})), "logprobs": lp, "finish_reason": null}),
+            ));
         }
         let lp = self.token_logprobs(logprob.as_ref());
         if text.is_empty() && lp.is_null() {
@@ -544,7 +607,14 @@ impl ChunkFormatter for ChatChunks {
             }
             // A call cut off inside its arguments keeps the engine's reason (`length`).
             let reason = if call.complete() { "tool_calls" } else { reason.as_str() };
-            let mut out: Vec<Value> = last.map(|c| self.chunk(json!({"index": choice, "delta": {"tool_calls": [c]}, "logprobs": null, "finish_reason": null}))).into_iter().collect();
+            let mut out: Vec<Value> = last
+                .map(|c| {
+                    self.chunk(
+                        json!({"index": choice, "delta": {"tool_calls": [c]}, "logprobs": null, "finish_reason": null}),
+                    )
+                })
+                .into_iter()
+                .collect();
             out.push(self.chunk(json!({"index": choice, "delta": {}, "logprobs": null, "finish_reason": reason})));
             return out;
         }
@@ -619,7 +689,9 @@ mod tests {
             let name = case["template"].as_str().unwrap();
             let src = template_source(name);
             let sent = as_sent_by_a_client(messages);
-            assert!(sent.iter().any(|m| m.get("tool_calls").is_some_and(|c| c[0]["function"]["arguments"].is_string())));
+            assert!(sent
+                .iter()
+                .any(|m| m.get("tool_calls").is_some_and(|c| c[0]["function"]["arguments"].is_string())));
             null_content += sent.iter().filter(|m| m.get("content") == Some(&Value::Null)).count();
             let t = JinjaChatTemplate::new(&src, case["bos_token"].as_str(), case["eos_token"].as_str()).unwrap();
             let input = ChatTemplateInput {

@@ -6,17 +6,17 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
+use super::admission::Gate;
 use super::error::{ApiError, ApiResult};
 use super::extract::OpenAiJson;
 use super::generation::{collect, GenEvent, Usage};
 use super::logprobs::{vllm_prompt_logprobs, LegacyLogprobs, TokenNames};
 use super::openai::{parse_prompts, CompletionRequest, PromptInput};
 use super::sse::{stream_response, ChunkFormatter};
-use super::token_ids::StreamTokenIds;
-use super::admission::Gate;
 use super::state::{unix_now, AppState};
-use crate::model::LoadedModel;
 use super::tenancy::{self as tenancy, CallerExt};
+use super::token_ids::StreamTokenIds;
+use crate::model::LoadedModel;
 
 /// Prompts one request may carry, and choices (prompts x n) in all.
 const MAX_PROMPTS: usize = 64;
@@ -30,7 +30,11 @@ const MAX_PROMPT_LOGPROB_ENTRIES: usize = 1 << 19;
 /// OpenAI's default for this endpoint (chat defaults to the rest of the context).
 const DEFAULT_MAX_TOKENS: usize = 16;
 
-pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<CompletionRequest>) -> ApiResult<Response> {
+pub async fn handler(
+    State(state): State<AppState>,
+    caller: CallerExt,
+    OpenAiJson(req): OpenAiJson<CompletionRequest>,
+) -> ApiResult<Response> {
     let (gate, ()) = Gate::open(&state, &caller, "/v1/completions", req.model.as_deref(), || {
         if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::not_supported("suffix", "'suffix' is not supported"));
@@ -49,7 +53,13 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     let prompts = parse_prompts(&req.prompt)?;
     // One request may not take the whole queue (nor get a "queue full" no retry can cure).
     if prompts.len() > MAX_PROMPTS || (prompts.len() as u64).saturating_mul(n) > MAX_CHOICES as u64 {
-        return Err(ApiError::invalid_param("prompt", format!("at most {MAX_PROMPTS} prompts and {MAX_CHOICES} choices (prompts x n) per request, got {} x {n}", prompts.len())));
+        return Err(ApiError::invalid_param(
+            "prompt",
+            format!(
+                "at most {MAX_PROMPTS} prompts and {MAX_CHOICES} choices (prompts x n) per request, got {} x {n}",
+                prompts.len()
+            ),
+        ));
     }
     // Tokenized on the blocking pool (see chat::render_chat_off_runtime).
     let (st, add_special_tokens) = (state.clone(), req.add_special_tokens.unwrap_or(true));
@@ -97,8 +107,11 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
             r
         })
         .collect();
-    let entries_per_token = score_prompt as usize * (1 + req.logprobs.unwrap_or(0) as usize) + vllm_prompt_k.map_or(0, |k| k.saturating_add(1));
-    let entries = reqs.iter().fold(0usize, |sum, r| sum.saturating_add(r.prompt_ids.len().saturating_mul(n).saturating_mul(entries_per_token)));
+    let entries_per_token = score_prompt as usize * (1 + req.logprobs.unwrap_or(0) as usize)
+        + vllm_prompt_k.map_or(0, |k| k.saturating_add(1));
+    let entries = reqs.iter().fold(0usize, |sum, r| {
+        sum.saturating_add(r.prompt_ids.len().saturating_mul(n).saturating_mul(entries_per_token))
+    });
     if entries > MAX_PROMPT_LOGPROB_ENTRIES {
         // A width over the logprobs cap (`-1`: the vocabulary) is that error, not this one.
         for r in &reqs {
@@ -110,7 +123,8 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
             format!("scoring these prompts would return {entries} logprob entries (prompt tokens x n x alternatives); at most {MAX_PROMPT_LOGPROB_ENTRIES}: ask for fewer prompts, choices or alternatives"),
         ));
     }
-    let prompt_ids: Vec<Vec<u32>> = if req.sampling.returns_token_ids() { reqs.iter().map(|r| r.prompt_ids.clone()).collect() } else { Vec::new() };
+    let prompt_ids: Vec<Vec<u32>> =
+        if req.sampling.returns_token_ids() { reqs.iter().map(|r| r.prompt_ids.clone()).collect() } else { Vec::new() };
     let mut gen = gate.submit(reqs, |e| match e.code {
         Some("context_length_exceeded") => e.with_param("prompt"),
         _ => legacy_logprobs_param(e),
@@ -128,7 +142,18 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
     if req.sampling.is_stream() {
         let echoes: Vec<String> = (0..gen.num_choices()).map(echo_of).collect();
         let scored_echo = score_prompt.then(|| ScoredEcho { first_tokens, k: req.logprobs.unwrap_or(0) as usize, n });
-        let fmt = CompletionChunks { id, created, model, m: state.model.clone(), logprobs: Vec::new(), names, want_logprobs, echoes, echo_only, scored_echo };
+        let fmt = CompletionChunks {
+            id,
+            created,
+            model,
+            m: state.model.clone(),
+            logprobs: Vec::new(),
+            names,
+            want_logprobs,
+            echoes,
+            echo_only,
+            scored_echo,
+        };
         let token_ids = req.sampling.returns_token_ids().then(|| StreamTokenIds::new(prompt_ids, n, false, !echo_only));
         let mut resp = stream_response(gen, fmt, req.sampling.stream_settings(token_ids));
         tenancy::add_headers(&mut resp, &rate_headers);
@@ -142,7 +167,12 @@ pub async fn handler(State(state): State<AppState>, caller: CallerExt, OpenAiJso
             let logprobs = if want_logprobs {
                 let mut l = LegacyLogprobs::new(names);
                 if let (true, Some(Some(first))) = (score_prompt, first_tokens.get(i / n)) {
-                    l.push_prompt(tok, *first, c.prompt_logprobs.as_deref().unwrap_or_default(), req.logprobs.unwrap_or(0) as usize);
+                    l.push_prompt(
+                        tok,
+                        *first,
+                        c.prompt_logprobs.as_deref().unwrap_or_default(),
+                        req.logprobs.unwrap_or(0) as usize,
+                    );
                 }
                 if !echo_only {
                     c.logprobs.iter().for_each(|x| l.push(tok, x));

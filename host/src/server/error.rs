@@ -56,8 +56,12 @@ impl ApiError {
     }
 
     pub fn payload_too_large(limit: usize) -> Self {
-        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("The request body is larger than {limit} bytes"))
-            .with_code("request_too_large")
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("The request body is larger than {limit} bytes"),
+        )
+        .with_code("request_too_large")
     }
 
     pub fn overloaded(message: impl Into<String>) -> Self {
@@ -65,7 +69,8 @@ impl ApiError {
     }
 
     pub fn shutting_down() -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error", "The server is shutting down").with_code("shutting_down")
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error", "The server is shutting down")
+            .with_code("shutting_down")
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
@@ -98,7 +103,9 @@ impl From<SubmitError> for ApiError {
             SubmitError::QueueFull(_) => ApiError::overloaded(msg),
             SubmitError::Invalid(_) => ApiError::bad_request(msg),
             SubmitError::InvalidParam { param, .. } => ApiError::invalid_param(param, msg),
-            SubmitError::PromptTooLong { .. } => ApiError::bad_request(msg).with_param("messages").with_code("context_length_exceeded"),
+            SubmitError::PromptTooLong { .. } => {
+                ApiError::bad_request(msg).with_param("messages").with_code("context_length_exceeded")
+            }
             SubmitError::ShuttingDown => ApiError::shutting_down(),
         }
     }
@@ -132,7 +139,8 @@ impl From<PolicyError> for ApiError {
             PolicyError::Misbehaved { .. } => ApiError::internal(message).with_code("policy_error"),
             // Fails closed: a bound policy is a control the operator asked for.
             PolicyError::BindingMissing { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error", message).with_code("policy_unavailable")
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error", message)
+                    .with_code("policy_unavailable")
             }
         }
     }

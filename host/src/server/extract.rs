@@ -18,8 +18,11 @@ impl<T: JsonBody> FromRequest<AppState> for OpenAiJson<T> {
     async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
         let limit = state.max_body_bytes;
         // Content-Length lets us refuse at once, before reading anything.
-        let declared =
-            req.headers().get(axum::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+        let declared = req
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(ApiError::payload_too_large(limit));
         }
@@ -39,7 +42,10 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for OpenAiQuery<T>
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
-        Query::<T>::from_request_parts(parts, state).await.map(|Query(q)| OpenAiQuery(q)).map_err(|e| ApiError::bad_request(format!("invalid query string: {}", e.body_text())))
+        Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|Query(q)| OpenAiQuery(q))
+            .map_err(|e| ApiError::bad_request(format!("invalid query string: {}", e.body_text())))
     }
 }
 
@@ -54,7 +60,8 @@ pub fn parse_object(bytes: &[u8]) -> Result<Value, ApiError> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Err(ApiError::bad_request("The request body is empty; expected a JSON object"));
     }
-    let v: Value = serde_json::from_slice(bytes).map_err(|e| ApiError::bad_request(format!("The request body is not valid JSON: {e}")))?;
+    let v: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request(format!("The request body is not valid JSON: {e}")))?;
     if !v.is_object() {
         return Err(ApiError::bad_request("The request body must be a JSON object"));
     }

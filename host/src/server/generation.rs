@@ -3,8 +3,8 @@
 //! on the way. Dropping a `Generation` drops the engine streams, which aborts the requests.
 
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 use futures_util::stream::{self, SelectAll, Stream, StreamExt};
@@ -13,17 +13,29 @@ use super::admission::Admitted;
 use super::error::ApiError;
 use super::state::{AppState, InFlight};
 use super::tenancy::Admission;
-use crate::engine::{EngineEvent, RequestStream, TokenLogprob};
 use crate::engine::FinishReason;
+use crate::engine::{EngineEvent, RequestStream, TokenLogprob};
 use crate::plugins::apply::Applied;
 
 type Events = Pin<Box<dyn Stream<Item = (usize, EngineEvent)> + Send>>;
 
 pub enum GenEvent {
-    Token { choice: usize, token: u32, text: String, logprob: Option<TokenLogprob> },
-    Finished { choice: usize, reason: FinishReason, text: String },
+    Token {
+        choice: usize,
+        token: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Finished {
+        choice: usize,
+        reason: FinishReason,
+        text: String,
+    },
     /// The logprobs of prompt `prompt`'s tokens after its first (asked with `prompt_logprobs`).
-    PromptLogprobs { prompt: usize, logprobs: Vec<TokenLogprob> },
+    PromptLogprobs {
+        prompt: usize,
+        logprobs: Vec<TokenLogprob>,
+    },
     Error(String),
 }
 
@@ -237,14 +249,24 @@ impl Generation {
 impl Drop for Generation {
     fn drop(&mut self) {
         if let Some(a) = self.admission.take() {
-            let status = if self.failed { "error" } else if self.is_done() { "ok" } else { "aborted" };
+            let status = if self.failed {
+                "error"
+            } else if self.is_done() {
+                "ok"
+            } else {
+                "aborted"
+            };
             a.finish_nowait(&self.usage(), status);
         }
         if !self.is_done() {
             // The client went away (or the handler gave up): the engine streams drop with us.
             self.observe_all("abort");
             self.state.metrics.count_finished("abort");
-            tracing::info!(finished = self.finished, choices = self.total_choices, "request aborted before it finished");
+            tracing::info!(
+                finished = self.finished,
+                choices = self.total_choices,
+                "request aborted before it finished"
+            );
         }
     }
 }

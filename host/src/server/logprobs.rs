@@ -62,7 +62,8 @@ pub fn chat_entry(tok: &Tokenizer, names: TokenNames, lp: &TokenLogprob) -> Valu
 /// for each later one a map from token id to `{logprob, rank, decoded_token}` holding the prompt
 /// token first and then the `k` best (the prompt token once, if it is among them).
 pub fn vllm_prompt_logprobs(tok: &Tokenizer, scored: &[TokenLogprob], k: usize) -> Value {
-    let entry = |id: u32, l: f32, rank: usize| json!({"logprob": finite(l), "rank": rank, "decoded_token": piece(tok, id)});
+    let entry =
+        |id: u32, l: f32, rank: usize| json!({"logprob": finite(l), "rank": rank, "decoded_token": piece(tok, id)});
     let rows = scored.iter().map(|lp| {
         let mut m = Map::new();
         m.insert(lp.token.to_string(), entry(lp.token, lp.logprob, lp.rank as usize));

@@ -54,10 +54,14 @@ impl Histogram {
 
 const TTFT_BUCKETS: &[f64] =
     &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
-const ITL_BUCKETS: &[f64] =
-    &[0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0];
-const E2E_BUCKETS: &[f64] =
-    &[0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0];
+const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0,
+];
+const E2E_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0,
+];
 
 pub struct Metrics {
     /// (route, status) → count.
@@ -107,10 +111,30 @@ impl Metrics {
         let mut simple = |name: &str, kind: &str, help: &str, v: String| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
         };
-        simple("wasmserve_num_requests_running", "gauge", "Sequences in the engine's running batch.", e.running.to_string());
-        simple("wasmserve_num_requests_waiting", "gauge", "Sequences waiting for admission (the queue length).", e.waiting.to_string());
-        simple("wasmserve_http_requests_in_flight", "gauge", "Generation requests the HTTP server is serving.", in_flight.to_string());
-        simple("wasmserve_kv_cache_blocks_total", "gauge", "KV cache blocks in the pool.", e.kv_blocks_total.to_string());
+        simple(
+            "wasmserve_num_requests_running",
+            "gauge",
+            "Sequences in the engine's running batch.",
+            e.running.to_string(),
+        );
+        simple(
+            "wasmserve_num_requests_waiting",
+            "gauge",
+            "Sequences waiting for admission (the queue length).",
+            e.waiting.to_string(),
+        );
+        simple(
+            "wasmserve_http_requests_in_flight",
+            "gauge",
+            "Generation requests the HTTP server is serving.",
+            in_flight.to_string(),
+        );
+        simple(
+            "wasmserve_kv_cache_blocks_total",
+            "gauge",
+            "KV cache blocks in the pool.",
+            e.kv_blocks_total.to_string(),
+        );
         simple(
             "wasmserve_kv_cache_blocks_free",
             "gauge",
@@ -119,15 +143,56 @@ impl Metrics {
         );
         simple("wasmserve_kv_cache_block_size", "gauge", "Tokens per KV cache block.", e.kv_block_size.to_string());
         let usage = if e.kv_blocks_total == 0 { 0.0 } else { 1.0 - e.kv_blocks_free as f64 / e.kv_blocks_total as f64 };
-        simple("wasmserve_kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use (0 to 1).", usage.to_string());
-        simple("wasmserve_prefix_cache_queries_total", "counter", "Prefix-cache block lookups.", e.prefix_cache_queries.to_string());
-        simple("wasmserve_prefix_cache_hits_total", "counter", "Prefix-cache block lookups that hit.", e.prefix_cache_hits.to_string());
-        let rate = if e.prefix_cache_queries == 0 { 0.0 } else { e.prefix_cache_hits as f64 / e.prefix_cache_queries as f64 };
-        simple("wasmserve_prefix_cache_hit_rate", "gauge", "Prefix-cache hits over lookups since start (0 to 1).", rate.to_string());
-        simple("wasmserve_num_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.", e.preemptions_total.to_string());
-        simple("wasmserve_forward_errors_total", "counter", "Forward passes that failed (device errors); their requests got an error.", e.forward_errors_total.to_string());
-        simple("wasmserve_engine_step_panics_total", "counter", "Engine steps that panicked (a bug); the requests in flight got an error and the engine went on.", e.step_panics_total.to_string());
-        simple("wasmserve_engine_steps_total", "counter", "Engine scheduling steps (batched forward passes).", e.steps_total.to_string());
+        simple(
+            "wasmserve_kv_cache_usage_ratio",
+            "gauge",
+            "Fraction of KV cache blocks in use (0 to 1).",
+            usage.to_string(),
+        );
+        simple(
+            "wasmserve_prefix_cache_queries_total",
+            "counter",
+            "Prefix-cache block lookups.",
+            e.prefix_cache_queries.to_string(),
+        );
+        simple(
+            "wasmserve_prefix_cache_hits_total",
+            "counter",
+            "Prefix-cache block lookups that hit.",
+            e.prefix_cache_hits.to_string(),
+        );
+        let rate =
+            if e.prefix_cache_queries == 0 { 0.0 } else { e.prefix_cache_hits as f64 / e.prefix_cache_queries as f64 };
+        simple(
+            "wasmserve_prefix_cache_hit_rate",
+            "gauge",
+            "Prefix-cache hits over lookups since start (0 to 1).",
+            rate.to_string(),
+        );
+        simple(
+            "wasmserve_num_preemptions_total",
+            "counter",
+            "Sequences preempted for lack of KV blocks.",
+            e.preemptions_total.to_string(),
+        );
+        simple(
+            "wasmserve_forward_errors_total",
+            "counter",
+            "Forward passes that failed (device errors); their requests got an error.",
+            e.forward_errors_total.to_string(),
+        );
+        simple(
+            "wasmserve_engine_step_panics_total",
+            "counter",
+            "Engine steps that panicked (a bug); the requests in flight got an error and the engine went on.",
+            e.step_panics_total.to_string(),
+        );
+        simple(
+            "wasmserve_engine_steps_total",
+            "counter",
+            "Engine scheduling steps (batched forward passes).",
+            e.steps_total.to_string(),
+        );
         simple(
             "wasmserve_engine_prompt_tokens_total",
             "counter",
@@ -164,7 +229,8 @@ impl Metrics {
             "# HELP wasmserve_http_requests_total HTTP requests by route and status.\n# TYPE wasmserve_http_requests_total counter"
         );
         for ((route, status), n) in self.http_requests.lock().unwrap().iter() {
-            let _ = writeln!(out, "wasmserve_http_requests_total{{route=\"{}\",status=\"{status}\"}} {n}", escape(route));
+            let _ =
+                writeln!(out, "wasmserve_http_requests_total{{route=\"{}\",status=\"{status}\"}} {n}", escape(route));
         }
         let _ = writeln!(
             out,
@@ -173,9 +239,21 @@ impl Metrics {
         for (outcome, n) in self.finished.lock().unwrap().iter() {
             let _ = writeln!(out, "wasmserve_request_finished_total{{outcome=\"{outcome}\"}} {n}");
         }
-        self.ttft.render(&mut out, "wasmserve_time_to_first_token_seconds", "Time from request arrival to its first generated token.");
-        self.itl.render(&mut out, "wasmserve_inter_token_latency_seconds", "Time between consecutive tokens of one choice.");
-        self.e2e.render(&mut out, "wasmserve_e2e_request_latency_seconds", "Time from request arrival to its last token.");
+        self.ttft.render(
+            &mut out,
+            "wasmserve_time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.",
+        );
+        self.itl.render(
+            &mut out,
+            "wasmserve_inter_token_latency_seconds",
+            "Time between consecutive tokens of one choice.",
+        );
+        self.e2e.render(
+            &mut out,
+            "wasmserve_e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+        );
         out
     }
 }

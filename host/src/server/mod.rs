@@ -170,12 +170,19 @@ pub fn run(args: ServeArgs) -> Result<()> {
 
 /// [`run`] with the model's forward placed by `--device` (`backend::place_model`: a Llama on a
 /// CUDA device runs the device forward with its K/V in device memory).
-pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec, dense: crate::model::device::weights::DenseWeights) -> Result<()> {
+pub fn run_on(
+    args: ServeArgs,
+    device: &crate::backend::DeviceSpec,
+    dense: crate::model::device::weights::DenseWeights,
+) -> Result<()> {
     if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
     }
     if !args.model.exists() {
-        bail!("model {} not found (run scripts/fetch-default-model for the default model, or pass --model)", args.model.display());
+        bail!(
+            "model {} not found (run scripts/fetch-default-model for the default model, or pass --model)",
+            args.model.display()
+        );
     }
     if args.db.is_some() && args.api_key.is_some() {
         bail!("--api-key and --db exclude each other: with --db, keys are created with `wasmserve keys create`");
@@ -184,15 +191,24 @@ pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec, dense: crate
         Some(path) => Some(crate::tenancy::Tenancy::open(path, args.admin_key.as_deref(), args.key_secret.as_deref())?),
         None => None,
     };
-    let opts = crate::model::LoadOptions { tensor_parallel: args.tensor_parallel_size, cpu_activations: args.cpu_activations, ..Default::default() };
-    let model = crate::model::load_with_options(&args.model, &opts).with_context(|| format!("loading {}", args.model.display()))?;
+    let opts = crate::model::LoadOptions {
+        tensor_parallel: args.tensor_parallel_size,
+        cpu_activations: args.cpu_activations,
+        ..Default::default()
+    };
+    let model = crate::model::load_with_options(&args.model, &opts)
+        .with_context(|| format!("loading {}", args.model.display()))?;
     let model = Arc::new(crate::backend::place_model(model, device, dense).map_err(anyhow::Error::msg)?);
     let template: Option<Arc<dyn ChatTemplate>> = match model.tokenizer.chat_template.as_deref() {
         None => {
             tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");
             None
         }
-        Some(src) => match JinjaChatTemplate::new(src, model.tokenizer.bos_token.as_deref(), model.tokenizer.eos_token.as_deref()) {
+        Some(src) => match JinjaChatTemplate::new(
+            src,
+            model.tokenizer.bos_token.as_deref(),
+            model.tokenizer.eos_token.as_deref(),
+        ) {
             Ok(t) => Some(Arc::new(t)),
             Err(e) => {
                 tracing::warn!(error = %e, "the model's chat template does not compile: /v1/chat/completions will answer 400");
@@ -211,7 +227,11 @@ pub fn run_on(args: ServeArgs, device: &crate::backend::DeviceSpec, dense: crate
     let plugins = crate::plugins::registry::Registry::new(crate::plugins::Runtime::new(args.plugin_cache_dir.clone())?);
     plugins.set_admin_key(args.admin_key.clone());
     if let Some(src) = state.model.tokenizer.chat_template.as_deref() {
-        plugins.set_model_template(src, state.model.tokenizer.bos_token.as_deref(), state.model.tokenizer.eos_token.as_deref());
+        plugins.set_model_template(
+            src,
+            state.model.tokenizer.bos_token.as_deref(),
+            state.model.tokenizer.eos_token.as_deref(),
+        );
     }
     if let Some(path) = &args.plugins {
         let n = plugins.load_config(path).map_err(anyhow::Error::msg)?;
@@ -242,11 +262,17 @@ fn stall_timeout(secs: f64) -> Result<Option<Duration>> {
 }
 
 /// `--reasoning-parser` / `--tool-call-parser` (default `auto`: the model's usual parsers).
-fn deploy_default_parsers(reg: &crate::plugins::registry::Registry, args: &ServeArgs, model: &str, template: Option<&str>) -> Result<()> {
+fn deploy_default_parsers(
+    reg: &crate::plugins::registry::Registry,
+    args: &ServeArgs,
+    model: &str,
+    template: Option<&str>,
+) -> Result<()> {
     use crate::plugins::defaults;
     let detected = defaults::detect(model, template);
     let configured = |k| reg.list().iter().any(|d| d.spec.kind == k);
-    let planned = defaults::plan(&args.reasoning_parser, &args.tool_call_parser, detected, configured).map_err(anyhow::Error::msg)?;
+    let planned = defaults::plan(&args.reasoning_parser, &args.tool_call_parser, detected, configured)
+        .map_err(anyhow::Error::msg)?;
     defaults::deploy(reg, &planned, &defaults::plugin_dir(args.plugin_dir.as_deref())).map_err(anyhow::Error::msg)
 }
 

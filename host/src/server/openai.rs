@@ -210,7 +210,10 @@ impl SamplingFields {
     /// The engine request for one prompt, minus the prompt ids and logprobs.
     pub fn to_engine_request(&self, max_tokens: usize) -> Result<EngineRequest, ApiError> {
         if self.stream_options.is_some() && !self.is_stream() {
-            return Err(ApiError::invalid_param("stream_options", "'stream_options' is only allowed when 'stream' is true"));
+            return Err(ApiError::invalid_param(
+                "stream_options",
+                "'stream_options' is only allowed when 'stream' is true",
+            ));
         }
         let mut sampling = SamplingParams::default();
         if let Some(t) = self.temperature {
@@ -223,7 +226,12 @@ impl SamplingFields {
         sampling.top_k = match self.top_k {
             Some(k) if k > 0 => k as usize,
             Some(0) | Some(-1) | None => 0,
-            Some(k) => return Err(ApiError::invalid_param("top_k", format!("'top_k' must be -1 (disabled) or positive, got {k}"))),
+            Some(k) => {
+                return Err(ApiError::invalid_param(
+                    "top_k",
+                    format!("'top_k' must be -1 (disabled) or positive, got {k}"),
+                ))
+            }
         };
         if let Some(m) = self.min_p {
             sampling.min_p = m;
@@ -241,19 +249,24 @@ impl SamplingFields {
         sampling.seed = self.seed.map(|s| s as u64);
         if let Some(bias) = &self.logit_bias {
             for (k, &v) in bias {
-                let id: u32 = k
-                    .trim()
-                    .parse()
-                    .map_err(|_| ApiError::invalid_param("logit_bias", format!("logit_bias key '{k}' is not a token id")))?;
+                let id: u32 = k.trim().parse().map_err(|_| {
+                    ApiError::invalid_param("logit_bias", format!("logit_bias key '{k}' is not a token id"))
+                })?;
                 if !(-100.0..=100.0).contains(&v) {
-                    return Err(ApiError::invalid_param("logit_bias", format!("logit_bias values must be in [-100, 100], got {v}")));
+                    return Err(ApiError::invalid_param(
+                        "logit_bias",
+                        format!("logit_bias values must be in [-100, 100], got {v}"),
+                    ));
                 }
                 sampling.logit_bias.insert(id, v);
             }
         }
         if let Some(ids) = &self.allowed_token_ids {
             if ids.is_empty() {
-                return Err(ApiError::invalid_param("allowed_token_ids", "'allowed_token_ids' must list at least one token id"));
+                return Err(ApiError::invalid_param(
+                    "allowed_token_ids",
+                    "'allowed_token_ids' must list at least one token id",
+                ));
             }
             sampling.allowed_token_ids = Some(ids.clone());
         }
@@ -271,16 +284,27 @@ impl SamplingFields {
             None => None,
             Some(-1) => Some(usize::MAX),
             Some(k) if k >= 0 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
-            Some(k) => return Err(ApiError::invalid_param("prompt_logprobs", format!("'prompt_logprobs' must be -1 or at least 0, got {k}"))),
+            Some(k) => {
+                return Err(ApiError::invalid_param(
+                    "prompt_logprobs",
+                    format!("'prompt_logprobs' must be -1 or at least 0, got {k}"),
+                ))
+            }
         };
         // As in vLLM: the scores exist only once the whole prompt is computed, and a stream has
         // no place for them.
         if prompt_logprobs.is_some() && self.is_stream() {
-            return Err(ApiError::not_supported("prompt_logprobs", "'prompt_logprobs' is not supported when streaming"));
+            return Err(ApiError::not_supported(
+                "prompt_logprobs",
+                "'prompt_logprobs' is not supported when streaming",
+            ));
         }
         if let Some(t) = self.truncate_prompt_tokens {
             if t == 0 || t < -1 {
-                return Err(ApiError::invalid_param("truncate_prompt_tokens", format!("'truncate_prompt_tokens' must be -1 or at least 1, got {t}")));
+                return Err(ApiError::invalid_param(
+                    "truncate_prompt_tokens",
+                    format!("'truncate_prompt_tokens' must be -1 or at least 1, got {t}"),
+                ));
             }
         }
         let n = self.n.unwrap_or(1);
@@ -327,7 +351,9 @@ pub fn parse_prompts(v: &Value) -> Result<Vec<PromptInput>, ApiError> {
     let out = match v {
         Value::String(s) => vec![PromptInput::Text(s.clone())],
         Value::Array(a) if a.is_empty() => return Err(ApiError::invalid_param("prompt", "'prompt' must not be empty")),
-        Value::Array(a) if a.iter().all(Value::is_string) => a.iter().map(|s| PromptInput::Text(s.as_str().unwrap().to_string())).collect(),
+        Value::Array(a) if a.iter().all(Value::is_string) => {
+            a.iter().map(|s| PromptInput::Text(s.as_str().unwrap().to_string())).collect()
+        }
         Value::Array(a) if a.iter().all(Value::is_number) => vec![PromptInput::Ids(ids(a)?)],
         Value::Array(a) if a.iter().all(Value::is_array) => {
             a.iter().map(|x| ids(x.as_array().unwrap()).map(PromptInput::Ids)).collect::<Result<_, _>>()?

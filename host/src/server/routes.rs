@@ -8,15 +8,17 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use super::chat::{normalize_messages, off_runtime, prompt_options, render_chat_off_runtime, template_extra, validate_tools};
+use super::chat::{
+    normalize_messages, off_runtime, prompt_options, render_chat_off_runtime, template_extra, validate_tools,
+};
 use super::error::{ApiError, ApiResult};
 use super::extract::OpenAiJson;
 use super::logprobs::piece;
 use super::openai::{DetokenizeRequest, TokenizeRequest};
 use super::state::AppState;
+use super::tenancy::{admitted_call, check_model as check_tenant_model, model_visible, CallerExt};
 use super::{chat, completions};
 use crate::chat_template::ChatTemplateInput;
-use super::tenancy::{admitted_call, check_model as check_tenant_model, model_visible, CallerExt};
 
 pub fn router(state: AppState) -> Router {
     let api = Router::new()
@@ -35,12 +37,15 @@ pub fn router(state: AppState) -> Router {
     if state.plugins.is_some() {
         app = app.merge(super::admin::plugins::admin_router(state.clone()));
     }
-    app
-        .route("/health", get(health))
+    app.route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("Unknown endpoint") })
         .method_not_allowed_fallback(|| async {
-            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "Method not allowed for this endpoint")
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "Method not allowed for this endpoint",
+            )
         })
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
         .with_state(state)
@@ -83,11 +88,16 @@ fn model_card(state: &AppState) -> Value {
 }
 
 async fn list_models(State(state): State<AppState>, caller: CallerExt) -> Json<Value> {
-    let data: Vec<Value> = if model_visible(&caller, &state.served_model_name) { vec![model_card(&state)] } else { vec![] };
+    let data: Vec<Value> =
+        if model_visible(&caller, &state.served_model_name) { vec![model_card(&state)] } else { vec![] };
     Json(json!({"object": "list", "data": data}))
 }
 
-async fn get_model(State(state): State<AppState>, caller: CallerExt, Path(model): Path<String>) -> ApiResult<Json<Value>> {
+async fn get_model(
+    State(state): State<AppState>,
+    caller: CallerExt,
+    Path(model): Path<String>,
+) -> ApiResult<Json<Value>> {
     if model != state.served_model_name || !model_visible(&caller, &model) {
         return Err(ApiError::model_not_found(&model));
     }
@@ -109,11 +119,19 @@ async fn metrics(State(state): State<AppState>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
 }
 
-async fn tokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<TokenizeRequest>) -> Response {
+async fn tokenize(
+    State(state): State<AppState>,
+    caller: CallerExt,
+    OpenAiJson(req): OpenAiJson<TokenizeRequest>,
+) -> Response {
     admitted_call(&state, &caller, tokenize_call(&state, &caller, req)).await
 }
 
-async fn detokenize(State(state): State<AppState>, caller: CallerExt, OpenAiJson(req): OpenAiJson<DetokenizeRequest>) -> Response {
+async fn detokenize(
+    State(state): State<AppState>,
+    caller: CallerExt,
+    OpenAiJson(req): OpenAiJson<DetokenizeRequest>,
+) -> Response {
     admitted_call(&state, &caller, detokenize_call(&state, &caller, req)).await
 }
 
@@ -154,7 +172,10 @@ async fn detokenize_call(state: &AppState, caller: &CallerExt, req: DetokenizeRe
     check_tenant_model(caller, &state.served_model_name)?;
     let vocab = state.model.config().vocab_size;
     if let Some(t) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(ApiError::invalid_param("tokens", format!("token id {t} is outside the vocabulary (size {vocab})")));
+        return Err(ApiError::invalid_param(
+            "tokens",
+            format!("token id {t} is outside the vocabulary (size {vocab})"),
+        ));
     }
     Ok(Json(json!({"prompt": state.model.tokenizer.decode(&req.tokens, false)})))
 }

@@ -103,7 +103,10 @@ pub fn stream_response<F: ChunkFormatter>(gen: Generation, fmt: F, settings: Str
     tokio::spawn(async move {
         if pump(events, tx, stall).await == PumpEnd::Stalled {
             state.metrics.stalled_streams.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(timeout_s = stall.map_or(0.0, |d| d.as_secs_f64()), "the client stopped reading the stream: request aborted");
+            tracing::warn!(
+                timeout_s = stall.map_or(0.0, |d| d.as_secs_f64()),
+                "the client stopped reading the stream: request aborted"
+            );
         }
     });
     let body = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok::<Event, Infallible>(e), rx)) });
@@ -146,7 +149,11 @@ async fn pump<S: Stream<Item = Event>>(events: S, tx: mpsc::Sender<Event>, stall
 
 /// The response's events, in order: the formatter's start chunks, a chunk per token, the finish
 /// chunks, an error event if the request failed, the usage chunk and `[DONE]`.
-fn chunk_events<F: ChunkFormatter>(gen: Generation, mut fmt: F, settings: StreamSettings) -> impl Stream<Item = Event> + Send {
+fn chunk_events<F: ChunkFormatter>(
+    gen: Generation,
+    mut fmt: F,
+    settings: StreamSettings,
+) -> impl Stream<Item = Event> + Send {
     let mut out = Outbox { pending: VecDeque::new(), settings };
     for c in fmt.start(gen.num_choices()) {
         out.push_chunk(c, &gen);
@@ -228,7 +235,12 @@ mod tests {
     fn owning<S: Stream<Item = Event> + Send + 'static>(s: S) -> (impl Stream<Item = Event> + Send, Arc<AtomicBool>) {
         let dropped = Arc::new(AtomicBool::new(false));
         let flag = DropFlag(dropped.clone());
-        (s.inspect(move |_| { let _ = &flag; }), dropped)
+        (
+            s.inspect(move |_| {
+                let _ = &flag;
+            }),
+            dropped,
+        )
     }
 
     #[tokio::test]
@@ -248,7 +260,8 @@ mod tests {
         let task = tokio::spawn(pump(events, tx, None));
         assert!(rx.recv().await.is_some());
         drop(rx);
-        let end = tokio::time::timeout(Duration::from_secs(5), task).await.expect("pump must notice the hang-up").unwrap();
+        let end =
+            tokio::time::timeout(Duration::from_secs(5), task).await.expect("pump must notice the hang-up").unwrap();
         assert_eq!(end, PumpEnd::ClientGone);
         assert!(dropped.load(Ordering::SeqCst));
     }

@@ -21,11 +21,17 @@ pub fn from_sampling_fields(f: &super::openai::SamplingFields) -> ApiResult<Opti
 }
 
 /// The constraint of `structured_outputs`, `guided_choice` or `guided_json` (at most one).
-pub fn structured_constraint(structured_outputs: Option<&Value>, guided_choice: Option<&Value>, guided_json: Option<&Value>) -> ApiResult<Option<ConstraintSpec>> {
+pub fn structured_constraint(
+    structured_outputs: Option<&Value>,
+    guided_choice: Option<&Value>,
+    guided_json: Option<&Value>,
+) -> ApiResult<Option<ConstraintSpec>> {
     let given = |v: Option<&Value>| v.is_some_and(|v| !v.is_null());
     let (so, gc, gj) = (given(structured_outputs), given(guided_choice), given(guided_json));
     if [so, gc, gj].iter().filter(|x| **x).count() > 1 {
-        return Err(ApiError::bad_request("give one of 'structured_outputs', 'guided_choice' or 'guided_json', not several"));
+        return Err(ApiError::bad_request(
+            "give one of 'structured_outputs', 'guided_choice' or 'guided_json', not several",
+        ));
     }
     if gc {
         return choices("guided_choice", guided_choice).map(Some);
@@ -49,12 +55,20 @@ pub fn structured_constraint(structured_outputs: Option<&Value>, guided_choice: 
     let json_object = match o.get("json_object") {
         None | Some(Value::Null) | Some(Value::Bool(false)) => false,
         Some(Value::Bool(true)) => true,
-        Some(_) => return Err(ApiError::invalid_param("structured_outputs.json_object", "'structured_outputs.json_object' must be a boolean")),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "structured_outputs.json_object",
+                "'structured_outputs.json_object' must be a boolean",
+            ))
+        }
     };
     let choice = o.get("choice").filter(|v| !v.is_null());
     let json = o.get("json").filter(|v| !v.is_null());
     if [choice.is_some(), json.is_some(), json_object].iter().filter(|x| **x).count() > 1 {
-        return Err(ApiError::invalid_param("structured_outputs", "give one of 'choice', 'json' or 'json_object', not several"));
+        return Err(ApiError::invalid_param(
+            "structured_outputs",
+            "give one of 'choice', 'json' or 'json_object', not several",
+        ));
     }
     if let Some(schema) = json {
         return schema_constraint("structured_outputs.json", schema, whitespace).map(Some);
@@ -69,7 +83,8 @@ pub fn structured_constraint(structured_outputs: Option<&Value>, guided_choice: 
 /// The `structured_outputs` fields read: vLLM's constraint kinds this server enforces and the
 /// options that apply to them (`disable_fallback` is accepted because nothing here falls back:
 /// an unenforceable constraint is a 400).
-const STRUCTURED_OUTPUTS_KEYS: &[&str] = &["choice", "json", "json_object", "disable_any_whitespace", "disable_fallback"];
+const STRUCTURED_OUTPUTS_KEYS: &[&str] =
+    &["choice", "json", "json_object", "disable_any_whitespace", "disable_fallback"];
 
 /// vLLM's `structured_outputs.disable_any_whitespace`: JSON constraints (this request's
 /// `response_format` too) then allow no insignificant whitespace.
@@ -87,7 +102,9 @@ pub fn json_whitespace(structured_outputs: Option<&Value>) -> ApiResult<JsonWhit
 /// `response_format: {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`
 /// (no `schema`: any JSON object).
 pub fn response_format_schema(rf: &Value, whitespace: JsonWhitespace) -> ApiResult<ConstraintSpec> {
-    let js = rf.get("json_schema").ok_or_else(|| ApiError::invalid_param("response_format", "response_format 'json_schema' needs a 'json_schema' object"))?;
+    let js = rf.get("json_schema").ok_or_else(|| {
+        ApiError::invalid_param("response_format", "response_format 'json_schema' needs a 'json_schema' object")
+    })?;
     if !js.is_object() {
         return Err(ApiError::invalid_param("response_format", "'response_format.json_schema' must be an object"));
     }
@@ -100,17 +117,20 @@ fn schema_constraint(param: &str, schema: &Value, whitespace: JsonWhitespace) ->
     let parsed;
     let schema = match schema {
         Value::String(text) => {
-            parsed = serde_json::from_str::<Value>(text).map_err(|e| ApiError::invalid_param(param, format!("'{param}' is not a JSON schema: {e}")))?;
+            parsed = serde_json::from_str::<Value>(text)
+                .map_err(|e| ApiError::invalid_param(param, format!("'{param}' is not a JSON schema: {e}")))?;
             &parsed
         }
         v => v,
     };
-    let schema = Schema::compile(schema).map_err(|e| ApiError::invalid_param(param, format!("invalid schema in '{param}': {e}")))?;
+    let schema = Schema::compile(schema)
+        .map_err(|e| ApiError::invalid_param(param, format!("invalid schema in '{param}': {e}")))?;
     Ok(ConstraintSpec::JsonSchema { schema: Arc::new(schema), whitespace })
 }
 
 fn choices(param: &str, v: Option<&Value>) -> ApiResult<ConstraintSpec> {
-    let choices: Option<Vec<String>> = v.and_then(Value::as_array).and_then(|a| a.iter().map(|c| c.as_str().map(str::to_string)).collect());
+    let choices: Option<Vec<String>> =
+        v.and_then(Value::as_array).and_then(|a| a.iter().map(|c| c.as_str().map(str::to_string)).collect());
     match choices {
         Some(c) if !c.is_empty() && c.iter().all(|s| !s.is_empty()) => Ok(ConstraintSpec::Choice { choices: c }),
         _ => Err(ApiError::invalid_param(param, format!("'{param}' must be a non-empty list of non-empty strings"))),
@@ -128,7 +148,9 @@ mod tests {
         assert_eq!(spec, Some(ConstraintSpec::Choice { choices: vec!["yes".into(), "no".into()] }));
         assert!(structured_constraint(None, Some(&json!(["a"])), None).unwrap().is_some());
         assert!(structured_constraint(None, None, None).unwrap().is_none());
-        for bad in [json!({"choice": []}), json!({"choice": [1]}), json!({"regex": "a+"}), json!("x"), json!({"choice": [""]})] {
+        for bad in
+            [json!({"choice": []}), json!({"choice": [1]}), json!({"regex": "a+"}), json!("x"), json!({"choice": [""]})]
+        {
             assert!(structured_constraint(Some(&bad), None, None).is_err(), "{bad}");
         }
     }
@@ -140,11 +162,19 @@ mod tests {
             structured_constraint(Some(&json!({"json": schema})), None, None).unwrap().unwrap(),
             structured_constraint(None, None, Some(&schema)).unwrap().unwrap(),
             structured_constraint(None, None, Some(&Value::String(schema.to_string()))).unwrap().unwrap(),
-            response_format_schema(&json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}), JsonWhitespace::Flexible).unwrap(),
+            response_format_schema(
+                &json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
+                JsonWhitespace::Flexible,
+            )
+            .unwrap(),
         ] {
             assert!(matches!(spec, ConstraintSpec::JsonSchema { .. }));
         }
-        let e = response_format_schema(&json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a"}}}), JsonWhitespace::Flexible).unwrap_err();
+        let e = response_format_schema(
+            &json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a"}}}),
+            JsonWhitespace::Flexible,
+        )
+        .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("response_format"));
         assert!(e.message.contains("'pattern'"), "{}", e.message);
         assert!(structured_constraint(Some(&json!({"json": schema})), Some(&json!(["a"])), None).is_err());
@@ -154,8 +184,14 @@ mod tests {
     fn json_object_and_disable_any_whitespace_are_read() {
         let so = |v: Value| structured_constraint(Some(&v), None, None);
         let schema = json!({"type": "object"});
-        assert_eq!(so(json!({"json_object": true})).unwrap(), Some(ConstraintSpec::JsonObject { whitespace: JsonWhitespace::Flexible }));
-        assert_eq!(so(json!({"json_object": true, "disable_any_whitespace": true})).unwrap(), Some(ConstraintSpec::JsonObject { whitespace: JsonWhitespace::Disabled }));
+        assert_eq!(
+            so(json!({"json_object": true})).unwrap(),
+            Some(ConstraintSpec::JsonObject { whitespace: JsonWhitespace::Flexible })
+        );
+        assert_eq!(
+            so(json!({"json_object": true, "disable_any_whitespace": true})).unwrap(),
+            Some(ConstraintSpec::JsonObject { whitespace: JsonWhitespace::Disabled })
+        );
         assert!(matches!(
             so(json!({"json": schema, "disable_any_whitespace": true, "disable_fallback": true})).unwrap(),
             Some(ConstraintSpec::JsonSchema { whitespace: JsonWhitespace::Disabled, .. })

@@ -73,11 +73,18 @@ pub struct Admission {
 
 /// Applies the caller to the engine requests (tenant, weight, cache salt, max context) and
 /// admits the request against every limit of its tenant and key, or answers 429.
-pub fn admit(state: &AppState, caller: &CallerExt, endpoint: &str, started: Instant, reqs: &mut [EngineRequest]) -> ApiResult<Option<Admission>> {
+pub fn admit(
+    state: &AppState,
+    caller: &CallerExt,
+    endpoint: &str,
+    started: Instant,
+    reqs: &mut [EngineRequest],
+) -> ApiResult<Option<Admission>> {
     let (Some(t), Some(c)) = (state.tenancy.clone(), caller_of(caller)) else { return Ok(None) };
     let p = &c.principal;
     let max_model_len = state.engine.max_model_len();
-    let max_context = [p.tenant.settings.limits.max_context, p.key.settings.limits.max_context].into_iter().flatten().min();
+    let max_context =
+        [p.tenant.settings.limits.max_context, p.key.settings.limits.max_context].into_iter().flatten().min();
     let mut tokens: u64 = 0;
     for r in reqs.iter_mut() {
         r.tenant = p.tenant.id.clone();
@@ -137,7 +144,11 @@ pub fn precheck(state: &AppState, caller: &CallerExt) -> ApiResult<()> {
 fn scopes_of(c: &Caller) -> [Scope<'_>; 2] {
     let p = &c.principal;
     [
-        Scope { id: format!("tenant:{}", p.tenant.id), limits: &p.tenant.settings.limits, budget_used: c.budget_used.0 },
+        Scope {
+            id: format!("tenant:{}", p.tenant.id),
+            limits: &p.tenant.settings.limits,
+            budget_used: c.budget_used.0,
+        },
         Scope { id: format!("key:{}", p.key.id), limits: &p.key.settings.limits, budget_used: c.budget_used.1 },
     ]
 }
@@ -233,7 +244,11 @@ pub(super) fn internal(e: anyhow::Error) -> ApiError {
 /// `GET /v1/usage`: the caller's tenant's rows. A report reads the database, so it counts
 /// against the caller's request rate and concurrency like `/tokenize` (see `admit_call`): a
 /// tenant cannot query it in a loop without limit.
-pub async fn own_usage(State(state): State<AppState>, caller: CallerExt, OpenAiQuery(mut q): OpenAiQuery<UsageQuery>) -> Response {
+pub async fn own_usage(
+    State(state): State<AppState>,
+    caller: CallerExt,
+    OpenAiQuery(mut q): OpenAiQuery<UsageQuery>,
+) -> Response {
     let (Some(t), Some(c)) = (state.tenancy.clone(), caller_of(&caller)) else {
         return ApiError::not_found("Usage accounting needs the server to run with --db").into_response();
     };
@@ -263,4 +278,3 @@ pub(super) async fn usage_json(t: &Arc<Tenancy>, q: UsageQuery) -> ApiResult<Jso
     let (rows, totals) = t.with_reports_conn(move |conn| db::query_usage(conn, &q)).await.map_err(internal)?;
     Ok(Json(json!({"object": "list", "data": rows, "totals": totals})))
 }
-

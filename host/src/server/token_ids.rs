@@ -22,7 +22,14 @@ pub struct StreamTokenIds {
 impl StreamTokenIds {
     pub fn new(prompts: Vec<Vec<u32>>, n: usize, prompt_on_response: bool, answer_tokens: bool) -> Self {
         let choices = prompts.len() * n;
-        Self { prompts, n, prompt_on_response, answer_tokens, pending: vec![Vec::new(); choices], prompt_sent: vec![false; choices.max(1)] }
+        Self {
+            prompts,
+            n,
+            prompt_on_response,
+            answer_tokens,
+            pending: vec![Vec::new(); choices],
+            prompt_sent: vec![false; choices.max(1)],
+        }
     }
 
     pub fn token(&mut self, choice: usize, token: u32) {
@@ -33,9 +40,15 @@ impl StreamTokenIds {
 
     /// Adds the ids to a chunk about to go out (a usage-only chunk has no choices and gets none).
     pub fn annotate(&mut self, chunk: &mut Value) {
-        let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut).filter(|c| !c.is_empty()) else { return };
+        let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut).filter(|c| !c.is_empty()) else {
+            return;
+        };
         for c in choices.iter_mut() {
-            let Some(i) = c.get("index").and_then(Value::as_u64).map(|i| i as usize).filter(|&i| i < self.pending.len()) else { continue };
+            let Some(i) =
+                c.get("index").and_then(Value::as_u64).map(|i| i as usize).filter(|&i| i < self.pending.len())
+            else {
+                continue;
+            };
             c["token_ids"] = json!(std::mem::take(&mut self.pending[i]));
             if !self.prompt_on_response && !self.prompt_sent[i] {
                 self.prompt_sent[i] = true;

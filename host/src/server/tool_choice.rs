@@ -18,7 +18,11 @@ use crate::sampling::tool_call_constraint::parse_tool_call;
 ///
 /// `whitespace` (`structured_outputs.disable_any_whitespace`) applies to the call's JSON; the
 /// fallback for schemas too large to enforce writes its own fixed spacing.
-pub fn forced_constraint(tool_choice: Option<&Value>, tools: Option<&[Value]>, whitespace: JsonWhitespace) -> ApiResult<Option<ConstraintSpec>> {
+pub fn forced_constraint(
+    tool_choice: Option<&Value>,
+    tools: Option<&[Value]>,
+    whitespace: JsonWhitespace,
+) -> ApiResult<Option<ConstraintSpec>> {
     let names: Vec<String> = tools
         .unwrap_or_default()
         .iter()
@@ -27,14 +31,20 @@ pub fn forced_constraint(tool_choice: Option<&Value>, tools: Option<&[Value]>, w
     match tool_choice {
         Some(Value::String(s)) if s == "required" => {
             if names.is_empty() {
-                return Err(ApiError::invalid_param("tool_choice", "tool_choice 'required' needs at least one tool in 'tools'"));
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    "tool_choice 'required' needs at least one tool in 'tools'",
+                ));
             }
             Ok(Some(tool_call_spec(tools.unwrap_or_default(), names, whitespace)))
         }
         Some(Value::Object(o)) => {
             let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).unwrap_or_default();
             if !names.iter().any(|n| n == name) {
-                return Err(ApiError::invalid_param("tool_choice", format!("tool_choice names function '{name}', which is not in 'tools'")));
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    format!("tool_choice names function '{name}', which is not in 'tools'"),
+                ));
             }
             Ok(Some(tool_call_spec(tools.unwrap_or_default(), vec![name.to_string()], whitespace)))
         }
@@ -48,8 +58,15 @@ fn tool_call_spec(tools: &[Value], names: Vec<String>, whitespace: JsonWhitespac
     let mut branches = Vec::new();
     for t in tools {
         let f = t.get("function");
-        let Some(name) = f.and_then(|f| f.get("name")).and_then(Value::as_str).filter(|n| names.iter().any(|x| x == n)) else { continue };
-        let mut params = f.and_then(|f| f.get("parameters")).filter(|p| p.is_object()).cloned().unwrap_or_else(|| json!({"type": "object"}));
+        let Some(name) = f.and_then(|f| f.get("name")).and_then(Value::as_str).filter(|n| names.iter().any(|x| x == n))
+        else {
+            continue;
+        };
+        let mut params = f
+            .and_then(|f| f.get("parameters"))
+            .filter(|p| p.is_object())
+            .cloned()
+            .unwrap_or_else(|| json!({"type": "object"}));
         if let Err(e) = Schema::compile(&params) {
             tracing::debug!(tool = name, error = %e, "the tool's parameters cannot be enforced: its arguments are constrained to any JSON object");
             params = json!({"type": "object"});
@@ -117,7 +134,8 @@ mod tests {
             json!({"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-z]+$"}}}}}),
             json!({"type": "function", "function": {"name": "now"}}),
         ];
-        let spec = forced_constraint(Some(&json!("required")), Some(&tools), JsonWhitespace::Flexible).unwrap().unwrap();
+        let spec =
+            forced_constraint(Some(&json!("required")), Some(&tools), JsonWhitespace::Flexible).unwrap().unwrap();
         assert!(matches!(spec, ConstraintSpec::JsonSchema { .. }));
         let full = |t: &str| {
             let mut c = Constraint::new(&spec);
@@ -130,10 +148,17 @@ mod tests {
         assert!(!accepts(&spec, r#"{"name": "get_weather", "arguments": {"town""#));
         assert!(!accepts(&spec, r#"{"name": "get_weather", "arguments": {"city": "P", "unit": "k""#));
         assert!(!accepts(&spec, r#"{"name": "other""#));
-        let named = forced_constraint(Some(&json!({"type": "function", "function": {"name": "now"}})), Some(&tools), JsonWhitespace::Flexible).unwrap().unwrap();
+        let named = forced_constraint(
+            Some(&json!({"type": "function", "function": {"name": "now"}})),
+            Some(&tools),
+            JsonWhitespace::Flexible,
+        )
+        .unwrap()
+        .unwrap();
         assert!(!accepts(&named, r#"{"name": "get_weather""#));
         assert!(accepts(&named, r#"{"name": "now", "arguments": {"#));
-        let compact = forced_constraint(Some(&json!("required")), Some(&tools), JsonWhitespace::Disabled).unwrap().unwrap();
+        let compact =
+            forced_constraint(Some(&json!("required")), Some(&tools), JsonWhitespace::Disabled).unwrap().unwrap();
         assert!(accepts(&compact, r#"{"name":"get_weather","arguments":{"city":"Paris"}}"#));
         assert!(!accepts(&compact, r#"{"name": "#));
     }

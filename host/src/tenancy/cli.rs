@@ -161,7 +161,9 @@ pub fn keys(cmd: KeysCommand) -> Result<()> {
             eprintln!("store the key now: it is not shown again");
             print(v);
         }
-        KeysCommand::List { tenant, db } => print(serde_json::to_value(db::list_keys(&db::open(&db.db)?, tenant.as_deref())?)?),
+        KeysCommand::List { tenant, db } => {
+            print(serde_json::to_value(db::list_keys(&db::open(&db.db)?, tenant.as_deref())?)?)
+        }
         KeysCommand::Revoke { id, db } => {
             if !db::revoke_key(&db::open(&db.db)?, &id)? {
                 bail!("no unrevoked key '{id}'");

@@ -147,7 +147,8 @@ pub struct ApiKey {
     pub revoked_at: Option<i64>,
 }
 
-const SETTINGS_COLS: &str = "models, request_policy, parser, rpm, tpm, max_concurrent, max_context, token_budget, budget_window_secs";
+const SETTINGS_COLS: &str =
+    "models, request_policy, parser, rpm, tpm, max_concurrent, max_context, token_budget, budget_window_secs";
 
 fn opt_u64(r: &Row, col: &str) -> rusqlite::Result<Option<u64>> {
     Ok(r.get::<_, Option<i64>>(col)?.map(|v| v.max(0) as u64))
@@ -246,7 +247,10 @@ pub fn list_tenants(conn: &Connection) -> Result<Vec<Tenant>> {
 
 /// Disables a tenant: all its keys stop working at once. False if unknown or already disabled.
 pub fn disable_tenant(conn: &Connection, id: &str) -> Result<bool> {
-    Ok(conn.execute("UPDATE tenants SET disabled_at = ?2 WHERE id = ?1 AND disabled_at IS NULL", params![id, unix_now()])? == 1)
+    Ok(conn.execute(
+        "UPDATE tenants SET disabled_at = ?2 WHERE id = ?1 AND disabled_at IS NULL",
+        params![id, unix_now()],
+    )? == 1)
 }
 
 /// A new key's expiry from `expires_at` (Unix seconds) or `expires_in` (seconds from now, at
@@ -260,7 +264,10 @@ pub fn key_expiry(expires_at: Option<i64>, expires_in: Option<i64>) -> Result<Op
         (Some(_), Some(_)) => bail!("give 'expires_at' or 'expires_in', not both"),
         (Some(at), None) => at,
         (None, Some(secs)) if secs <= 0 => bail!("'expires_in' must be a positive number of seconds, got {secs}"),
-        (None, Some(secs)) => now.checked_add(secs).filter(|&at| at <= MAX_UNIX).ok_or_else(|| anyhow::anyhow!("'expires_in' of {secs} seconds is past the year 9999"))?,
+        (None, Some(secs)) => now
+            .checked_add(secs)
+            .filter(|&at| at <= MAX_UNIX)
+            .ok_or_else(|| anyhow::anyhow!("'expires_in' of {secs} seconds is past the year 9999"))?,
         (None, None) => return Ok(None),
     };
     if at > MAX_UNIX {
@@ -313,7 +320,9 @@ pub fn list_keys(conn: &Connection, tenant_id: Option<&str>) -> Result<Vec<ApiKe
 
 /// Revokes a key at once. False if unknown or already revoked.
 pub fn revoke_key(conn: &Connection, id: &str) -> Result<bool> {
-    Ok(conn.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL", params![id, unix_now()])? == 1)
+    Ok(conn
+        .execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL", params![id, unix_now()])?
+        == 1)
 }
 
 /// A key that authenticated, with its tenant.
@@ -326,7 +335,9 @@ pub struct Principal {
 impl Principal {
     /// Whether both the tenant and the key allow `model`.
     pub fn allows_model(&self, model: &str) -> bool {
-        [&self.tenant.settings.models, &self.key.settings.models].iter().all(|m| m.as_ref().is_none_or(|m| m.iter().any(|x| x == model)))
+        [&self.tenant.settings.models, &self.key.settings.models]
+            .iter()
+            .all(|m| m.as_ref().is_none_or(|m| m.iter().any(|x| x == model)))
     }
 
     /// The plugin binding: the key's, falling back to the tenant's.
@@ -344,7 +355,9 @@ impl Principal {
 pub fn authenticate(conn: &Connection, secret: &[u8], key: &str, now: i64) -> Result<Option<Principal>> {
     let Some(id) = keys::key_id(key) else { return Ok(None) };
     let row = conn
-        .query_row("SELECT * FROM api_keys WHERE id = ?1", [id], |r| Ok((key_from(r)?, r.get::<_, Vec<u8>>("key_hash")?)))
+        .query_row("SELECT * FROM api_keys WHERE id = ?1", [id], |r| {
+            Ok((key_from(r)?, r.get::<_, Vec<u8>>("key_hash")?))
+        })
         .optional()?;
     let Some((k, hash)) = row else { return Ok(None) };
     if !keys::verify(secret, key, &hash) || k.revoked_at.is_some() || k.expires_at.is_some_and(|e| e <= now) {
@@ -480,7 +493,9 @@ mod tests {
         assert_eq!(key_expiry(Some(5), None).unwrap(), Some(5));
         let soon = key_expiry(None, Some(60)).unwrap().unwrap();
         assert!(soon > super::unix_now());
-        for bad in [(None, Some(i64::MAX)), (None, Some(0)), (None, Some(-5)), (Some(i64::MAX), None), (Some(1), Some(1))] {
+        for bad in
+            [(None, Some(i64::MAX)), (None, Some(0)), (None, Some(-5)), (Some(i64::MAX), None), (Some(1), Some(1))]
+        {
             assert!(key_expiry(bad.0, bad.1).is_err(), "{bad:?}");
         }
     }
@@ -500,7 +515,11 @@ mod tests {
         let conn = open(&path).unwrap();
         let secret = key_secret(&conn, None).unwrap();
         assert_eq!(key_secret(&open(&path).unwrap(), None).unwrap(), secret, "the stored secret is reused");
-        let s = Settings { models: Some(vec!["m1".into()]), limits: Limits { rpm: Some(5), ..Default::default() }, ..Default::default() };
+        let s = Settings {
+            models: Some(vec!["m1".into()]),
+            limits: Limits { rpm: Some(5), ..Default::default() },
+            ..Default::default()
+        };
         create_tenant(&conn, "acme", 2.0, &s).unwrap();
         assert!(create_tenant(&conn, "acme", 1.0, &s).is_err());
         let (row, key) = create_key(&conn, &secret, "acme", Some("ci"), None, &Settings::default()).unwrap();

@@ -180,7 +180,13 @@ impl Inner {
     /// the windows' expiry: the tightest gauges (for the `x-ratelimit-*` headers) and, if a limit
     /// refuses it, the refusal with the longest wait. `tokens: None` asks about any request
     /// whatever its size: token rates are not checked, and the budget as for one token.
-    fn evaluate(&mut self, scopes: &[Scope], tokens: Option<u64>, now: Instant, now_unix: u64) -> (RateStatus, Option<(String, Duration)>) {
+    fn evaluate(
+        &mut self,
+        scopes: &[Scope],
+        tokens: Option<u64>,
+        now: Instant,
+        now_unix: u64,
+    ) -> (RateStatus, Option<(String, Duration)>) {
         let mut status = RateStatus::default();
         let mut refusal: Option<(String, Duration)> = None;
         let mut refuse = |msg: String, wait: Duration| {
@@ -197,7 +203,10 @@ impl Inner {
                 if used >= rpm {
                     // Room again once the admission that keeps the window full leaves it (never,
                     // for a limit of 0: say a minute, like any other full window).
-                    let wait = w.requests.get((used - rpm) as usize).map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t)));
+                    let wait = w
+                        .requests
+                        .get((used - rpm) as usize)
+                        .map_or(MINUTE, |&t| MINUTE.saturating_sub(now.duration_since(t)));
                     refuse(format!("Rate limit reached for requests: {what} limit {rpm} requests per minute"), wait);
                 }
                 status.merge_requests(Gauge { limit: rpm, remaining: rpm.saturating_sub(used + 1), reset });
@@ -225,7 +234,11 @@ impl Inner {
                 } else {
                     w.tokens.back().map_or(Duration::ZERO, |&(t, _, _)| MINUTE.saturating_sub(now.duration_since(t)))
                 };
-                status.merge_tokens(Gauge { limit: tpm, remaining: tpm.saturating_sub(used.saturating_add(tokens)), reset });
+                status.merge_tokens(Gauge {
+                    limit: tpm,
+                    remaining: tpm.saturating_sub(used.saturating_add(tokens)),
+                    reset,
+                });
             }
             if let Some(mc) = l.max_concurrent {
                 if w.concurrent >= mc {
@@ -237,7 +250,11 @@ impl Inner {
                 if w.budget_used.saturating_add(tokens.unwrap_or(1)) > b {
                     let end = w.budget_start + l.budget_window();
                     refuse(
-                        format!("Token budget exhausted: {what} budget {b} tokens per {}s window, {} used", l.budget_window(), w.budget_used),
+                        format!(
+                            "Token budget exhausted: {what} budget {b} tokens per {}s window, {} used",
+                            l.budget_window(),
+                            w.budget_used
+                        ),
                         Duration::from_secs(end.saturating_sub(now_unix).max(1)),
                     );
                 }
@@ -280,7 +297,13 @@ impl Limiter {
 
     /// Admits a request reserving `tokens` against every scope, or refuses it without changing
     /// anything.
-    pub fn admit(self: &Arc<Self>, scopes: &[Scope], tokens: u64, now: Instant, now_unix: u64) -> Result<Reservation, Refusal> {
+    pub fn admit(
+        self: &Arc<Self>,
+        scopes: &[Scope],
+        tokens: u64,
+        now: Instant,
+        now_unix: u64,
+    ) -> Result<Reservation, Refusal> {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let (status, refusal) = inner.evaluate(scopes, Some(tokens), now, now_unix);
         if let Some((message, retry_after)) = refusal {
@@ -296,7 +319,14 @@ impl Limiter {
             w.concurrent += 1;
             w.budget_used += tokens;
         }
-        Ok(Reservation { limiter: self.clone(), scopes: scopes.iter().map(|s| s.id.clone()).collect(), id, reserved: tokens, status, done: false })
+        Ok(Reservation {
+            limiter: self.clone(),
+            scopes: scopes.iter().map(|s| s.id.clone()).collect(),
+            id,
+            reserved: tokens,
+            status,
+            done: false,
+        })
     }
 
     /// Refuses early, without reserving anything, a request that `admit` would refuse whatever
@@ -305,7 +335,8 @@ impl Limiter {
     /// template) so that a key at its limits, or switched off with rpm 0, cannot make the
     /// server do that work. `admit` still decides: this only answers sooner.
     pub fn precheck(&self, scopes: &[Scope], now: Instant, now_unix: u64) -> Result<(), Refusal> {
-        let (status, refusal) = self.inner.lock().unwrap_or_else(|e| e.into_inner()).evaluate(scopes, None, now, now_unix);
+        let (status, refusal) =
+            self.inner.lock().unwrap_or_else(|e| e.into_inner()).evaluate(scopes, None, now, now_unix);
         refusal.map_or(Ok(()), |(message, retry_after)| Err(Refusal { message, retry_after, status }))
     }
 
@@ -348,7 +379,11 @@ impl Limiter {
 
 impl std::fmt::Debug for Reservation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reservation").field("scopes", &self.scopes).field("id", &self.id).field("reserved", &self.reserved).finish()
+        f.debug_struct("Reservation")
+            .field("scopes", &self.scopes)
+            .field("id", &self.id)
+            .field("reserved", &self.reserved)
+            .finish()
     }
 }
 
@@ -436,7 +471,12 @@ mod tests {
     fn zero_limits_and_huge_estimates_are_refusals() {
         let lim = Limiter::new();
         let t0 = Instant::now();
-        for l in [Limits { rpm: Some(0), ..Default::default() }, Limits { tpm: Some(0), ..Default::default() }, Limits { max_concurrent: Some(0), ..Default::default() }, Limits { token_budget: Some(0), ..Default::default() }] {
+        for l in [
+            Limits { rpm: Some(0), ..Default::default() },
+            Limits { tpm: Some(0), ..Default::default() },
+            Limits { max_concurrent: Some(0), ..Default::default() },
+            Limits { token_budget: Some(0), ..Default::default() },
+        ] {
             let e = lim.admit(&[scope("t:zero", &l)], 1, t0, 0).unwrap_err();
             assert!(e.retry_after > Duration::ZERO, "{l:?}: {}", e.message);
         }
@@ -473,7 +513,11 @@ mod tests {
         assert!(lim.admit(&[scope("tenant:x", &tenant), scope("key:1", &key)], 0, t0, 0).is_err());
         assert_eq!(lim.concurrent("tenant:x"), 1);
         let b = lim.admit(&[scope("tenant:x", &tenant), scope("key:2", &key)], 0, t0, 0).unwrap();
-        assert!(lim.admit(&[scope("tenant:x", &tenant), scope("key:3", &key)], 0, t0, 0).unwrap_err().message.contains("concurrent"));
+        assert!(lim
+            .admit(&[scope("tenant:x", &tenant), scope("key:3", &key)], 0, t0, 0)
+            .unwrap_err()
+            .message
+            .contains("concurrent"));
         a.settle(0);
         b.settle(0);
         assert_eq!(lim.concurrent("tenant:x"), 0);

@@ -90,7 +90,10 @@ impl Tenancy {
     }
 
     /// Runs the read-only report `f` on the reports connection off the async runtime.
-    pub async fn with_reports_conn<T: Send + 'static>(self: &Arc<Self>, f: impl FnOnce(&Connection) -> Result<T> + Send + 'static) -> Result<T> {
+    pub async fn with_reports_conn<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Connection) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
             let conn = me.reports.lock().unwrap_or_else(|e| e.into_inner());

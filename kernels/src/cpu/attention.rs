@@ -10,10 +10,21 @@ use super::fp8::E4M3_TO_F32;
 
 /// One layer's cache in one of the pool's storage types.
 pub enum KvBlocks<'a> {
-    F32 { k: &'a [f32], v: &'a [f32] },
+    F32 {
+        k: &'a [f32],
+        v: &'a [f32],
+    },
     /// bf16 bit patterns.
-    Bf16 { k: &'a [u16], v: &'a [u16] },
-    Fp8 { k: &'a [u8], v: &'a [u8], k_scales: &'a [f32], v_scales: &'a [f32] },
+    Bf16 {
+        k: &'a [u16],
+        v: &'a [u16],
+    },
+    Fp8 {
+        k: &'a [u8],
+        v: &'a [u8],
+        k_scales: &'a [f32],
+        v_scales: &'a [f32],
+    },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -48,12 +59,22 @@ impl KvBlocks<'_> {
 
 /// `out[s, h, :] = softmax(scale · q[s, h] · K_sᵀ) · V_s` for every sequence and query head;
 /// GQA maps query head `h` to kv head `h / (heads / kv_heads)`. Empty sequences give zeros.
-pub fn paged_attention_decode(q: &[f32], kv: &KvBlocks, block_tables: &[i32], seq_lens: &[i32], g: &PagedGeometry, scale: f32, out: &mut [f32]) {
+pub fn paged_attention_decode(
+    q: &[f32],
+    kv: &KvBlocks,
+    block_tables: &[i32],
+    seq_lens: &[i32],
+    g: &PagedGeometry,
+    scale: f32,
+    out: &mut [f32],
+) {
     let d = g.head_dim;
     let group = g.heads / g.kv_heads;
     for (s, &len) in seq_lens.iter().enumerate() {
         let len = len as usize;
-        let rows: Vec<usize> = (0..len).map(|p| block_tables[s * g.max_blocks + p / g.block_size] as usize * g.block_size + p % g.block_size).collect();
+        let rows: Vec<usize> = (0..len)
+            .map(|p| block_tables[s * g.max_blocks + p / g.block_size] as usize * g.block_size + p % g.block_size)
+            .collect();
         for h in 0..g.heads {
             let qh = &q[(s * g.heads + h) * d..][..d];
             let o = &mut out[(s * g.heads + h) * d..][..d];
@@ -62,7 +83,8 @@ pub fn paged_attention_decode(q: &[f32], kv: &KvBlocks, block_tables: &[i32], se
                 continue;
             }
             let kvh = h / group;
-            let scores: Vec<f32> = rows.iter().map(|&r| (0..d).map(|i| qh[i] * scale * kv.get(false, r, kvh, i, g)).sum()).collect();
+            let scores: Vec<f32> =
+                rows.iter().map(|&r| (0..d).map(|i| qh[i] * scale * kv.get(false, r, kvh, i, g)).sum()).collect();
             let m = scores.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             let e: Vec<f32> = scores.iter().map(|&x| (x - m).exp()).collect();
             let total: f32 = e.iter().sum();

@@ -59,7 +59,10 @@ impl PackedRows {
     /// Copies `rows × stride` bytes of packed codes. Panics if the sizes disagree.
     pub fn new(bits: u32, rows: usize, cols: usize, stride: usize, bytes: &[u8]) -> Self {
         assert!((1..=8).contains(&bits), "PackedRows: {bits} bits (1..=8 supported)");
-        assert!(stride >= row_bytes(cols, bits), "PackedRows: stride {stride} too small for {cols} codes of {bits} bits");
+        assert!(
+            stride >= row_bytes(cols, bits),
+            "PackedRows: stride {stride} too small for {cols} codes of {bits} bits"
+        );
         assert_eq!(bytes.len(), rows * stride, "PackedRows: {} bytes for {rows} rows of {stride}", bytes.len());
         let mut data = Vec::with_capacity(bytes.len() + SLACK);
         data.extend_from_slice(bytes);

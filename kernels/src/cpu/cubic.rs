@@ -46,7 +46,12 @@ impl<const B: u32> CubicMatrix<B> {
         assert_eq!(packed.bits(), B, "CubicMatrix<{B}> with {}-bit codes", packed.bits());
         let groups_per_row = packed.cols().div_ceil(group_size);
         let n = packed.rows() * groups_per_row;
-        assert!(scale.len() == n && shape.len() == n, "CubicMatrix: {} / {} parameters for {n} groups", scale.len(), shape.len());
+        assert!(
+            scale.len() == n && shape.len() == n,
+            "CubicMatrix: {} / {} parameters for {n} groups",
+            scale.len(),
+            shape.len()
+        );
         Self { packed, group_size, groups_per_row, params: scale.iter().zip(shape).map(|(&s, &a)| [s, a]).collect() }
     }
 
@@ -220,7 +225,11 @@ mod tests {
                 m.matmul_t_isa(isa, &x, &mut out, n);
                 for i in 0..n {
                     for r in 0..rows {
-                        assert_eq!(out[i * rows + r], dot_canonical(&x[i * cols..(i + 1) * cols], &deq[r]), "{isa:?} bits {bits}");
+                        assert_eq!(
+                            out[i * rows + r],
+                            dot_canonical(&x[i * cols..(i + 1) * cols], &deq[r]),
+                            "{isa:?} bits {bits}"
+                        );
                     }
                 }
                 // Decode-sized batches take the direct (in-register) path: same results.

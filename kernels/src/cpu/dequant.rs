@@ -66,7 +66,12 @@ mod tests {
     fn int_matrix_dequantises_to_the_rounded_row_values() {
         // 3-bit codes, 5 columns, group size 2 (the last group is partial).
         let codes = [0u8, 7, 3, 4, 5, 1, 2, 6, 7, 0];
-        let w = IntMatrix::new(PackedRows::from_codes(3, 2, 5, &codes), 2, &[0.5, 0.25, 2.0, 1.0, 0.125, 3.0], &[4.0, 4.0, 0.0, 4.0, 4.0, 1.0]);
+        let w = IntMatrix::new(
+            PackedRows::from_codes(3, 2, 5, &codes),
+            2,
+            &[0.5, 0.25, 2.0, 1.0, 0.125, 3.0],
+            &[4.0, 4.0, 0.0, 4.0, 4.0, 1.0],
+        );
         let want: Vec<f32> = vec![-2.0, 1.5, -0.25, 0.0, 10.0, -3.0, -2.0, 0.25, 0.375, -3.0];
         assert_eq!(dequantize_bf16(&w), f32_to_bf16_rows(&want));
     }

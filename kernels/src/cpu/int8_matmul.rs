@@ -82,7 +82,9 @@ impl Int8Params {
         let centre = if bits == 8 { 128.0f32 } else { 0.0 };
         let full: Vec<[f32; 2]> = groups.iter().map(|&[s, z]| [s, s * (centre - z)]).collect();
         let half = |v: f32| half::f16::from_f32(v);
-        let fits = full.iter().all(|&[s, mz]| half(s).to_f32() == s && (half(mz).to_f32() - mz).abs() <= mz.abs() * (1.0 / 16384.0));
+        let fits = full
+            .iter()
+            .all(|&[s, mz]| half(s).to_f32() == s && (half(mz).to_f32() - mz).abs() <= mz.abs() * (1.0 / 16384.0));
         if fits {
             Int8Params::F16(full.iter().map(|&[s, mz]| [half(s).to_bits(), half(mz).to_bits()]).collect())
         } else {
@@ -124,7 +126,8 @@ impl Q8Activations {
         assert_eq!(x.len(), n * k);
         assert!(k.is_multiple_of(BLOCK), "8-bit activations need rows of whole {BLOCK}-value blocks, not {k}");
         let blocks = n * k / BLOCK;
-        let (mut q, mut scale, mut scaled_sum) = (vec![0i8; n * k], Vec::with_capacity(blocks), Vec::with_capacity(blocks));
+        let (mut q, mut scale, mut scaled_sum) =
+            (vec![0i8; n * k], Vec::with_capacity(blocks), Vec::with_capacity(blocks));
         for (src, dst) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)) {
             let finite = src.iter().all(|v| v.is_finite());
             let amax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -175,7 +178,9 @@ pub fn dot_reference(w: &IntMatrix, a: &Q8Activations, i: usize, o: usize) -> f3
         let d = s * a.scale[i * nb + b];
         let q = &a.q[(i * nb + b) * BLOCK..][..BLOCK];
         for (l, lane) in acc.iter_mut().enumerate() {
-            let p: i32 = (4 * l..4 * l + 4).map(|p| (packed.code(o, b * BLOCK + element_at(bits, p)) as i32 - c) * q[p] as i32).sum();
+            let p: i32 = (4 * l..4 * l + 4)
+                .map(|p| (packed.code(o, b * BLOCK + element_at(bits, p)) as i32 - c) * q[p] as i32)
+                .sum();
             *lane = d.mul_add(p as f32, *lane);
         }
         zacc = mz.mul_add(a.scaled_sum[i * nb + b], zacc);
@@ -225,65 +230,75 @@ unsafe fn group_params(params: &Int8Params, i: usize) -> [f32; 2] {
 /// features cannot depend on a generic parameter, hence the macro.
 macro_rules! tile_256 {
     ($name:ident, $features:literal, $vnni:literal) => {
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = $features)]
-#[allow(clippy::needless_range_loop)] // one index over parallel register arrays reads clearer
-unsafe fn $name<const BITS: u32, const R: usize, const C: usize>(w: &IntMatrix, params: &Int8Params, a: &Q8Activations, i0: usize, o0: usize) -> [[f32; C]; R] {
-    let (packed, gs, _) = w.parts();
-    let nb = a.blocks_per_row();
-    let per_group = (gs / BLOCK).min(nb);
-    let groups = nb.div_ceil(per_group);
-    let mut rows = [std::ptr::null::<u8>(); C];
-    for (c, row) in rows.iter_mut().enumerate() {
-        *row = packed.row_tail(o0 + c).as_ptr();
-    }
-    let group = |c: usize, g: usize| group_params(params, (o0 + c) * groups + g);
-    let (q, scale, scaled_sum) = (a.q.as_ptr(), a.scale.as_ptr(), a.scaled_sum.as_ptr());
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); C]; R];
-    let mut zacc = [[0.0f32; C]; R];
-    for g in 0..groups {
-        // `s` and `s·(c − z)` of each weight row's group.
-        let mut s = [0.0f32; C];
-        let mut mz = [0.0f32; C];
-        for c in 0..C {
-            [s[c], mz[c]] = group(c, g);
-        }
-        for b in g * per_group..((g + 1) * per_group).min(nb) {
-            let mut wv = [_mm256_setzero_si256(); C];
-            // 8-bit: |u − 128| is the unsigned operand and its sign moves onto the activations.
-            let mut wabs = [_mm256_setzero_si256(); C];
-            // Without it this kernel decoded SmolLM2 no faster than the f32 one (both waiting on
-            // loads).
-            prefetch_rows(&rows, b * BLOCK, BITS, packed.stride());
-            for c in 0..C {
-                wv[c] = block_bytes::<BITS>(rows[c], b);
-                if BITS == 8 {
-                    wabs[c] = _mm256_abs_epi8(wv[c]);
-                }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::needless_range_loop)] // one index over parallel register arrays reads clearer
+        unsafe fn $name<const BITS: u32, const R: usize, const C: usize>(
+            w: &IntMatrix,
+            params: &Int8Params,
+            a: &Q8Activations,
+            i0: usize,
+            o0: usize,
+        ) -> [[f32; C]; R] {
+            let (packed, gs, _) = w.parts();
+            let nb = a.blocks_per_row();
+            let per_group = (gs / BLOCK).min(nb);
+            let groups = nb.div_ceil(per_group);
+            let mut rows = [std::ptr::null::<u8>(); C];
+            for (c, row) in rows.iter_mut().enumerate() {
+                *row = packed.row_tail(o0 + c).as_ptr();
             }
-            for r in 0..R {
-                let at = (i0 + r) * nb + b;
-                let xv = _mm256_loadu_si256(q.add(at * BLOCK) as *const __m256i);
-                let (dx, xs) = (*scale.add(at), *scaled_sum.add(at));
+            let group = |c: usize, g: usize| group_params(params, (o0 + c) * groups + g);
+            let (q, scale, scaled_sum) = (a.q.as_ptr(), a.scale.as_ptr(), a.scaled_sum.as_ptr());
+            let ones = _mm256_set1_epi16(1);
+            let mut acc = [[_mm256_setzero_ps(); C]; R];
+            let mut zacc = [[0.0f32; C]; R];
+            for g in 0..groups {
+                // `s` and `s·(c − z)` of each weight row's group.
+                let mut s = [0.0f32; C];
+                let mut mz = [0.0f32; C];
                 for c in 0..C {
-                    let (u, x) = if BITS == 8 { (wabs[c], _mm256_sign_epi8(xv, wv[c])) } else { (wv[c], xv) };
-                    let sums = if $vnni { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x) } else { _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones) };
-                    let p = _mm256_cvtepi32_ps(sums);
-                    acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[c] * dx), p, acc[r][c]);
-                    zacc[r][c] = mz[c].mul_add(xs, zacc[r][c]);
+                    [s[c], mz[c]] = group(c, g);
+                }
+                for b in g * per_group..((g + 1) * per_group).min(nb) {
+                    let mut wv = [_mm256_setzero_si256(); C];
+                    // 8-bit: |u − 128| is the unsigned operand and its sign moves onto the activations.
+                    let mut wabs = [_mm256_setzero_si256(); C];
+                    // Without it this kernel decoded SmolLM2 no faster than the f32 one (both waiting on
+                    // loads).
+                    prefetch_rows(&rows, b * BLOCK, BITS, packed.stride());
+                    for c in 0..C {
+                        wv[c] = block_bytes::<BITS>(rows[c], b);
+                        if BITS == 8 {
+                            wabs[c] = _mm256_abs_epi8(wv[c]);
+                        }
+                    }
+                    for r in 0..R {
+                        let at = (i0 + r) * nb + b;
+                        let xv = _mm256_loadu_si256(q.add(at * BLOCK) as *const __m256i);
+                        let (dx, xs) = (*scale.add(at), *scaled_sum.add(at));
+                        for c in 0..C {
+                            let (u, x) = if BITS == 8 { (wabs[c], _mm256_sign_epi8(xv, wv[c])) } else { (wv[c], xv) };
+                            let sums = if $vnni {
+                                _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x)
+                            } else {
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones)
+                            };
+                            let p = _mm256_cvtepi32_ps(sums);
+                            acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[c] * dx), p, acc[r][c]);
+                            zacc[r][c] = mz[c].mul_add(xs, zacc[r][c]);
+                        }
+                    }
                 }
             }
+            let mut out = [[0.0f32; C]; R];
+            for r in 0..R {
+                for c in 0..C {
+                    out[r][c] = reduce8_avx(acc[r][c]) + zacc[r][c];
+                }
+            }
+            out
         }
-    }
-    let mut out = [[0.0f32; C]; R];
-    for r in 0..R {
-        for c in 0..C {
-            out[r][c] = reduce8_avx(acc[r][c]) + zacc[r][c];
-        }
-    }
-    out
-}
     };
 }
 
@@ -320,12 +335,19 @@ unsafe fn group_params_x8(params: &Int8Params, entries: __m256i) -> __m512 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // one index over parallel register arrays reads clearer
-unsafe fn tile_vnni<const BITS: u32, const R: usize, const P: usize>(w: &IntMatrix, params: &Int8Params, a: &Q8Activations, i0: usize, o0: usize) -> [[[f32; 2]; P]; R] {
+unsafe fn tile_vnni<const BITS: u32, const R: usize, const P: usize>(
+    w: &IntMatrix,
+    params: &Int8Params,
+    a: &Q8Activations,
+    i0: usize,
+    o0: usize,
+) -> [[[f32; 2]; P]; R] {
     let (packed, gs, _) = w.parts();
     let nb = a.blocks_per_row();
     let per_group = (gs / BLOCK).min(nb);
     let groups = nb.div_ceil(per_group);
-    let rows: [[*const u8; 2]; P] = std::array::from_fn(|p| [packed.row_tail(o0 + 2 * p).as_ptr(), packed.row_tail(o0 + 2 * p + 1).as_ptr()]);
+    let rows: [[*const u8; 2]; P] =
+        std::array::from_fn(|p| [packed.row_tail(o0 + 2 * p).as_ptr(), packed.row_tail(o0 + 2 * p + 1).as_ptr()]);
     let (q, scale, scaled_sum) = (a.q.as_ptr(), a.scale.as_ptr(), a.scaled_sum.as_ptr());
     let zero = _mm512_setzero_si512();
     let mut acc = [[_mm512_setzero_ps(); P]; R];
@@ -333,17 +355,26 @@ unsafe fn tile_vnni<const BITS: u32, const R: usize, const P: usize>(w: &IntMatr
     let mut zacc = [_mm256_setzero_ps(); R];
     // Parameter entry of weight row o0 + c (c < 8; rows past the tile repeat its last row) in
     // group 0: the tile's rows are `groups` entries apart.
-    let entries = _mm256_mullo_epi32(_mm256_min_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(2 * P as i32 - 1)), _mm256_set1_epi32(groups as i32));
+    let entries = _mm256_mullo_epi32(
+        _mm256_min_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(2 * P as i32 - 1)),
+        _mm256_set1_epi32(groups as i32),
+    );
     let entries = _mm256_add_epi32(entries, _mm256_set1_epi32((o0 * groups) as i32));
     // Lanes of `[s_0, mz_0, s_1, mz_1, ..]` that a pair's `s` register takes: `s` of its first
     // row in the first row's lanes, of its second row in the others.
-    let s_lanes = if BITS == 4 { _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2) } else { _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2) };
+    let s_lanes = if BITS == 4 {
+        _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
+    } else {
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
+    };
     let mz_lanes = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
     for g in 0..groups {
         // Every row's `[s, s·(c − z)]` in one gather instead of 2 × 2P scalar loads and
         // broadcasts (with groups of 32 this runs every block).
         let all = group_params_x8(params, _mm256_add_epi32(entries, _mm256_set1_epi32(g as i32)));
-        let s: [__m512; P] = std::array::from_fn(|p| _mm512_permutexvar_ps(_mm512_add_epi32(s_lanes, _mm512_set1_epi32(4 * p as i32)), all));
+        let s: [__m512; P] = std::array::from_fn(|p| {
+            _mm512_permutexvar_ps(_mm512_add_epi32(s_lanes, _mm512_set1_epi32(4 * p as i32)), all)
+        });
         let mz = _mm512_castps512_ps256(_mm512_permutexvar_ps(mz_lanes, all));
         for b in g * per_group..((g + 1) * per_group).min(nb) {
             let mut wv = [zero; P];
@@ -351,11 +382,17 @@ unsafe fn tile_vnni<const BITS: u32, const R: usize, const P: usize>(w: &IntMatr
                 prefetch_rows(&rows[p], b * BLOCK, BITS, packed.stride());
                 let [r0, r1] = rows[p];
                 wv[p] = if BITS == 4 {
-                    let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(r0.add(b * 16) as *const __m128i)), _mm_loadu_si128(r1.add(b * 16) as *const __m128i));
+                    let both = _mm256_inserti128_si256::<1>(
+                        _mm256_castsi128_si256(_mm_loadu_si128(r0.add(b * 16) as *const __m128i)),
+                        _mm_loadu_si128(r1.add(b * 16) as *const __m128i),
+                    );
                     let split = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(both), _mm256_srli_epi16::<4>(both));
                     _mm512_and_si512(split, _mm512_set1_epi8(0x0F))
                 } else {
-                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(r0.add(b * 32) as *const __m256i)), _mm256_loadu_si256(r1.add(b * 32) as *const __m256i))
+                    _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_loadu_si256(r0.add(b * 32) as *const __m256i)),
+                        _mm256_loadu_si256(r1.add(b * 32) as *const __m256i),
+                    )
                 };
             }
             for r in 0..R {
@@ -363,8 +400,13 @@ unsafe fn tile_vnni<const BITS: u32, const R: usize, const P: usize>(w: &IntMatr
                 let x = _mm512_castsi256_si512(_mm256_loadu_si256(q.add(at * BLOCK) as *const __m256i));
                 // Positions facing the weight lanes: [0..16, 0..16, 16..32, 16..32] for 4-bit
                 // codes, [0..32, 0..32] for 8-bit ones.
-                let xv = if BITS == 4 { _mm512_shuffle_i64x2::<0x50>(x, x) } else { _mm512_shuffle_i64x2::<0x44>(x, x) };
-                let start = if BITS == 8 { _mm512_sub_epi32(zero, _mm512_slli_epi32::<7>(_mm512_dpbusd_epi32(zero, _mm512_set1_epi8(1), xv))) } else { zero };
+                let xv =
+                    if BITS == 4 { _mm512_shuffle_i64x2::<0x50>(x, x) } else { _mm512_shuffle_i64x2::<0x44>(x, x) };
+                let start = if BITS == 8 {
+                    _mm512_sub_epi32(zero, _mm512_slli_epi32::<7>(_mm512_dpbusd_epi32(zero, _mm512_set1_epi8(1), xv)))
+                } else {
+                    zero
+                };
                 let dx = _mm512_set1_ps(*scale.add(at));
                 for p in 0..P {
                     let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wv[p], xv));
@@ -609,7 +651,11 @@ pub fn int8_matmul_t_path(path: Int8Path, w: &IntMatrix, x: &[f32], out: &mut [f
     }
     let params = int8_params(w);
     // The 512-bit tiles gather parameters with 32-bit indices.
-    let path = if path == Int8Path::Avx512Vnni && m * k.div_ceil(w.parts().1) > i32::MAX as usize { Int8Path::Avx2 } else { path };
+    let path = if path == Int8Path::Avx512Vnni && m * k.div_ceil(w.parts().1) > i32::MAX as usize {
+        Int8Path::Avx2
+    } else {
+        path
+    };
     let a = Q8Activations::quantize(x, n, k, w.bits());
     // Tasks of about 32 KiB of packed weights (at least 4 per thread for balance), whole
     // 8-row tiles: a task's weights stay in L2 while each pass of activation rows goes over them.
@@ -635,7 +681,8 @@ mod tests {
         let groups = rows * cols.div_ceil(gs);
         let scale: Vec<f32> = (0..groups).map(|_| (r() % 1000) as f32 / 20000.0 + 1e-3).collect();
         // Integer and fractional zero points (GGUF Q4_1's is −m/d).
-        let zero: Vec<f32> = (0..groups).map(|i| (r() % (1 << bits)) as f32 + if i % 3 == 0 { 0.37 } else { 0.0 }).collect();
+        let zero: Vec<f32> =
+            (0..groups).map(|i| (r() % (1 << bits)) as f32 + if i % 3 == 0 { 0.37 } else { 0.0 }).collect();
         IntMatrix::new(PackedRows::from_codes(bits, rows, cols, &codes), gs, &scale, &zero)
     }
 
@@ -683,7 +730,17 @@ mod tests {
 
     #[test]
     fn every_path_computes_the_reference_and_stays_near_the_f32_product() {
-        for &(bits, n, k, m, gs) in &[(4u32, 1usize, 256usize, 9usize, 32usize), (4, 7, 384, 13, 128), (8, 5, 96, 6, 32), (8, 1, 64, 11, 64), (4, 3, 64, 5, 64), (4, 6, 128, 75, 32), (8, 5, 64, 75, 64), (4, 1, 64, 75, 64), (8, 1, 32, 75, 32)] {
+        for &(bits, n, k, m, gs) in &[
+            (4u32, 1usize, 256usize, 9usize, 32usize),
+            (4, 7, 384, 13, 128),
+            (8, 5, 96, 6, 32),
+            (8, 1, 64, 11, 64),
+            (4, 3, 64, 5, 64),
+            (4, 6, 128, 75, 32),
+            (8, 5, 64, 75, 64),
+            (4, 1, 64, 75, 64),
+            (8, 1, 32, 75, 32),
+        ] {
             let w = matrix(bits, m, k, gs, (bits as u64) << 8 | k as u64);
             let x = activations(n, k, 99 + n as u64);
             let a = Q8Activations::quantize(&x, n, k, bits);
@@ -694,15 +751,25 @@ mod tests {
                 for i in 0..n {
                     for o in 0..m {
                         let got = out[i * m + o];
-                        assert_eq!(got.to_bits(), dot_reference(&w, &a, i, o).to_bits(), "{path:?} ({bits},{n},{k},{m},{gs}) [{i},{o}]");
+                        assert_eq!(
+                            got.to_bits(),
+                            dot_reference(&w, &a, i, o).to_bits(),
+                            "{path:?} ({bits},{n},{k},{m},{gs}) [{i},{o}]"
+                        );
                         // Against the exact product of the unquantised activations: each block
                         // contributes at most dx/2 · Σ|w| of rounding error.
                         let xr = &x[i * k..(i + 1) * k];
                         let exact: f64 = xr.iter().zip(&deq[o]).map(|(a, b)| *a as f64 * *b as f64).sum();
                         let bound: f64 = (0..k / BLOCK)
-                            .map(|b| a.scale[i * (k / BLOCK) + b] as f64 / 2.0 * deq[o][b * BLOCK..(b + 1) * BLOCK].iter().map(|v| v.abs() as f64).sum::<f64>())
+                            .map(|b| {
+                                a.scale[i * (k / BLOCK) + b] as f64 / 2.0
+                                    * deq[o][b * BLOCK..(b + 1) * BLOCK].iter().map(|v| v.abs() as f64).sum::<f64>()
+                            })
                             .sum();
-                        assert!((got as f64 - exact).abs() <= bound * 1.01 + 1e-5, "{path:?} [{i},{o}] {got} vs {exact} (bound {bound})");
+                        assert!(
+                            (got as f64 - exact).abs() <= bound * 1.01 + 1e-5,
+                            "{path:?} [{i},{o}] {got} vs {exact} (bound {bound})"
+                        );
                     }
                 }
             }
@@ -718,9 +785,12 @@ mod tests {
             let mut r = lcg(11 + bits as u64);
             let codes: Vec<u8> = (0..m * k).map(|_| (r() % (1 << bits)) as u8).collect();
             let groups = m * k / 32;
-            let scale: Vec<f32> = (0..groups).map(|_| half::f16::from_f32((r() % 1000) as f32 / 20000.0 + 1e-3).to_f32()).collect();
+            let scale: Vec<f32> =
+                (0..groups).map(|_| half::f16::from_f32((r() % 1000) as f32 / 20000.0 + 1e-3).to_f32()).collect();
             let zero = vec![if bits == 8 { 128.0 } else { 8.0 }; groups];
-            let w = IntMatrix::new(PackedRows::from_codes(bits, m, k, &codes), 32, &scale, &zero).with_int8_activations().unwrap();
+            let w = IntMatrix::new(PackedRows::from_codes(bits, m, k, &codes), 32, &scale, &zero)
+                .with_int8_activations()
+                .unwrap();
             assert!(matches!(w.int8_params(), Some(Int8Params::F16(_))), "{bits}-bit GGUF-like parameters stay f16");
             let x = activations(n, k, 12);
             let a = Q8Activations::quantize(&x, n, k, bits);
@@ -729,7 +799,11 @@ mod tests {
                 int8_matmul_t_path(path, &w, &x, &mut out, n);
                 for i in 0..n {
                     for o in 0..m {
-                        assert_eq!(out[i * m + o].to_bits(), dot_reference(&w, &a, i, o).to_bits(), "{path:?} {bits}-bit [{i},{o}]");
+                        assert_eq!(
+                            out[i * m + o].to_bits(),
+                            dot_reference(&w, &a, i, o).to_bits(),
+                            "{path:?} {bits}-bit [{i},{o}]"
+                        );
                     }
                 }
             }

@@ -18,7 +18,14 @@ pub const L2_NORM_EPS: f32 = 1e-6;
 /// `history` the last `kernel - 1` inputs of every channel before them (`[channels][kernel - 1]`,
 /// oldest first) and is advanced past these rows; `weight` is `[channels][kernel]`, whose first
 /// tap multiplies the oldest input (PyTorch `conv1d` with `kernel - 1` left padding).
-pub fn short_conv_silu(x: &[f32], channels: usize, history: &mut [f32], weight: &[f32], kernel: usize, out: &mut [f32]) {
+pub fn short_conv_silu(
+    x: &[f32],
+    channels: usize,
+    history: &mut [f32],
+    weight: &[f32],
+    kernel: usize,
+    out: &mut [f32],
+) {
     let t = x.len() / channels;
     let h = kernel - 1;
     debug_assert_eq!(history.len(), channels * h);
@@ -86,7 +93,16 @@ pub fn l2_normalize(x: &mut [f32]) {
 /// Two passes over the state: decay while accumulating `Sᵀk`, then the rank-1 update while
 /// accumulating `Sᵀq`. `q` is already l2-normalised and scaled, `k` l2-normalised.
 #[allow(clippy::too_many_arguments)]
-pub fn delta_rule_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: f32, scratch: &mut [f32], o: &mut [f32]) {
+pub fn delta_rule_step(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    scratch: &mut [f32],
+    o: &mut [f32],
+) {
     let dv = v.len();
     let kv_mem = scratch;
     kv_mem.fill(0.0);
@@ -162,7 +178,17 @@ fn rows_of<'a>(seq_rows: &'a [i32], seq_start: &[i32], s: usize) -> impl Iterato
 /// are `[n][channels]` in batch order, `conv_state` `[slots][channels][kernel - 1]`, each
 /// sequence's history read from and advanced in its slot.
 #[allow(clippy::too_many_arguments)]
-pub fn conv_silu_batch(mixed: &[f32], weight: &[f32], conv_state: &mut [f32], seq_rows: &[i32], seq_start: &[i32], seq_slot: &[i32], channels: usize, kernel: usize, out: &mut [f32]) {
+pub fn conv_silu_batch(
+    mixed: &[f32],
+    weight: &[f32],
+    conv_state: &mut [f32],
+    seq_rows: &[i32],
+    seq_start: &[i32],
+    seq_slot: &[i32],
+    channels: usize,
+    kernel: usize,
+    out: &mut [f32],
+) {
     let hist = channels * (kernel - 1);
     for (s, &slot) in seq_slot.iter().enumerate() {
         let rows: Vec<usize> = rows_of(seq_rows, seq_start, s).collect();
@@ -182,10 +208,25 @@ pub fn conv_silu_batch(mixed: &[f32], weight: &[f32], conv_state: &mut [f32], se
 /// `gate` `[n][P]` (before dt_bias / sigmoid), `beta` `[n][heads]` (logits), `dt_bias` `[P]`,
 /// `decay_rate` `[heads]` (`exp(A_log)`), `o_norm` `[head_dim]`; `out` `[n][P]`.
 #[allow(clippy::too_many_arguments)]
-pub fn recurrent_batch(conv: &[f32], f: &[f32], beta: &[f32], gate: &[f32], dt_bias: &[f32], decay_rate: &[f32], o_norm: &[f32], state: &mut [f32], seq_rows: &[i32], seq_start: &[i32], seq_slot: &[i32], g: &KdaGeometry, out: &mut [f32]) {
+pub fn recurrent_batch(
+    conv: &[f32],
+    f: &[f32],
+    beta: &[f32],
+    gate: &[f32],
+    dt_bias: &[f32],
+    decay_rate: &[f32],
+    o_norm: &[f32],
+    state: &mut [f32],
+    seq_rows: &[i32],
+    seq_start: &[i32],
+    seq_slot: &[i32],
+    g: &KdaGeometry,
+    out: &mut [f32],
+) {
     let (p, hd, nh, len) = (g.proj_dim(), g.head_dim, g.heads, g.state_len());
     let scale = query_scale(hd);
-    let (mut q, mut k, mut log_decay, mut scratch) = (vec![0.0f32; hd], vec![0.0f32; hd], vec![0.0f32; hd], vec![0.0f32; hd]);
+    let (mut q, mut k, mut log_decay, mut scratch) =
+        (vec![0.0f32; hd], vec![0.0f32; hd], vec![0.0f32; hd], vec![0.0f32; hd]);
     for (s, &slot) in seq_slot[..g.seqs].iter().enumerate() {
         let st = &mut state[slot as usize * len..][..len];
         for r in rows_of(seq_rows, seq_start, s) {

@@ -18,7 +18,17 @@ pub fn kv_write_bf16(k: &[f32], v: &[f32], slots: &[i32], width: usize, kc: &mut
 
 /// E4M3 codes with one scale per (pool row, kv head), as the host block pool quantises.
 #[allow(clippy::too_many_arguments)]
-pub fn kv_write_fp8(k: &[f32], v: &[f32], slots: &[i32], kv_heads: usize, head_dim: usize, kc: &mut [u8], vc: &mut [u8], ks: &mut [f32], vs: &mut [f32]) {
+pub fn kv_write_fp8(
+    k: &[f32],
+    v: &[f32],
+    slots: &[i32],
+    kv_heads: usize,
+    head_dim: usize,
+    kc: &mut [u8],
+    vc: &mut [u8],
+    ks: &mut [f32],
+    vs: &mut [f32],
+) {
     store_fp8_groups(k, slots, kv_heads * head_dim, kv_heads, kc, ks);
     store_fp8_groups(v, slots, kv_heads * head_dim, kv_heads, vc, vs);
 }
@@ -58,7 +68,8 @@ fn store_fp8_groups(x: &[f32], slots: &[i32], width: usize, groups: usize, codes
     for (t, &row) in slots.iter().enumerate() {
         let row = row as usize;
         for h in 0..groups {
-            let (src, dst) = (t * width + h * g..t * width + (h + 1) * g, row * width + h * g..row * width + (h + 1) * g);
+            let (src, dst) =
+                (t * width + h * g..t * width + (h + 1) * g, row * width + h * g..row * width + (h + 1) * g);
             scales[row * groups + h] = quantize_e4m3(&x[src], &mut codes[dst]);
         }
     }

@@ -129,7 +129,16 @@ fn tile<const R: usize, const C: usize>(avx2: bool, x: [&[f32]; R], w: [&[f32]; 
 
 /// Computes the block `x[i0..i0+R] × w[r0..r0+C]` and stores it into `out`.
 #[inline(always)]
-fn run_tile<const R: usize, const C: usize>(avx2: bool, x: &[f32], w: &[f32], k: usize, m: usize, i0: usize, r0: usize, out: OutPtr) {
+fn run_tile<const R: usize, const C: usize>(
+    avx2: bool,
+    x: &[f32],
+    w: &[f32],
+    k: usize,
+    m: usize,
+    i0: usize,
+    r0: usize,
+    out: OutPtr,
+) {
     let xs: [&[f32]; R] = std::array::from_fn(|r| &x[(i0 + r) * k..(i0 + r + 1) * k]);
     let ws: [&[f32]; C] = std::array::from_fn(|c| &w[(r0 + c) * k..(r0 + c + 1) * k]);
     let res = tile::<R, C>(avx2, xs, ws);

@@ -67,10 +67,21 @@ pub fn sigmoid_mul(x: &mut [f32], g: &[f32]) {
 /// · block_size + p % block_size`. `cache` holds the latents as K (`lora` wide) and the rotary keys
 /// as V (`rope` wide), FP8 with one scale per row of each. Tokens with no positions get zeros.
 #[allow(clippy::too_many_arguments)]
-pub fn mla_attention(q_lat: &[f32], q_rope: &[f32], cache: &KvBlocks, tables: &[i32], lens: &[i32], g: &LatentGeometry, scale: f32, ctx: &mut [f32]) {
+pub fn mla_attention(
+    q_lat: &[f32],
+    q_rope: &[f32],
+    cache: &KvBlocks,
+    tables: &[i32],
+    lens: &[i32],
+    g: &LatentGeometry,
+    scale: f32,
+    ctx: &mut [f32],
+) {
     let (lora, rope) = (g.lora, g.rope);
     for (t, &len) in lens.iter().enumerate() {
-        let rows: Vec<usize> = (0..len as usize).map(|p| tables[t * g.max_blocks + p / g.block_size] as usize * g.block_size + p % g.block_size).collect();
+        let rows: Vec<usize> = (0..len as usize)
+            .map(|p| tables[t * g.max_blocks + p / g.block_size] as usize * g.block_size + p % g.block_size)
+            .collect();
         for h in 0..g.heads {
             let th = t * g.heads + h;
             let (ql, qr) = (&q_lat[th * lora..(th + 1) * lora], &q_rope[th * rope..(th + 1) * rope]);
@@ -140,7 +151,11 @@ mod tests {
             let s3 = 0.5 * (ql[0] + ql[1] * 2.0 - qr);
             let p3 = 1.0 / (1.0 + (s2 - s3).exp());
             let want = [3.0 * (1.0 - p3) + p3, -(1.0 - p3) + 2.0 * p3];
-            assert!((ctx[2 * h] - want[0]).abs() < 1e-6 && (ctx[2 * h + 1] - want[1]).abs() < 1e-6, "head {h}: {:?} vs {want:?}", &ctx[2 * h..2 * h + 2]);
+            assert!(
+                (ctx[2 * h] - want[0]).abs() < 1e-6 && (ctx[2 * h + 1] - want[1]).abs() < 1e-6,
+                "head {h}: {:?} vs {want:?}",
+                &ctx[2 * h..2 * h + 2]
+            );
         }
     }
 }

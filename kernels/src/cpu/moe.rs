@@ -126,7 +126,11 @@ pub struct Routing {
 /// [`route_token`] for each of the `n` rows of `logits` (`[n, num_experts]`), with local ids for
 /// the experts in `held` (the reference for `Kernels::moe_route`).
 pub fn route(spec: &RouterSpec, logits: &[f32], bias: Option<&[f32]>, n: usize, held: Range<usize>) -> Routing {
-    let mut r = Routing { experts: Vec::with_capacity(n * spec.top_k), weights: Vec::with_capacity(n * spec.top_k), local: Vec::with_capacity(n * spec.top_k) };
+    let mut r = Routing {
+        experts: Vec::with_capacity(n * spec.top_k),
+        weights: Vec::with_capacity(n * spec.top_k),
+        local: Vec::with_capacity(n * spec.top_k),
+    };
     for row in logits.chunks_exact(spec.num_experts).take(n) {
         let (ids, ws) = route_token(spec, row, bias);
         r.local.extend(ids.iter().map(|&e| local_expert(e as usize, &held)));
@@ -141,7 +145,10 @@ pub fn route(spec: &RouterSpec, logits: &[f32], bias: Option<&[f32]>, n: usize, 
 pub fn group_by_expert(experts: &[i32], num_experts: usize) -> Result<(Vec<usize>, Vec<usize>), String> {
     let mut counts = vec![0usize; num_experts];
     for (i, &e) in experts.iter().enumerate() {
-        let e = usize::try_from(e).ok().filter(|&e| e < num_experts).ok_or_else(|| format!("assignment {i}: expert {e} outside 0..{num_experts}"))?;
+        let e = usize::try_from(e)
+            .ok()
+            .filter(|&e| e < num_experts)
+            .ok_or_else(|| format!("assignment {i}: expert {e} outside 0..{num_experts}"))?;
         counts[e] += 1;
     }
     let mut offsets = Vec::with_capacity(num_experts + 1);
@@ -184,8 +191,16 @@ pub fn tiles(offsets: &[usize], held: usize, tok: usize) -> Vec<Tile> {
 /// by the format's own decoder.
 pub enum ExpertRows<'a> {
     /// bf16 bit patterns, `[rows, cols]`.
-    Bf16 { w: &'a [u16], rows: usize, cols: usize },
-    F32 { w: &'a [f32], rows: usize, cols: usize },
+    Bf16 {
+        w: &'a [u16],
+        rows: usize,
+        cols: usize,
+    },
+    F32 {
+        w: &'a [f32],
+        rows: usize,
+        cols: usize,
+    },
     /// INT, Cubic or MXFP4 (`cpu::quant_int::IntMatrix`, `cpu::cubic::AnyCubic`, `cpu::mxfp4::Mxfp4Matrix`).
     Packed(&'a dyn DequantizeRows),
 }
@@ -199,7 +214,9 @@ impl ExpertRows<'_> {
     }
     pub fn row(&self, r: usize) -> Vec<f32> {
         match self {
-            ExpertRows::Bf16 { w, cols, .. } => w[r * cols..(r + 1) * cols].iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
+            ExpertRows::Bf16 { w, cols, .. } => {
+                w[r * cols..(r + 1) * cols].iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect()
+            }
             ExpertRows::F32 { w, cols, .. } => w[r * cols..(r + 1) * cols].to_vec(),
             ExpertRows::Packed(m) => m.dequantize_row(r),
         }
@@ -209,7 +226,15 @@ impl ExpertRows<'_> {
 /// For every slot `g` of every tile, with `a = order[g]` and the tile's expert `e`:
 /// `out[a, r] = W[e * rows_per_expert + r, :] · x[a / x_div, :]`. Other rows of `out` are left
 /// untouched.
-pub fn moe_gemv(w: &ExpertRows<'_>, rows_per_expert: usize, x: &[f32], x_div: usize, order: &[usize], tiles: &[Tile], out: &mut [f32]) {
+pub fn moe_gemv(
+    w: &ExpertRows<'_>,
+    rows_per_expert: usize,
+    x: &[f32],
+    x_div: usize,
+    order: &[usize],
+    tiles: &[Tile],
+    out: &mut [f32],
+) {
     let cols = w.cols();
     for t in tiles {
         for r in 0..rows_per_expert {
@@ -270,7 +295,8 @@ mod tests {
     #[test]
     fn groups_limit_the_choice() {
         // Groups of 2: {0,1} {2,3} {4,5} {6,7}. Max per group: 2.0, 0.5, 1.5, 0.0.
-        let (ids, _) = route_token(&spec(RouterScoring::Softmax, RouterTopk::GroupLimitedGreedy, 4, 1, 2), &LOGITS, None);
+        let (ids, _) =
+            route_token(&spec(RouterScoring::Softmax, RouterTopk::GroupLimitedGreedy, 4, 1, 2), &LOGITS, None);
         assert_eq!(sorted(&ids), [0, 1]);
         // noaux_tc ranks by the sum of the top two (of sigmoid scores: group {4,5} wins).
         let (ids, _) = route_token(&spec(RouterScoring::Sigmoid, RouterTopk::NoauxTc, 4, 1, 2), &LOGITS, None);
@@ -281,7 +307,8 @@ mod tests {
 
     #[test]
     fn bias_selects_but_does_not_weigh() {
-        let s = RouterSpec { normalize: true, scale: 2.5, ..spec(RouterScoring::Sigmoid, RouterTopk::NoauxTc, 1, 1, 2) };
+        let s =
+            RouterSpec { normalize: true, scale: 2.5, ..spec(RouterScoring::Sigmoid, RouterTopk::NoauxTc, 1, 1, 2) };
         let mut bias = [0.0f32; 8];
         bias[7] = 3.0; // logit 0.0 -> score 0.5, biased 3.5: chosen first
         let (ids, ws) = route_token(&s, &LOGITS, Some(&bias));
@@ -320,7 +347,8 @@ mod tests {
     fn tiles_split_long_groups_and_skip_the_bucket() {
         // Expert 0: 5 slots, expert 1: none, expert 2: 2 slots, bucket (3): 4 slots.
         let t = tiles(&[0, 5, 5, 7, 11], 3, 2);
-        let want = [(0, 2, 0), (2, 2, 0), (4, 1, 0), (5, 2, 2)].map(|(first, slots, expert)| Tile { first, slots, expert });
+        let want =
+            [(0, 2, 0), (2, 2, 0), (4, 1, 0), (5, 2, 2)].map(|(first, slots, expert)| Tile { first, slots, expert });
         assert_eq!(t, want);
     }
 

@@ -147,7 +147,9 @@ pub fn decode_row<C: Codec>(isa: Isa, w: &C, r: usize, dst: &mut [f32]) {
         match isa {
             // SAFETY: the vector paths are only chosen when Isa::available lists them.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vbmi if table => unsafe { avx512::vbmi::decode_range::<C, true>(row, bits, lo, hi, params, dst) },
+            Isa::Avx512Vbmi if table => unsafe {
+                avx512::vbmi::decode_range::<C, true>(row, bits, lo, hi, params, dst)
+            },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vbmi => unsafe { avx512::vbmi::decode_range::<C, false>(row, bits, lo, hi, params, dst) },
             #[cfg(target_arch = "x86_64")]
@@ -310,7 +312,14 @@ unsafe fn weights8<C: Codec, const TABLE: bool>(row: *const u8, j: usize, s: Spr
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn decode_range_avx2<C: Codec, const TABLE: bool>(row: &[u8], bits: u32, lo: usize, hi: usize, p: [f32; 2], dst: &mut [f32]) {
+unsafe fn decode_range_avx2<C: Codec, const TABLE: bool>(
+    row: &[u8],
+    bits: u32,
+    lo: usize,
+    hi: usize,
+    p: [f32; 2],
+    dst: &mut [f32],
+) {
     let s = spread256(bits);
     let g = group256::<C, TABLE>(p, bits);
     debug_assert!(hi * bits as usize / 8 + 8 <= row.len());
@@ -494,7 +503,16 @@ unsafe impl Sync for OutPtr {}
 
 /// `out[i0..i0+R, o0..o0+C] = x[i0..i0+R] · strip[0..C]ᵀ`.
 #[inline(always)]
-fn run_tile<const R: usize, const C: usize>(isa: Isa, x: &[f32], strip: &[f32], k: usize, m: usize, i0: usize, o0: usize, out: OutPtr) {
+fn run_tile<const R: usize, const C: usize>(
+    isa: Isa,
+    x: &[f32],
+    strip: &[f32],
+    k: usize,
+    m: usize,
+    i0: usize,
+    o0: usize,
+    out: OutPtr,
+) {
     let xs: [&[f32]; R] = std::array::from_fn(|r| &x[(i0 + r) * k..(i0 + r + 1) * k]);
     let ws: [&[f32]; C] = std::array::from_fn(|c| &strip[c * k..(c + 1) * k]);
     let res = match isa {
@@ -570,7 +588,11 @@ pub(crate) fn prefetch_rows<const CC: usize>(rows: &[*const u8; CC], j: usize, b
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn direct_avx2<C: Codec, const TABLE: bool, const R: usize, const CC: usize>(w: &C, x: [&[f32]; R], o0: usize) -> [[f32; CC]; R] {
+unsafe fn direct_avx2<C: Codec, const TABLE: bool, const R: usize, const CC: usize>(
+    w: &C,
+    x: [&[f32]; R],
+    o0: usize,
+) -> [[f32; CC]; R] {
     let p = w.packed();
     let (k, gs, bits) = (p.cols(), w.group_size(), p.bits());
     let s = spread256(bits);
@@ -624,7 +646,15 @@ unsafe fn direct_avx2<C: Codec, const TABLE: bool, const R: usize, const CC: usi
 /// One direct tile: `R = n` activation rows × weight rows `o0..o0+CC`, stored into `out`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn run_direct<C: Codec, const R: usize, const CC: usize>(isa: Isa, w: &C, x: &[f32], k: usize, m: usize, o0: usize, out: OutPtr) {
+fn run_direct<C: Codec, const R: usize, const CC: usize>(
+    isa: Isa,
+    w: &C,
+    x: &[f32],
+    k: usize,
+    m: usize,
+    o0: usize,
+    out: OutPtr,
+) {
     let xs: [&[f32]; R] = std::array::from_fn(|r| &x[r * k..(r + 1) * k]);
     let res = match isa {
         // SAFETY: only called for instruction sets that Isa::available lists.
@@ -646,7 +676,17 @@ fn run_direct<C: Codec, const R: usize, const CC: usize>(isa: Isa, w: &C, x: &[f
 /// Weight rows `start..end` for a batch of `n ≤ DIRECT_MAX_N` rows, in tiles sized so the
 /// accumulators stay in registers (AVX2: two registers per 16-lane accumulator).
 #[cfg(target_arch = "x86_64")]
-fn run_direct_rows<C: Codec>(isa: Isa, w: &C, x: &[f32], n: usize, k: usize, m: usize, start: usize, end: usize, out: OutPtr) {
+fn run_direct_rows<C: Codec>(
+    isa: Isa,
+    w: &C,
+    x: &[f32],
+    n: usize,
+    k: usize,
+    m: usize,
+    start: usize,
+    end: usize,
+    out: OutPtr,
+) {
     let wide = match (isa, n) {
         (Isa::Avx512 | Isa::Avx512Vbmi, _) => 4,
         (_, 1 | 2) => 2,
@@ -695,11 +735,17 @@ pub fn packed_matmul_t<C: Codec>(w: &C, x: &[f32], out: &mut [f32], n: usize) {
 
 /// As `packed_matmul_t` with a chosen instruction set (must be one of `Isa::available()`).
 pub fn packed_matmul_t_isa<C: Codec>(isa: Isa, w: &C, x: &[f32], out: &mut [f32], n: usize) {
-    assert!(isa == Isa::detect() || Isa::available().contains(&isa), "instruction set {isa:?} is not available on this CPU");
+    assert!(
+        isa == Isa::detect() || Isa::available().contains(&isa),
+        "instruction set {isa:?} is not available on this CPU"
+    );
     let p = w.packed();
     let (m, k) = (p.rows(), p.cols());
     let gs = w.group_size();
-    assert!(gs > 0 && (gs % LANES == 0 || gs >= k), "group size {gs} must be a multiple of {LANES} or cover the row ({k})");
+    assert!(
+        gs > 0 && (gs % LANES == 0 || gs >= k),
+        "group size {gs} must be a multiple of {LANES} or cover the row ({k})"
+    );
     assert_eq!(x.len(), n * k, "packed_matmul_t: x has {} values, expected {n}x{k}", x.len());
     assert_eq!(out.len(), n * m, "packed_matmul_t: out has {} values, expected {n}x{m}", out.len());
     if n == 0 || m == 0 {

@@ -144,7 +144,8 @@ pub(crate) mod tests {
         let mut r = lcg(seed);
         let codes: Vec<u8> = (0..rows * cols).map(|_| (r() % (1 << bits)) as u8).collect();
         let groups = rows * cols.div_ceil(gs);
-        let scale: Vec<f32> = (0..groups).map(|_| half::bf16::from_f32((r() % 1000) as f32 / 20000.0 + 1e-3).to_f32()).collect();
+        let scale: Vec<f32> =
+            (0..groups).map(|_| half::bf16::from_f32((r() % 1000) as f32 / 20000.0 + 1e-3).to_f32()).collect();
         let zero: Vec<f32> = (0..groups).map(|_| (r() % (1 << bits)) as f32).collect();
         IntMatrix::new(PackedRows::from_codes(bits, rows, cols, &codes), gs, &scale, &zero)
     }
@@ -179,7 +180,13 @@ pub(crate) mod tests {
 
     #[test]
     fn matmul_is_the_canonical_dot_of_dequantised_rows_on_every_isa() {
-        for &(bits, n, k, m, gs) in &[(4u32, 1usize, 256usize, 9usize, 128usize), (4, 7, 384, 13, 32), (8, 5, 96, 6, 96), (3, 3, 200, 5, 200), (2, 6, 64, 4, 16)] {
+        for &(bits, n, k, m, gs) in &[
+            (4u32, 1usize, 256usize, 9usize, 128usize),
+            (4, 7, 384, 13, 32),
+            (8, 5, 96, 6, 96),
+            (3, 3, 200, 5, 200),
+            (2, 6, 64, 4, 16),
+        ] {
             let w = random_matrix(bits, m, k, gs, (bits as u64) << 8 | k as u64);
             let x = activations(n, k, 99 + n as u64);
             let deq: Vec<Vec<f32>> = (0..m).map(|r| w.dequantize_row(r)).collect();
@@ -189,7 +196,11 @@ pub(crate) mod tests {
                 for i in 0..n {
                     for o in 0..m {
                         let xr = &x[i * k..(i + 1) * k];
-                        assert_eq!(out[i * m + o], dot_canonical(xr, &deq[o]), "{isa:?} ({bits},{n},{k},{m}) [{i},{o}]");
+                        assert_eq!(
+                            out[i * m + o],
+                            dot_canonical(xr, &deq[o]),
+                            "{isa:?} ({bits},{n},{k},{m}) [{i},{o}]"
+                        );
                         let exact: f64 = xr.iter().zip(&deq[o]).map(|(a, b)| *a as f64 * *b as f64).sum();
                         assert!((out[i * m + o] as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()));
                     }

@@ -12,9 +12,7 @@ pub struct Rope {
 impl Rope {
     pub fn new(rotary_dim: usize, theta: f32) -> Self {
         // Computed exactly as transformers does (float32 powers of the base).
-        let inv_freq = (0..rotary_dim / 2)
-            .map(|i| 1.0f32 / theta.powf((2 * i) as f32 / rotary_dim as f32))
-            .collect();
+        let inv_freq = (0..rotary_dim / 2).map(|i| 1.0f32 / theta.powf((2 * i) as f32 / rotary_dim as f32)).collect();
         Self { inv_freq, rotary_dim }
     }
 
@@ -89,7 +87,14 @@ pub fn rope_rows(x: &mut [f32], pos: usize, inv_freq: &[f32], interleave: bool, 
 
 /// [`rope_rows`] over a batch as the device kernel takes it: `x` holds `positions.len() ×
 /// rows_per_token` rows; the rows of token `t` rotate by `positions[t]`.
-pub fn rope_rows_batch(x: &mut [f32], positions: &[i32], rows_per_token: usize, inv_freq: &[f32], interleave: bool, attention_factor: f32) {
+pub fn rope_rows_batch(
+    x: &mut [f32],
+    positions: &[i32],
+    rows_per_token: usize,
+    inv_freq: &[f32],
+    interleave: bool,
+    attention_factor: f32,
+) {
     let per_token = rows_per_token * 2 * inv_freq.len();
     if per_token == 0 {
         return;

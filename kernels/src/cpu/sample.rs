@@ -16,7 +16,11 @@ pub fn threshold(p: &[f32], top_k: usize, top_p: f32) -> f32 {
         let (mut lo, mut hi) = (0u32, 0x7f80_0000u32);
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
-            if count_ge(p, f32::from_bits(mid)) >= top_k { lo = mid } else { hi = mid - 1 }
+            if count_ge(p, f32::from_bits(mid)) >= top_k {
+                lo = mid
+            } else {
+                hi = mid - 1
+            }
         }
         tau = f32::from_bits(lo);
     }
@@ -25,7 +29,11 @@ pub fn threshold(p: &[f32], top_k: usize, top_p: f32) -> f32 {
         let (mut lo, mut hi) = (tau.to_bits(), 0x7f80_0000u32);
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
-            if mass_ge(p, f32::from_bits(mid)) >= top_p * total { lo = mid } else { hi = mid - 1 }
+            if mass_ge(p, f32::from_bits(mid)) >= top_p * total {
+                lo = mid
+            } else {
+                hi = mid - 1
+            }
         }
         tau = f32::from_bits(lo);
     }

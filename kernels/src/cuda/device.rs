@@ -75,9 +75,18 @@ pub fn open(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
 pub fn info(ctx: &Arc<CudaContext>) -> Result<DeviceInfo, CudaError> {
     let attr = |a| driver("cuDeviceGetAttribute", || ctx.attribute(a));
     let name = driver("cuDeviceGetName", || ctx.name())?;
-    let cc = (attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?);
+    let cc = (
+        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    );
     let clock_khz = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)? as f64;
     let bus_bits = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)? as f64;
     let total_memory = driver("cuDeviceTotalMem", || ctx.total_mem()).unwrap_or(0);
-    Ok(DeviceInfo { ordinal: ctx.ordinal(), name, compute_capability: cc, total_memory, peak_bandwidth: 2.0 * clock_khz * 1e3 * bus_bits / 8.0 })
+    Ok(DeviceInfo {
+        ordinal: ctx.ordinal(),
+        name,
+        compute_capability: cc,
+        total_memory,
+        peak_bandwidth: 2.0 * clock_khz * 1e3 * bus_bits / 8.0,
+    })
 }

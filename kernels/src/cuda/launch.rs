@@ -86,7 +86,13 @@ fn keep_pool_memory(ctx: &Arc<CudaContext>) {
         }
         let mut threshold: u64 = u64::MAX;
         // SAFETY: the attribute takes a cuuint64_t, which `threshold` is.
-        let r = unsafe { sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast()) };
+        let r = unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            )
+        };
         if r != sys::CUresult::CUDA_SUCCESS {
             return Err(format!("cuMemPoolSetAttribute(RELEASE_THRESHOLD): {r:?}"));
         }
@@ -94,7 +100,9 @@ fn keep_pool_memory(ctx: &Arc<CudaContext>) {
     };
     match guarded("cuMemPoolSetAttribute", set) {
         Ok(Ok(())) => tracing::debug!("device memory pool keeps freed memory for reuse"),
-        Ok(Err(e)) => tracing::warn!("cannot make the device memory pool cache freed memory ({e}); per-step buffers may be slower"),
+        Ok(Err(e)) => tracing::warn!(
+            "cannot make the device memory pool cache freed memory ({e}); per-step buffers may be slower"
+        ),
         Err(e) => tracing::warn!("cannot make the device memory pool cache freed memory ({e})"),
     }
 }
@@ -125,7 +133,9 @@ impl Runtime for CudaRuntime {
         drv("cuMemAlloc", self.stream.alloc_zeros(n.max(1)))
     }
     fn write<T: Elem>(&self, buf: &mut CudaSlice<T>, offset: usize, host: &[T]) -> Result<(), CudaError> {
-        gpu::kernels::check(offset + host.len() <= buf.len(), || format!("write of {} at {offset} into {}", host.len(), buf.len()))?;
+        gpu::kernels::check(offset + host.len() <= buf.len(), || {
+            format!("write of {} at {offset} into {}", host.len(), buf.len())
+        })?;
         drv("cuMemcpyHtoD", self.stream.memcpy_htod(host, &mut buf.slice_mut(offset..offset + host.len())))
     }
     fn synchronize(&self) -> Result<(), CudaError> {
@@ -136,7 +146,8 @@ impl Runtime for CudaRuntime {
         let f = self.funcs.get(kernel).ok_or_else(|| CudaError::BadArgs(format!("no kernel {kernel} loaded")))?;
         let mut b = self.stream.launch_builder(f);
         // Scalars are pushed by reference, so they need a home that outlives the builder.
-        let (mut i32s, mut i64s, mut f32s) = (Vec::with_capacity(args.len()), Vec::with_capacity(args.len()), Vec::with_capacity(args.len()));
+        let (mut i32s, mut i64s, mut f32s) =
+            (Vec::with_capacity(args.len()), Vec::with_capacity(args.len()), Vec::with_capacity(args.len()));
         for a in args {
             match *a {
                 KArg::I32(v) => i32s.push(v),
@@ -152,9 +163,18 @@ impl Runtime for CudaRuntime {
                 KArg::I32s(s) => b.arg(*s),
                 KArg::U8s(s) => b.arg(*s),
                 KArg::U16s(s) => b.arg(*s),
-                KArg::I32(_) => { ii += 1; b.arg(&i32s[ii - 1]) }
-                KArg::I64(_) => { il += 1; b.arg(&i64s[il - 1]) }
-                KArg::F32(_) => { ff += 1; b.arg(&f32s[ff - 1]) }
+                KArg::I32(_) => {
+                    ii += 1;
+                    b.arg(&i32s[ii - 1])
+                }
+                KArg::I64(_) => {
+                    il += 1;
+                    b.arg(&i64s[il - 1])
+                }
+                KArg::F32(_) => {
+                    ff += 1;
+                    b.arg(&f32s[ff - 1])
+                }
             };
         }
         let cfg = LaunchConfig { grid_dim: dims.grid, block_dim: dims.block, shared_mem_bytes: dims.shared_mem_bytes };
@@ -164,7 +184,16 @@ impl Runtime for CudaRuntime {
 
     /// cuBLAS `cublasGemmEx`. Row-major W[m, k] is column-major Wᵀ, so cuBLAS computes
     /// outᵀ = W · xᵀ with op(A) = Aᵀ on the stored W.
-    fn gemm_bf16(&self, x: &CudaSlice<u16>, w: &CudaSlice<u16>, w_row0: usize, out: &mut CudaSlice<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+    fn gemm_bf16(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        w_row0: usize,
+        out: &mut CudaSlice<f32>,
+        n: usize,
+        k: usize,
+        m: usize,
+    ) -> Result<(), CudaError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // A raw cuBLAS call does not make the context current, and tensor-parallel ranks drive
         // their devices from fresh threads.
@@ -180,12 +209,20 @@ impl Runtime for CudaRuntime {
                 *self.blas.handle(),
                 blas_sys::cublasOperation_t::CUBLAS_OP_T,
                 blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                m as i32, n as i32, k as i32,
+                m as i32,
+                n as i32,
+                k as i32,
                 &alpha as *const f32 as *const _,
-                wp as *const _, blas_sys::cudaDataType_t::CUDA_R_16BF, k as i32,
-                xp as *const _, blas_sys::cudaDataType_t::CUDA_R_16BF, k as i32,
+                wp as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                xp as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
                 &beta as *const f32 as *const _,
-                op as *mut _, blas_sys::cudaDataType_t::CUDA_R_32F, m as i32,
+                op as *mut _,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                m as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )

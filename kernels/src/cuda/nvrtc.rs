@@ -25,7 +25,10 @@ pub fn nvrtc_available() -> Result<String, CudaError> {
             return Ok(name);
         }
     }
-    Err(CudaError::LibraryMissing { lib: "nvrtc", hint: "install the CUDA toolkit or the `nvidia-cuda-nvrtc-cu12` wheel and put its lib/ on LD_LIBRARY_PATH" })
+    Err(CudaError::LibraryMissing {
+        lib: "nvrtc",
+        hint: "install the CUDA toolkit or the `nvidia-cuda-nvrtc-cu12` wheel and put its lib/ on LD_LIBRARY_PATH",
+    })
 }
 
 /// NVRTC's version, `(major, minor)`.
@@ -67,7 +70,11 @@ pub fn compile(src: &Source, arch: &'static str) -> Result<String, CudaError> {
 /// Runs `f`, turning a panic inside cudarc (missing symbol, missing library) into an error.
 pub fn guarded<T>(what: &'static str, f: impl FnOnce() -> T) -> Result<T, CudaError> {
     catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
-        let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
         CudaError::Panicked { what, msg }
     })
 }
@@ -112,9 +119,16 @@ impl PtxCache {
         }
         let t = std::time::Instant::now();
         let ptx = compile(src, arch)?;
-        tracing::info!(source = src.name, arch, ms = t.elapsed().as_millis() as u64, "compiled kernel source with NVRTC");
+        tracing::info!(
+            source = src.name,
+            arch,
+            ms = t.elapsed().as_millis() as u64,
+            "compiled kernel source with NVRTC"
+        );
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        let stored = std::fs::create_dir_all(&self.dir).and_then(|_| std::fs::write(&tmp, &ptx)).and_then(|_| std::fs::rename(&tmp, &path));
+        let stored = std::fs::create_dir_all(&self.dir)
+            .and_then(|_| std::fs::write(&tmp, &ptx))
+            .and_then(|_| std::fs::rename(&tmp, &path));
         if let Err(e) = stored {
             tracing::warn!(dir = %self.dir.display(), error = %e, "could not store compiled PTX");
         }
@@ -185,12 +199,22 @@ mod tests {
         std::fs::create_dir_all(dir).unwrap();
         let file = dir.join(format!("{}-{arch}.ptx", name.trim_end_matches(".cu")));
         std::fs::write(&file, ptx).unwrap();
-        let out = std::process::Command::new(ptxas).arg(format!("-arch={arch}")).arg("-v").arg(&file).arg("-o").arg(file.with_extension("cubin")).output();
+        let out = std::process::Command::new(ptxas)
+            .arg(format!("-arch={arch}"))
+            .arg("-v")
+            .arg(&file)
+            .arg("-o")
+            .arg(file.with_extension("cubin"))
+            .output();
         let out = out.unwrap_or_else(|e| panic!("run {}: {e}", ptxas.display()));
         let log = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "ptxas {name} for {arch}:\n{log}");
         for usage in register_usage(&log) {
-            assert_eq!(usage.spill_bytes, 0, "{} on {arch} spills {} bytes of registers:\n{log}", usage.kernel, usage.spill_bytes);
+            assert_eq!(
+                usage.spill_bytes, 0,
+                "{} on {arch} spills {} bytes of registers:\n{log}",
+                usage.kernel, usage.spill_bytes
+            );
             if arch == "sm_90" && usage.registers > 96 {
                 eprintln!("{arch} {}: {} registers", usage.kernel, usage.registers);
             }
@@ -205,7 +229,9 @@ mod tests {
 
     /// Per kernel of a `ptxas -v` log: registers used and spill stores + loads in bytes.
     fn register_usage(log: &str) -> Vec<RegisterUsage> {
-        let number_before = |line: &str, label: &str| -> Option<u32> { line.split(label).next()?.split_whitespace().last()?.parse().ok() };
+        let number_before = |line: &str, label: &str| -> Option<u32> {
+            line.split(label).next()?.split_whitespace().last()?.parse().ok()
+        };
         let mut found: Vec<RegisterUsage> = Vec::new();
         for line in log.lines() {
             if let Some(rest) = line.split("Compiling entry function '").nth(1) {
@@ -213,7 +239,8 @@ mod tests {
                 found.push(RegisterUsage { kernel, registers: 0, spill_bytes: 0 });
             } else if let Some(last) = found.last_mut() {
                 if line.contains("spill stores") {
-                    last.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0) + number_before(line, "bytes spill loads").unwrap_or(0);
+                    last.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0)
+                        + number_before(line, "bytes spill loads").unwrap_or(0);
                 } else if line.contains("Used ") {
                     last.registers = number_before(line, "registers").unwrap_or(0);
                 }
@@ -243,7 +270,11 @@ ptxas info    : Used 255 registers, 380 bytes cmem[0]";
         if !nvrtc_or_skip("a_compile_error_is_reported_with_the_log_not_a_panic") {
             return;
         }
-        let bad = Source { name: "bad.cu", code: "extern \"C\" __global__ void k() { undeclared_thing(); }", kernels: &["k"] };
+        let bad = Source {
+            name: "bad.cu",
+            code: "extern \"C\" __global__ void k() { undeclared_thing(); }",
+            kernels: &["k"],
+        };
         match compile(&bad, "sm_90") {
             Err(CudaError::Nvrtc { source_name, log }) => {
                 assert_eq!(source_name, "bad.cu");

@@ -33,11 +33,57 @@ pub const SOURCES: &[Source] = &[
     src!("norm.cu", ["rms_norm", "add_rms_norm"]),
     src!("rope.cu", ["rope_neox"]),
     src!("swiglu.cu", ["silu_mul"]),
-    src!("paged_attention.cu", ["paged_attention_f32", "paged_attention_bf16", "paged_attention_fp8", "paged_prefill_f32", "paged_prefill_bf16", "paged_prefill_fp8", "paged_flash_prefill_bf16", "paged_flash_prefill_fp8", "mla_attention_f32", "mla_attention_bf16", "mla_attention_fp8", "mla_combine", "mla_flash_prefill_bf16", "mla_flash_prefill_fp8"]),
+    src!(
+        "paged_attention.cu",
+        [
+            "paged_attention_f32",
+            "paged_attention_bf16",
+            "paged_attention_fp8",
+            "paged_prefill_f32",
+            "paged_prefill_bf16",
+            "paged_prefill_fp8",
+            "paged_flash_prefill_bf16",
+            "paged_flash_prefill_fp8",
+            "mla_attention_f32",
+            "mla_attention_bf16",
+            "mla_attention_fp8",
+            "mla_combine",
+            "mla_flash_prefill_bf16",
+            "mla_flash_prefill_fp8"
+        ]
+    ),
     src!("sampling.cu", ["sample_top_k_top_p"]),
-    src!("moe.cu", ["moe_count", "moe_offsets", "moe_scatter", "moe_tiles", "moe_gather_bf16", "moe_scatter_rows", "moe_gemv_bf16", "moe_gemv_f32", "matmul_f32", "moe_route", "moe_combine"]),
+    src!(
+        "moe.cu",
+        [
+            "moe_count",
+            "moe_offsets",
+            "moe_scatter",
+            "moe_tiles",
+            "moe_gather_bf16",
+            "moe_scatter_rows",
+            "moe_gemv_bf16",
+            "moe_gemv_f32",
+            "matmul_f32",
+            "moe_route",
+            "moe_combine"
+        ]
+    ),
     src!("gather.cu", ["gather_rows_f32", "gather_rows_bf16", "narrow_bf16"]),
-    src!("kv_write.cu", ["kv_write_f32", "kv_write_bf16", "kv_write_fp8", "copy_span_f32", "copy_span_u16", "copy_span_u8", "kv_store_f32", "kv_store_bf16", "kv_store_fp8"]),
+    src!(
+        "kv_write.cu",
+        [
+            "kv_write_f32",
+            "kv_write_bf16",
+            "kv_write_fp8",
+            "copy_span_f32",
+            "copy_span_u16",
+            "copy_span_u8",
+            "kv_store_f32",
+            "kv_store_bf16",
+            "kv_store_fp8"
+        ]
+    ),
     src!("mla.cu", ["copy_cols", "rope_rows", "head_matvec_bf16", "head_matvec_f32", "sigmoid_mul"]),
     src!("kda.cu", ["kda_conv_silu", "kda_recurrent", "zero_span_f32"]),
 ];

@@ -16,7 +16,11 @@ pub const TOK: usize = 8;
 pub const GEMV_WARPS: usize = 4;
 
 pub(crate) fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), CudaError> {
-    if cond { Ok(()) } else { Err(CudaError::BadArgs(msg())) }
+    if cond {
+        Ok(())
+    } else {
+        Err(CudaError::BadArgs(msg()))
+    }
 }
 
 /// A packed low-bit matrix on the device (`rows` rows of `stride` bytes plus padding bytes,
@@ -145,23 +149,48 @@ impl<R: Runtime> Kernels<R> {
     }
 
     /// Uploads a packed matrix given as `rows × stride` bytes (adds the padding bytes).
-    pub fn upload_packed(&self, bits: u32, rows: usize, cols: usize, stride: usize, bytes: &[u8]) -> Result<DevPacked<R>, CudaError> {
+    pub fn upload_packed(
+        &self,
+        bits: u32,
+        rows: usize,
+        cols: usize,
+        stride: usize,
+        bytes: &[u8],
+    ) -> Result<DevPacked<R>, CudaError> {
         check((1..=8).contains(&bits), || format!("{bits}-bit codes"))?;
-        check(stride >= (cols * bits as usize).div_ceil(8) && bytes.len() == rows * stride, || format!("{} bytes for {rows} rows of stride {stride}", bytes.len()))?;
+        check(stride >= (cols * bits as usize).div_ceil(8) && bytes.len() == rows * stride, || {
+            format!("{} bytes for {rows} rows of stride {stride}", bytes.len())
+        })?;
         let mut padded = Vec::with_capacity(bytes.len() + 4);
         padded.extend_from_slice(bytes);
         padded.resize(bytes.len() + 4, 0);
         Ok(DevPacked { data: self.upload(&padded)?, bits, rows, cols, stride })
     }
 
-    pub fn upload_grouped(&self, packed: DevPacked<R>, group_size: usize, p0: &[f32], p1: &[f32]) -> Result<DevGrouped<R>, CudaError> {
+    pub fn upload_grouped(
+        &self,
+        packed: DevPacked<R>,
+        group_size: usize,
+        p0: &[f32],
+        p1: &[f32],
+    ) -> Result<DevGrouped<R>, CudaError> {
         let n = packed.rows * packed.cols.div_ceil(group_size.max(1));
-        check(group_size > 0 && p0.len() == n && p1.len() == n, || format!("{} / {} group parameters for {n} groups", p0.len(), p1.len()))?;
+        check(group_size > 0 && p0.len() == n && p1.len() == n, || {
+            format!("{} / {} group parameters for {n} groups", p0.len(), p1.len())
+        })?;
         Ok(DevGrouped { packed, group_size, p0: self.upload(p0)?, p1: self.upload(p1)? })
     }
 
-    pub fn upload_mxfp4(&self, rows: usize, cols: usize, packed: &[u8], scales: &[u8]) -> Result<DevMxfp4<R>, CudaError> {
-        check(cols.is_multiple_of(32) && packed.len() == rows * cols / 2 && scales.len() == rows * cols / 32, || format!("MXFP4 {rows}x{cols}: {} code bytes, {} scales", packed.len(), scales.len()))?;
+    pub fn upload_mxfp4(
+        &self,
+        rows: usize,
+        cols: usize,
+        packed: &[u8],
+        scales: &[u8],
+    ) -> Result<DevMxfp4<R>, CudaError> {
+        check(cols.is_multiple_of(32) && packed.len() == rows * cols / 2 && scales.len() == rows * cols / 32, || {
+            format!("MXFP4 {rows}x{cols}: {} code bytes, {} scales", packed.len(), scales.len())
+        })?;
         Ok(DevMxfp4 { packed: self.upload(packed)?, scales: self.upload(scales)?, rows, cols })
     }
 
@@ -170,8 +199,16 @@ impl<R: Runtime> Kernels<R> {
         Dims::new((rows.div_ceil(GEMV_WARPS) as u32, n.div_ceil(TOK) as u32, 1), (GEMV_WARPS * 32) as u32)
     }
 
-    pub(crate) fn check_gemv(rows: usize, cols: usize, x: &R::Buf<f32>, out: &R::Buf<f32>, n: usize) -> Result<(), CudaError> {
-        check(n > 0 && x.len() >= n * cols && out.len() >= n * rows, || format!("gemv: x {} / out {} elements for n={n}, {rows}x{cols}", x.len(), out.len()))
+    pub(crate) fn check_gemv(
+        rows: usize,
+        cols: usize,
+        x: &R::Buf<f32>,
+        out: &R::Buf<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        check(n > 0 && x.len() >= n * cols && out.len() >= n * rows, || {
+            format!("gemv: x {} / out {} elements for n={n}, {rows}x{cols}", x.len(), out.len())
+        })
     }
 
     /// Whether INT weights take the 4-bit word kernels (`int4_gemv`, `moe_int4_gemv`): each lane
@@ -182,11 +219,26 @@ impl<R: Runtime> Kernels<R> {
 
     /// `out[n, rows] = x[n, cols] · Wᵀ` for pack-quantized INT weights (4-bit word fast path when
     /// the layout allows it).
-    pub fn int_gemv(&self, w: &DevGrouped<R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+    pub fn int_gemv(
+        &self,
+        w: &DevGrouped<R>,
+        x: &R::Buf<f32>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
         let p = &w.packed;
         Self::check_gemv(p.rows, p.cols, x, out, n)?;
         let fast = Self::int4_fast_path(w);
-        let mut args = vec![A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&w.p0), A::F32s(&w.p1), A::F32s(x), A::F32s(out), A::I32(p.rows as i32), A::I32(p.cols as i32)];
+        let mut args = vec![
+            A::U8s(&p.data),
+            A::I64(p.stride as i64),
+            A::F32s(&w.p0),
+            A::F32s(&w.p1),
+            A::F32s(x),
+            A::F32s(out),
+            A::I32(p.rows as i32),
+            A::I32(p.cols as i32),
+        ];
         if !fast {
             args.push(A::I32(p.bits as i32));
         }
@@ -194,23 +246,62 @@ impl<R: Runtime> Kernels<R> {
         self.go(if fast { "int4_gemv" } else { "int_gemv" }, Self::gemv_dims(p.rows, n), &args)
     }
 
-    pub fn cubic_gemv(&self, w: &DevGrouped<R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+    pub fn cubic_gemv(
+        &self,
+        w: &DevGrouped<R>,
+        x: &R::Buf<f32>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
         let p = &w.packed;
         Self::check_gemv(p.rows, p.cols, x, out, n)?;
-        let args = [A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&w.p0), A::F32s(&w.p1), A::F32s(x), A::F32s(out), A::I32(p.rows as i32), A::I32(p.cols as i32), A::I32(p.bits as i32), A::I32(w.group_size as i32), A::I32(n as i32)];
+        let args = [
+            A::U8s(&p.data),
+            A::I64(p.stride as i64),
+            A::F32s(&w.p0),
+            A::F32s(&w.p1),
+            A::F32s(x),
+            A::F32s(out),
+            A::I32(p.rows as i32),
+            A::I32(p.cols as i32),
+            A::I32(p.bits as i32),
+            A::I32(w.group_size as i32),
+            A::I32(n as i32),
+        ];
         self.go("cubic_gemv", Self::gemv_dims(p.rows, n), &args)
     }
 
-    pub fn mxfp4_gemv(&self, w: &DevMxfp4<R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+    pub fn mxfp4_gemv(
+        &self,
+        w: &DevMxfp4<R>,
+        x: &R::Buf<f32>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
         Self::check_gemv(w.rows, w.cols, x, out, n)?;
-        let args = [A::U8s(&w.packed), A::U8s(&w.scales), A::F32s(x), A::F32s(out), A::I32(w.rows as i32), A::I32(w.cols as i32), A::I32(n as i32)];
+        let args = [
+            A::U8s(&w.packed),
+            A::U8s(&w.scales),
+            A::F32s(x),
+            A::F32s(out),
+            A::I32(w.rows as i32),
+            A::I32(w.cols as i32),
+            A::I32(n as i32),
+        ];
         self.go("mxfp4_gemv", Self::gemv_dims(w.rows, n), &args)
     }
 
     /// `out[n, rows] = x[n, cols] · Wᵀ` for any quantized format: the GEMV for
     /// `n <= GEMM_MIN_TOKENS`, else dequantise into `scratch` and run the bf16 GEMM (see
     /// [`GEMM_MIN_TOKENS`]). The GEMM path narrows the activations to bf16 (the GEMV keeps f32).
-    pub fn matmul_quant(&self, w: QuantWeight<'_, R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize, scratch: &mut GemmScratch<R>) -> Result<MatmulPath, CudaError> {
+    pub fn matmul_quant(
+        &self,
+        w: QuantWeight<'_, R>,
+        x: &R::Buf<f32>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+        scratch: &mut GemmScratch<R>,
+    ) -> Result<MatmulPath, CudaError> {
         if n <= GEMM_MIN_TOKENS {
             self.quant_gemv(w, x, out, n)?;
             Ok(MatmulPath::Gemv)
@@ -221,7 +312,13 @@ impl<R: Runtime> Kernels<R> {
     }
 
     /// The GEMV kernel of `w`'s format, whatever the batch.
-    pub fn quant_gemv(&self, w: QuantWeight<'_, R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize) -> Result<(), CudaError> {
+    pub fn quant_gemv(
+        &self,
+        w: QuantWeight<'_, R>,
+        x: &R::Buf<f32>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
         match w {
             QuantWeight::Int(w) => self.int_gemv(w, x, out, n),
             QuantWeight::Cubic(w) => self.cubic_gemv(w, x, out, n),
@@ -231,10 +328,19 @@ impl<R: Runtime> Kernels<R> {
 
     /// The prefill path whatever the batch: dequantise `w` into `scratch.weight`, narrow `x` into
     /// `scratch.x`, then the dense bf16 GEMM with f32 accumulation.
-    pub fn quant_gemm(&self, w: QuantWeight<'_, R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize, scratch: &mut GemmScratch<R>) -> Result<(), CudaError> {
+    pub fn quant_gemm(
+        &self,
+        w: QuantWeight<'_, R>,
+        x: &R::Buf<f32>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+        scratch: &mut GemmScratch<R>,
+    ) -> Result<(), CudaError> {
         let (rows, cols) = (w.rows(), w.cols());
         Self::check_gemv(rows, cols, x, out, n)?;
-        check(scratch.x.len() >= n * cols, || format!("gemm scratch: {} bf16 activations, need {n} x {cols}", scratch.x.len()))?;
+        check(scratch.x.len() >= n * cols, || {
+            format!("gemm scratch: {} bf16 activations, need {n} x {cols}", scratch.x.len())
+        })?;
         // The weight scratch is checked by `dequant_bf16`, before anything is launched.
         self.dequant_bf16(w, &mut scratch.weight)?;
         self.f32_to_bf16_rows(x, &mut scratch.x, n * cols)?;
@@ -249,17 +355,25 @@ impl<R: Runtime> Kernels<R> {
 
     /// One thread per element over a flat index; errors when the grid would not fit gridDim.x.
     pub(crate) fn elementwise_dims(what: &str, count: usize) -> Result<Dims, CudaError> {
-        check(count.div_ceil(256) <= i32::MAX as usize, || format!("{what}: {count} elements exceed one launch's grid"))?;
+        check(count.div_ceil(256) <= i32::MAX as usize, || {
+            format!("{what}: {count} elements exceed one launch's grid")
+        })?;
         Ok(Self::flat_dims(count))
     }
 
     pub(crate) fn check_grouped(what: &str, w: &DevGrouped<R>) -> Result<(), CudaError> {
         let p = &w.packed;
         let groups = if w.group_size == 0 { 0 } else { p.rows * p.cols.div_ceil(w.group_size) };
-        check((1..=8).contains(&p.bits) && w.group_size > 0, || format!("{what}: {}-bit codes, group size {}", p.bits, w.group_size))?;
+        check((1..=8).contains(&p.bits) && w.group_size > 0, || {
+            format!("{what}: {}-bit codes, group size {}", p.bits, w.group_size)
+        })?;
         // code_at reads the byte after a code's first byte: the upload pads the buffer for it.
-        check(p.stride >= (p.cols * p.bits as usize).div_ceil(8) && p.data.len() > p.rows * p.stride, || format!("{what}: {} packed bytes for {} rows of stride {}", p.data.len(), p.rows, p.stride))?;
-        check(w.p0.len() >= groups && w.p1.len() >= groups, || format!("{what}: {} / {} group parameters for {groups} groups", w.p0.len(), w.p1.len()))
+        check(p.stride >= (p.cols * p.bits as usize).div_ceil(8) && p.data.len() > p.rows * p.stride, || {
+            format!("{what}: {} packed bytes for {} rows of stride {}", p.data.len(), p.rows, p.stride)
+        })?;
+        check(w.p0.len() >= groups && w.p1.len() >= groups, || {
+            format!("{what}: {} / {} group parameters for {groups} groups", w.p0.len(), w.p1.len())
+        })
     }
 
     /// Expands `w` to bf16 bit patterns in `out[..rows * cols]` (row-major `[rows, cols]`); the
@@ -270,14 +384,23 @@ impl<R: Runtime> Kernels<R> {
 
     /// As [`Self::dequant_bf16`] for rows `rows` of `w` only, into `out[..rows.len() * cols]`
     /// (one expert of an expert-stacked weight).
-    pub fn dequant_rows_bf16(&self, w: QuantWeight<'_, R>, rows: Range<usize>, out: &mut R::Buf<u16>) -> Result<(), CudaError> {
+    pub fn dequant_rows_bf16(
+        &self,
+        w: QuantWeight<'_, R>,
+        rows: Range<usize>,
+        out: &mut R::Buf<u16>,
+    ) -> Result<(), CudaError> {
         let cols = w.cols();
-        check(rows.start <= rows.end && rows.end <= w.rows(), || format!("dequant: rows {rows:?} of a {}-row weight", w.rows()))?;
+        check(rows.start <= rows.end && rows.end <= w.rows(), || {
+            format!("dequant: rows {rows:?} of a {}-row weight", w.rows())
+        })?;
         let (row0, n) = (rows.start, rows.len());
         let count = n * cols;
         check(out.len() >= count, || format!("dequant: scratch holds {} bf16 weights, need {n} x {cols}", out.len()))?;
         // One block per row (gridDim.x); rows and columns are ints in the kernels.
-        check(w.rows() <= i32::MAX as usize && cols <= i32::MAX as usize, || format!("dequant: {} x {cols} exceeds 32-bit dimensions", w.rows()))?;
+        check(w.rows() <= i32::MAX as usize && cols <= i32::MAX as usize, || {
+            format!("dequant: {} x {cols} exceeds 32-bit dimensions", w.rows())
+        })?;
         if count == 0 {
             return Ok(()); // nothing to write, and CUDA refuses an empty grid
         }
@@ -285,15 +408,32 @@ impl<R: Runtime> Kernels<R> {
         let (row0, n) = (A::I32(row0 as i32), A::I32(n as i32));
         match w {
             QuantWeight::Int(g) | QuantWeight::Cubic(g) => {
-                let (name, what) = if matches!(w, QuantWeight::Int(_)) { ("dequant_int_bf16", "dequant INT") } else { ("dequant_cubic_bf16", "dequant Cubic") };
+                let (name, what) = if matches!(w, QuantWeight::Int(_)) {
+                    ("dequant_int_bf16", "dequant INT")
+                } else {
+                    ("dequant_cubic_bf16", "dequant Cubic")
+                };
                 Self::check_grouped(what, g)?;
                 let p = &g.packed;
-                let args = [A::U8s(&p.data), A::I64(p.stride as i64), A::F32s(&g.p0), A::F32s(&g.p1), A::U16s(out), row0, n, A::I32(cols as i32), A::I32(p.bits as i32), A::I32(g.group_size as i32)];
+                let args = [
+                    A::U8s(&p.data),
+                    A::I64(p.stride as i64),
+                    A::F32s(&g.p0),
+                    A::F32s(&g.p1),
+                    A::U16s(out),
+                    row0,
+                    n,
+                    A::I32(cols as i32),
+                    A::I32(p.bits as i32),
+                    A::I32(g.group_size as i32),
+                ];
                 self.go(name, dims, &args)
             }
             QuantWeight::Mxfp4(m) => {
                 let all = m.rows * cols;
-                check(cols.is_multiple_of(32) && m.packed.len() >= all / 2 && m.scales.len() >= all / 32, || format!("dequant MXFP4 {}x{cols}: {} code bytes, {} scales", m.rows, m.packed.len(), m.scales.len()))?;
+                check(cols.is_multiple_of(32) && m.packed.len() >= all / 2 && m.scales.len() >= all / 32, || {
+                    format!("dequant MXFP4 {}x{cols}: {} code bytes, {} scales", m.rows, m.packed.len(), m.scales.len())
+                })?;
                 let args = [A::U8s(&m.packed), A::U8s(&m.scales), A::U16s(out), row0, n, A::I32(cols as i32)];
                 self.go("dequant_mxfp4_bf16", dims, &args)
             }
@@ -302,7 +442,9 @@ impl<R: Runtime> Kernels<R> {
 
     /// `out[..count] = bf16(x[..count])`, round to nearest even.
     pub fn f32_to_bf16_rows(&self, x: &R::Buf<f32>, out: &mut R::Buf<u16>, count: usize) -> Result<(), CudaError> {
-        check(x.len() >= count && out.len() >= count, || format!("f32_to_bf16_rows: {count} elements from {} into {}", x.len(), out.len()))?;
+        check(x.len() >= count && out.len() >= count, || {
+            format!("f32_to_bf16_rows: {count} elements from {} into {}", x.len(), out.len())
+        })?;
         let dims = Self::elementwise_dims("f32_to_bf16_rows", count)?;
         self.go("f32_to_bf16_rows", dims, &[A::F32s(x), A::U16s(out), A::I64(count as i64)])
     }
@@ -315,37 +457,99 @@ impl<R: Runtime> Kernels<R> {
     }
 
     /// RMSNorm of each `d`-wide row of `x` into `y` (`d` = `w.len()`).
-    pub fn rms_norm(&self, x: &R::Buf<f32>, w: &R::Buf<f32>, y: &mut R::Buf<f32>, rows: usize, eps: f32) -> Result<(), CudaError> {
+    pub fn rms_norm(
+        &self,
+        x: &R::Buf<f32>,
+        w: &R::Buf<f32>,
+        y: &mut R::Buf<f32>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
         let d = w.len();
         check(x.len() >= rows * d && y.len() >= rows * d, || "rms_norm: buffer sizes".into())?;
         self.go("rms_norm", Self::row_dims(rows), &[A::F32s(x), A::F32s(w), A::F32s(y), A::I32(d as i32), A::F32(eps)])
     }
 
     /// `x += delta; y = rms_norm(x)`.
-    pub fn add_rms_norm(&self, x: &mut R::Buf<f32>, delta: &R::Buf<f32>, w: &R::Buf<f32>, y: &mut R::Buf<f32>, rows: usize, eps: f32) -> Result<(), CudaError> {
+    pub fn add_rms_norm(
+        &self,
+        x: &mut R::Buf<f32>,
+        delta: &R::Buf<f32>,
+        w: &R::Buf<f32>,
+        y: &mut R::Buf<f32>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
         let d = w.len();
-        check(x.len() >= rows * d && delta.len() >= rows * d && y.len() >= rows * d, || "add_rms_norm: buffer sizes".into())?;
-        self.go("add_rms_norm", Self::row_dims(rows), &[A::F32s(x), A::F32s(delta), A::F32s(w), A::F32s(y), A::I32(d as i32), A::F32(eps)])
+        check(x.len() >= rows * d && delta.len() >= rows * d && y.len() >= rows * d, || {
+            "add_rms_norm: buffer sizes".into()
+        })?;
+        self.go(
+            "add_rms_norm",
+            Self::row_dims(rows),
+            &[A::F32s(x), A::F32s(delta), A::F32s(w), A::F32s(y), A::I32(d as i32), A::F32(eps)],
+        )
     }
 
     /// Rotates `x` ([tokens, heads, head_dim]) in place; token t at `positions[t]`.
-    pub fn rope(&self, x: &mut R::Buf<f32>, positions: &R::Buf<i32>, inv_freq: &R::Buf<f32>, tokens: usize, heads: usize, head_dim: usize) -> Result<(), CudaError> {
+    pub fn rope(
+        &self,
+        x: &mut R::Buf<f32>,
+        positions: &R::Buf<i32>,
+        inv_freq: &R::Buf<f32>,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<(), CudaError> {
         let rotary = inv_freq.len() * 2;
-        check(rotary <= head_dim && x.len() >= tokens * heads * head_dim && positions.len() >= tokens, || "rope: buffer sizes".into())?;
-        let args = [A::F32s(x), A::I32s(positions), A::F32s(inv_freq), A::I32(tokens as i32), A::I32(heads as i32), A::I32(head_dim as i32), A::I32(rotary as i32)];
+        check(rotary <= head_dim && x.len() >= tokens * heads * head_dim && positions.len() >= tokens, || {
+            "rope: buffer sizes".into()
+        })?;
+        let args = [
+            A::F32s(x),
+            A::I32s(positions),
+            A::F32s(inv_freq),
+            A::I32(tokens as i32),
+            A::I32(heads as i32),
+            A::I32(head_dim as i32),
+            A::I32(rotary as i32),
+        ];
         self.go("rope_neox", Self::flat_dims(tokens * heads * rotary / 2), &args)
     }
 
     /// `out[t, :] = silu(gate_up[t, :d]) * gate_up[t, d:]`.
-    pub fn silu_mul(&self, gate_up: &R::Buf<f32>, out: &mut R::Buf<f32>, tokens: usize, d: usize) -> Result<(), CudaError> {
+    pub fn silu_mul(
+        &self,
+        gate_up: &R::Buf<f32>,
+        out: &mut R::Buf<f32>,
+        tokens: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
         check(gate_up.len() >= tokens * 2 * d && out.len() >= tokens * d, || "silu_mul: buffer sizes".into())?;
-        self.go("silu_mul", Self::flat_dims(tokens * d), &[A::F32s(gate_up), A::F32s(out), A::I32(tokens as i32), A::I32(d as i32)])
+        self.go(
+            "silu_mul",
+            Self::flat_dims(tokens * d),
+            &[A::F32s(gate_up), A::F32s(out), A::I32(tokens as i32), A::I32(d as i32)],
+        )
     }
 
-    pub(crate) fn attn_check(g: &PagedGeometry, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, out: &R::Buf<f32>) -> Result<usize, CudaError> {
+    pub(crate) fn attn_check(
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        out: &R::Buf<f32>,
+    ) -> Result<usize, CudaError> {
         let seqs = lens.len();
-        check(g.head_dim <= 256 && g.kv_heads > 0 && g.heads.is_multiple_of(g.kv_heads), || format!("attention: {} heads over {} kv heads of {}", g.heads, g.kv_heads, g.head_dim))?;
-        check(q.len() >= seqs * g.heads * g.head_dim && out.len() >= seqs * g.heads * g.head_dim && tables.len() >= seqs * g.max_blocks, || "attention: buffer sizes".into())?;
+        check(g.head_dim <= 256 && g.kv_heads > 0 && g.heads.is_multiple_of(g.kv_heads), || {
+            format!("attention: {} heads over {} kv heads of {}", g.heads, g.kv_heads, g.head_dim)
+        })?;
+        check(
+            q.len() >= seqs * g.heads * g.head_dim
+                && out.len() >= seqs * g.heads * g.head_dim
+                && tables.len() >= seqs * g.max_blocks,
+            || "attention: buffer sizes".into(),
+        )?;
         Ok(seqs)
     }
     pub fn attn_dims(g: &PagedGeometry, seqs: usize) -> Dims {
@@ -355,50 +559,169 @@ impl<R: Runtime> Kernels<R> {
     /// Decode attention over f32 K/V blocks, one query row per entry of `lens`. The caller
     /// guarantees the block tables and lengths stay inside the pool (the engine's block pool does).
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention_f32(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<f32>, v: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    pub fn paged_attention_f32(
+        &self,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        k: &R::Buf<f32>,
+        v: &R::Buf<f32>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         self.paged_attention_16_32("paged_attention_f32", g, q, A::F32s(k), A::F32s(v), tables, lens, scale, out)
     }
 
     /// As [`Self::paged_attention_f32`] over bf16 (bit patterns) K/V blocks.
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention_bf16(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<u16>, v: &R::Buf<u16>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    pub fn paged_attention_bf16(
+        &self,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        k: &R::Buf<u16>,
+        v: &R::Buf<u16>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         self.paged_attention_16_32("paged_attention_bf16", g, q, A::U16s(k), A::U16s(v), tables, lens, scale, out)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn paged_attention_16_32(&self, name: &'static str, g: &PagedGeometry, q: &R::Buf<f32>, k: A<'_, R>, v: A<'_, R>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    fn paged_attention_16_32(
+        &self,
+        name: &'static str,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        k: A<'_, R>,
+        v: A<'_, R>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         let seqs = Self::attn_check(g, q, tables, lens, out)?;
-        let args = [A::F32s(q), k, v, A::I32s(tables), A::I32s(lens), A::F32s(out), A::I32(g.heads as i32), A::I32(g.kv_heads as i32), A::I32(g.head_dim as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)];
+        let args = [
+            A::F32s(q),
+            k,
+            v,
+            A::I32s(tables),
+            A::I32s(lens),
+            A::F32s(out),
+            A::I32(g.heads as i32),
+            A::I32(g.kv_heads as i32),
+            A::I32(g.head_dim as i32),
+            A::I32(g.block_size as i32),
+            A::I32(g.max_blocks as i32),
+            A::F32(scale),
+        ];
         self.go(name, Self::attn_dims(g, seqs), &args)
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention_fp8(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<u8>, v: &R::Buf<u8>, k_scales: &R::Buf<f32>, v_scales: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    pub fn paged_attention_fp8(
+        &self,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        k: &R::Buf<u8>,
+        v: &R::Buf<u8>,
+        k_scales: &R::Buf<f32>,
+        v_scales: &R::Buf<f32>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         let seqs = Self::attn_check(g, q, tables, lens, out)?;
-        let args = [A::F32s(q), A::U8s(k), A::U8s(v), A::F32s(k_scales), A::F32s(v_scales), A::I32s(tables), A::I32s(lens), A::F32s(out), A::I32(g.heads as i32), A::I32(g.kv_heads as i32), A::I32(g.head_dim as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)];
+        let args = [
+            A::F32s(q),
+            A::U8s(k),
+            A::U8s(v),
+            A::F32s(k_scales),
+            A::F32s(v_scales),
+            A::I32s(tables),
+            A::I32s(lens),
+            A::F32s(out),
+            A::I32(g.heads as i32),
+            A::I32(g.kv_heads as i32),
+            A::I32(g.head_dim as i32),
+            A::I32(g.block_size as i32),
+            A::I32(g.max_blocks as i32),
+            A::F32(scale),
+        ];
         self.go("paged_attention_fp8", Self::attn_dims(g, seqs), &args)
     }
 
     /// One token per row of `logits` ([seqs, vocab]); `u` holds one uniform draw per row.
     #[allow(clippy::too_many_arguments)]
-    pub fn sample(&self, logits: &R::Buf<f32>, probs: &mut R::Buf<f32>, u: &R::Buf<f32>, out: &mut R::Buf<i32>, vocab: usize, temperature: f32, top_k: usize, top_p: f32) -> Result<(), CudaError> {
+    pub fn sample(
+        &self,
+        logits: &R::Buf<f32>,
+        probs: &mut R::Buf<f32>,
+        u: &R::Buf<f32>,
+        out: &mut R::Buf<i32>,
+        vocab: usize,
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+    ) -> Result<(), CudaError> {
         let seqs = u.len();
-        check(temperature > 0.0 && logits.len() >= seqs * vocab && probs.len() >= seqs * vocab && out.len() >= seqs, || "sample: buffer sizes or temperature".into())?;
-        let args = [A::F32s(logits), A::F32s(probs), A::F32s(u), A::I32s(out), A::I32(vocab as i32), A::F32(temperature), A::I32(top_k as i32), A::F32(top_p)];
+        check(
+            temperature > 0.0 && logits.len() >= seqs * vocab && probs.len() >= seqs * vocab && out.len() >= seqs,
+            || "sample: buffer sizes or temperature".into(),
+        )?;
+        let args = [
+            A::F32s(logits),
+            A::F32s(probs),
+            A::F32s(u),
+            A::I32s(out),
+            A::I32(vocab as i32),
+            A::F32(temperature),
+            A::I32(top_k as i32),
+            A::F32(top_p),
+        ];
         self.go("sample_top_k_top_p", Dims::new((seqs as u32, 1, 1), 1024), &args)
     }
 
     /// `out[r] = src[rows[r]]` for `d`-wide f32 rows (embedding lookup, logit-row pick). Row ids
     /// are the caller's (token ids checked against the vocabulary, batch rows in range).
-    pub fn gather_rows_f32(&self, src: &R::Buf<f32>, rows: &R::Buf<i32>, out: &mut R::Buf<f32>, n: usize, d: usize) -> Result<(), CudaError> {
-        check(rows.len() >= n && out.len() >= n * d && d > 0 && src.len() % d == 0, || format!("gather_rows: {} ids, out {}, src {} for n={n}, d={d}", rows.len(), out.len(), src.len()))?;
-        self.go("gather_rows_f32", Self::flat_dims(n * d), &[A::F32s(src), A::I32s(rows), A::F32s(out), A::I32(n as i32), A::I32(d as i32)])
+    pub fn gather_rows_f32(
+        &self,
+        src: &R::Buf<f32>,
+        rows: &R::Buf<i32>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        check(rows.len() >= n && out.len() >= n * d && d > 0 && src.len() % d == 0, || {
+            format!("gather_rows: {} ids, out {}, src {} for n={n}, d={d}", rows.len(), out.len(), src.len())
+        })?;
+        self.go(
+            "gather_rows_f32",
+            Self::flat_dims(n * d),
+            &[A::F32s(src), A::I32s(rows), A::F32s(out), A::I32(n as i32), A::I32(d as i32)],
+        )
     }
 
     /// As [`Self::gather_rows_f32`] from a bf16 table (widened to f32).
-    pub fn gather_rows_bf16(&self, src: &R::Buf<u16>, rows: &R::Buf<i32>, out: &mut R::Buf<f32>, n: usize, d: usize) -> Result<(), CudaError> {
-        check(rows.len() >= n && out.len() >= n * d && d > 0 && src.len() % d == 0, || format!("gather_rows_bf16: {} ids, out {}, src {} for n={n}, d={d}", rows.len(), out.len(), src.len()))?;
-        self.go("gather_rows_bf16", Self::flat_dims(n * d), &[A::U16s(src), A::I32s(rows), A::F32s(out), A::I32(n as i32), A::I32(d as i32)])
+    pub fn gather_rows_bf16(
+        &self,
+        src: &R::Buf<u16>,
+        rows: &R::Buf<i32>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        check(rows.len() >= n && out.len() >= n * d && d > 0 && src.len() % d == 0, || {
+            format!("gather_rows_bf16: {} ids, out {}, src {} for n={n}, d={d}", rows.len(), out.len(), src.len())
+        })?;
+        self.go(
+            "gather_rows_bf16",
+            Self::flat_dims(n * d),
+            &[A::U16s(src), A::I32s(rows), A::F32s(out), A::I32(n as i32), A::I32(d as i32)],
+        )
     }
 
     /// `out[..n] = bf16(x[..n])`, round to nearest even (the bf16 GEMM's activation input).
@@ -407,63 +730,160 @@ impl<R: Runtime> Kernels<R> {
         self.go("narrow_bf16", Self::flat_dims(n), &[A::F32s(x), A::U16s(out), A::I32(n as i32)])
     }
 
-    fn check_kv_write(k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, n: usize, width: usize, pool_rows: usize) -> Result<(), CudaError> {
-        check(n > 0 && slots.len() >= n && k.len() >= n * width && v.len() >= n * width && pool_rows > 0, || format!("kv_write: {n} rows of {width} into {pool_rows} pool rows"))
+    fn check_kv_write(
+        k: &R::Buf<f32>,
+        v: &R::Buf<f32>,
+        slots: &R::Buf<i32>,
+        n: usize,
+        width: usize,
+        pool_rows: usize,
+    ) -> Result<(), CudaError> {
+        check(n > 0 && slots.len() >= n && k.len() >= n * width && v.len() >= n * width && pool_rows > 0, || {
+            format!("kv_write: {n} rows of {width} into {pool_rows} pool rows")
+        })
     }
 
     /// Stores `n` rows of keys and values (`width` each) at pool rows `slots` (each below the
     /// pool's rows: the engine's block tables only hold its blocks).
     #[allow(clippy::too_many_arguments)]
-    pub fn kv_write_f32(&self, k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, kc: &mut R::Buf<f32>, vc: &mut R::Buf<f32>, n: usize, width: usize) -> Result<(), CudaError> {
+    pub fn kv_write_f32(
+        &self,
+        k: &R::Buf<f32>,
+        v: &R::Buf<f32>,
+        slots: &R::Buf<i32>,
+        kc: &mut R::Buf<f32>,
+        vc: &mut R::Buf<f32>,
+        n: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
         Self::check_kv_write(k, v, slots, n, width, kc.len().min(vc.len()) / width.max(1))?;
-        self.go("kv_write_f32", Self::flat_dims(n * width), &[A::F32s(k), A::F32s(v), A::I32s(slots), A::F32s(kc), A::F32s(vc), A::I32(n as i32), A::I32(width as i32)])
+        self.go(
+            "kv_write_f32",
+            Self::flat_dims(n * width),
+            &[A::F32s(k), A::F32s(v), A::I32s(slots), A::F32s(kc), A::F32s(vc), A::I32(n as i32), A::I32(width as i32)],
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn kv_write_bf16(&self, k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, kc: &mut R::Buf<u16>, vc: &mut R::Buf<u16>, n: usize, width: usize) -> Result<(), CudaError> {
+    pub fn kv_write_bf16(
+        &self,
+        k: &R::Buf<f32>,
+        v: &R::Buf<f32>,
+        slots: &R::Buf<i32>,
+        kc: &mut R::Buf<u16>,
+        vc: &mut R::Buf<u16>,
+        n: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
         Self::check_kv_write(k, v, slots, n, width, kc.len().min(vc.len()) / width.max(1))?;
-        self.go("kv_write_bf16", Self::flat_dims(n * width), &[A::F32s(k), A::F32s(v), A::I32s(slots), A::U16s(kc), A::U16s(vc), A::I32(n as i32), A::I32(width as i32)])
+        self.go(
+            "kv_write_bf16",
+            Self::flat_dims(n * width),
+            &[A::F32s(k), A::F32s(v), A::I32s(slots), A::U16s(kc), A::U16s(vc), A::I32(n as i32), A::I32(width as i32)],
+        )
     }
 
     /// FP8 E4M3 with one scale per (pool row, kv head), as the host block pool stores it.
     #[allow(clippy::too_many_arguments)]
-    pub fn kv_write_fp8(&self, k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, kc: &mut R::Buf<u8>, vc: &mut R::Buf<u8>, ks: &mut R::Buf<f32>, vs: &mut R::Buf<f32>, n: usize, kv_heads: usize, head_dim: usize) -> Result<(), CudaError> {
+    pub fn kv_write_fp8(
+        &self,
+        k: &R::Buf<f32>,
+        v: &R::Buf<f32>,
+        slots: &R::Buf<i32>,
+        kc: &mut R::Buf<u8>,
+        vc: &mut R::Buf<u8>,
+        ks: &mut R::Buf<f32>,
+        vs: &mut R::Buf<f32>,
+        n: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<(), CudaError> {
         let width = kv_heads * head_dim;
         Self::check_kv_write(k, v, slots, n, width, kc.len().min(vc.len()) / width.max(1))?;
-        check(ks.len() * head_dim >= kc.len() && vs.len() * head_dim >= vc.len(), || "kv_write_fp8: scale buffers".into())?;
-        let args = [A::F32s(k), A::F32s(v), A::I32s(slots), A::U8s(kc), A::U8s(vc), A::F32s(ks), A::F32s(vs), A::I32(n as i32), A::I32(kv_heads as i32), A::I32(head_dim as i32)];
+        check(ks.len() * head_dim >= kc.len() && vs.len() * head_dim >= vc.len(), || {
+            "kv_write_fp8: scale buffers".into()
+        })?;
+        let args = [
+            A::F32s(k),
+            A::F32s(v),
+            A::I32s(slots),
+            A::U8s(kc),
+            A::U8s(vc),
+            A::F32s(ks),
+            A::F32s(vs),
+            A::I32(n as i32),
+            A::I32(kv_heads as i32),
+            A::I32(head_dim as i32),
+        ];
         self.go("kv_write_fp8", Dims::new((n as u32, kv_heads as u32, 2), 128), &args)
     }
 
     fn check_span(len: usize, src: usize, dst: usize, n: usize) -> Result<(), CudaError> {
-        check(src + n <= len && dst + n <= len && (src + n <= dst || dst + n <= src), || format!("copy_span: {n} from {src} to {dst} in {len}"))
+        check(src + n <= len && dst + n <= len && (src + n <= dst || dst + n <= src), || {
+            format!("copy_span: {n} from {src} to {dst} in {len}")
+        })
     }
 
     /// `buf[dst..dst + n] = buf[src..src + n]` (non-overlapping spans).
     pub fn copy_span_f32(&self, buf: &mut R::Buf<f32>, src: usize, dst: usize, n: usize) -> Result<(), CudaError> {
         Self::check_span(buf.len(), src, dst, n)?;
-        self.go("copy_span_f32", Self::flat_dims(n), &[A::F32s(buf), A::I64(src as i64), A::I64(dst as i64), A::I64(n as i64)])
+        self.go(
+            "copy_span_f32",
+            Self::flat_dims(n),
+            &[A::F32s(buf), A::I64(src as i64), A::I64(dst as i64), A::I64(n as i64)],
+        )
     }
     pub fn copy_span_u16(&self, buf: &mut R::Buf<u16>, src: usize, dst: usize, n: usize) -> Result<(), CudaError> {
         Self::check_span(buf.len(), src, dst, n)?;
-        self.go("copy_span_u16", Self::flat_dims(n), &[A::U16s(buf), A::I64(src as i64), A::I64(dst as i64), A::I64(n as i64)])
+        self.go(
+            "copy_span_u16",
+            Self::flat_dims(n),
+            &[A::U16s(buf), A::I64(src as i64), A::I64(dst as i64), A::I64(n as i64)],
+        )
     }
     pub fn copy_span_u8(&self, buf: &mut R::Buf<u8>, src: usize, dst: usize, n: usize) -> Result<(), CudaError> {
         Self::check_span(buf.len(), src, dst, n)?;
-        self.go("copy_span_u8", Self::flat_dims(n), &[A::U8s(buf), A::I64(src as i64), A::I64(dst as i64), A::I64(n as i64)])
+        self.go(
+            "copy_span_u8",
+            Self::flat_dims(n),
+            &[A::U8s(buf), A::I64(src as i64), A::I64(dst as i64), A::I64(n as i64)],
+        )
     }
 
     /// Dense bf16 GEMM: `out[n, m] (f32) = x[n, k] (bf16) · W[m, k]ᵀ (bf16)`, f32 accumulation.
-    pub fn gemm_bf16(&self, x: &R::Buf<u16>, w: &R::Buf<u16>, out: &mut R::Buf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+    pub fn gemm_bf16(
+        &self,
+        x: &R::Buf<u16>,
+        w: &R::Buf<u16>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+        k: usize,
+        m: usize,
+    ) -> Result<(), CudaError> {
         check(x.len() >= n * k && w.len() >= m * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
         self.rt.gemm_bf16(x, w, 0, out, n, k, m)
     }
 
     /// As [`Self::gemm_bf16`] with W the rows `rows` of `w` (`[.., k]`): one expert of an
     /// expert-stacked bf16 weight, multiplied in place.
-    pub fn gemm_bf16_rows(&self, x: &R::Buf<u16>, w: &R::Buf<u16>, rows: Range<usize>, out: &mut R::Buf<f32>, n: usize, k: usize) -> Result<(), CudaError> {
+    pub fn gemm_bf16_rows(
+        &self,
+        x: &R::Buf<u16>,
+        w: &R::Buf<u16>,
+        rows: Range<usize>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+        k: usize,
+    ) -> Result<(), CudaError> {
         let m = rows.len();
-        check(rows.start <= rows.end && x.len() >= n * k && w.len() >= rows.end * k && out.len() >= n * m, || format!("gemm_bf16: rows {rows:?} of {} weights, x {} / out {} for n={n}, k={k}", w.len(), x.len(), out.len()))?;
+        check(rows.start <= rows.end && x.len() >= n * k && w.len() >= rows.end * k && out.len() >= n * m, || {
+            format!(
+                "gemm_bf16: rows {rows:?} of {} weights, x {} / out {} for n={n}, k={k}",
+                w.len(),
+                x.len(),
+                out.len()
+            )
+        })?;
         self.rt.gemm_bf16(x, w, rows.start, out, n, k, m)
     }
 }
@@ -516,7 +936,16 @@ mod tests {
             self.grids.borrow_mut().push(dims.grid);
             Ok(())
         }
-        fn gemm_bf16(&self, _x: &Host<u16>, _w: &Host<u16>, _w_row0: usize, _out: &mut Host<f32>, _n: usize, _k: usize, _m: usize) -> Result<(), CudaError> {
+        fn gemm_bf16(
+            &self,
+            _x: &Host<u16>,
+            _w: &Host<u16>,
+            _w_row0: usize,
+            _out: &mut Host<f32>,
+            _n: usize,
+            _k: usize,
+            _m: usize,
+        ) -> Result<(), CudaError> {
             self.launched.borrow_mut().push("gemm_bf16");
             Ok(())
         }
@@ -532,7 +961,12 @@ mod tests {
         k.upload_grouped(packed, 32, &vec![1.0; groups], &vec![0.0; groups]).unwrap()
     }
 
-    fn run(k: &Kernels<Recorder>, w: QuantWeight<'_, Recorder>, n: usize, scratch: &mut GemmScratch<Recorder>) -> (Result<MatmulPath, CudaError>, Vec<&'static str>) {
+    fn run(
+        k: &Kernels<Recorder>,
+        w: QuantWeight<'_, Recorder>,
+        n: usize,
+        scratch: &mut GemmScratch<Recorder>,
+    ) -> (Result<MatmulPath, CudaError>, Vec<&'static str>) {
         let x = k.zeros::<f32>(n * COLS).unwrap();
         let mut out = k.zeros::<f32>(n * ROWS).unwrap();
         k.rt.launched.borrow_mut().clear();
@@ -559,7 +993,11 @@ mod tests {
             }
             for n in [GEMM_MIN_TOKENS + 1, 64] {
                 let (path, launched) = run(&k, w, n, &mut scratch);
-                assert_eq!((path.unwrap(), launched), (MatmulPath::DequantGemm, vec![dequant, "f32_to_bf16_rows", "gemm_bf16"]), "n={n}");
+                assert_eq!(
+                    (path.unwrap(), launched),
+                    (MatmulPath::DequantGemm, vec![dequant, "f32_to_bf16_rows", "gemm_bf16"]),
+                    "n={n}"
+                );
             }
         }
     }
@@ -587,7 +1025,8 @@ mod tests {
         let mut short_params = int_weight(&k, 4);
         short_params.p1 = k.zeros(1).unwrap();
         let x = k.zeros::<f32>(n * COLS).unwrap();
-        let msg = k.matmul_quant(QuantWeight::Cubic(&short_params), &x, &mut out, n, &mut scratch).unwrap_err().to_string();
+        let msg =
+            k.matmul_quant(QuantWeight::Cubic(&short_params), &x, &mut out, n, &mut scratch).unwrap_err().to_string();
         assert!(msg.contains("group parameters"), "{msg}");
         assert!(k.rt.launched.borrow().is_empty());
     }

@@ -36,16 +36,32 @@ impl<R: Runtime> KvLayer<R> {
         Ok(match storage {
             KvStorage::F32 => KvLayer::F32 { k: gpu.zeros(nk)?, v: gpu.zeros(nv)? },
             KvStorage::Bf16 => KvLayer::Bf16 { k: gpu.zeros(nk)?, v: gpu.zeros(nv)? },
-            KvStorage::Fp8 => KvLayer::Fp8 { k: gpu.zeros(nk)?, v: gpu.zeros(nv)?, ks: gpu.zeros(rows * s.groups)?, vs: gpu.zeros(rows * s.groups)? },
+            KvStorage::Fp8 => KvLayer::Fp8 {
+                k: gpu.zeros(nk)?,
+                v: gpu.zeros(nv)?,
+                ks: gpu.zeros(rows * s.groups)?,
+                vs: gpu.zeros(rows * s.groups)?,
+            },
         })
     }
 
     /// Copies pool rows `src..src + n` onto `dst..dst + n` (non-overlapping), K, V and scales.
-    pub(crate) fn copy_rows(&mut self, gpu: &Kernels<R>, src: usize, dst: usize, n: usize, s: RowShape) -> Result<(), CudaError> {
+    pub(crate) fn copy_rows(
+        &mut self,
+        gpu: &Kernels<R>,
+        src: usize,
+        dst: usize,
+        n: usize,
+        s: RowShape,
+    ) -> Result<(), CudaError> {
         let (kw, vw) = (s.key_width, s.value_width);
         match self {
-            KvLayer::F32 { k, v } => copy_pair([(k, kw), (v, vw)], src, dst, n, |b, a, d, l| gpu.copy_span_f32(b, a, d, l)),
-            KvLayer::Bf16 { k, v } => copy_pair([(k, kw), (v, vw)], src, dst, n, |b, a, d, l| gpu.copy_span_u16(b, a, d, l)),
+            KvLayer::F32 { k, v } => {
+                copy_pair([(k, kw), (v, vw)], src, dst, n, |b, a, d, l| gpu.copy_span_f32(b, a, d, l))
+            }
+            KvLayer::Bf16 { k, v } => {
+                copy_pair([(k, kw), (v, vw)], src, dst, n, |b, a, d, l| gpu.copy_span_u16(b, a, d, l))
+            }
             KvLayer::Fp8 { k, v, ks, vs } => {
                 copy_pair([(k, kw), (v, vw)], src, dst, n, |b, a, d, l| gpu.copy_span_u8(b, a, d, l))?;
                 copy_pair([(ks, s.groups), (vs, s.groups)], src, dst, n, |b, a, d, l| gpu.copy_span_f32(b, a, d, l))
@@ -58,7 +74,17 @@ impl<R: Runtime> KvLayer<R> {
 /// block `dst` in every layer of a pool of `num_blocks` blocks of `block_size` (`what` names the
 /// pool in errors).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn copy_block<R: Runtime>(layers: &mut [KvLayer<R>], gpu: &Kernels<R>, what: &str, num_blocks: usize, block_size: usize, src: usize, dst: usize, slots: usize, shape: RowShape) -> Result<(), CudaError> {
+pub(crate) fn copy_block<R: Runtime>(
+    layers: &mut [KvLayer<R>],
+    gpu: &Kernels<R>,
+    what: &str,
+    num_blocks: usize,
+    block_size: usize,
+    src: usize,
+    dst: usize,
+    slots: usize,
+    shape: RowShape,
+) -> Result<(), CudaError> {
     if src >= num_blocks || dst >= num_blocks || slots > block_size {
         return Err(bad(format!("{what} copy: block {src} -> {dst}, {slots} slots, pool of {num_blocks}")));
     }
@@ -73,7 +99,13 @@ pub(crate) fn copy_block<R: Runtime>(layers: &mut [KvLayer<R>], gpu: &Kernels<R>
 
 /// `copy(buf, src·w, dst·w, n·w)` for each (buffer, row width) pair; zero-width rows (MLA without
 /// a rotary slice) hold nothing to copy.
-fn copy_pair<B>(pair: [(&mut B, usize); 2], src: usize, dst: usize, n: usize, copy: impl Fn(&mut B, usize, usize, usize) -> Result<(), CudaError>) -> Result<(), CudaError> {
+fn copy_pair<B>(
+    pair: [(&mut B, usize); 2],
+    src: usize,
+    dst: usize,
+    n: usize,
+    copy: impl Fn(&mut B, usize, usize, usize) -> Result<(), CudaError>,
+) -> Result<(), CudaError> {
     for (buf, w) in pair {
         if n * w > 0 {
             copy(buf, src * w, dst * w, n * w)?;
@@ -101,9 +133,19 @@ pub(crate) fn bad(msg: String) -> CudaError {
 }
 
 impl<R: Runtime> DeviceKvPool<R> {
-    pub fn new(gpu: &Kernels<R>, layers: usize, num_blocks: usize, block_size: usize, kv_heads: usize, head_dim: usize, storage: KvStorage) -> Result<Self, CudaError> {
+    pub fn new(
+        gpu: &Kernels<R>,
+        layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        storage: KvStorage,
+    ) -> Result<Self, CudaError> {
         let shape = heads_shape(kv_heads, head_dim);
-        let layers = (0..layers).map(|_| KvLayer::new(gpu, storage, num_blocks * block_size, shape)).collect::<Result<_, CudaError>>()?;
+        let layers = (0..layers)
+            .map(|_| KvLayer::new(gpu, storage, num_blocks * block_size, shape))
+            .collect::<Result<_, CudaError>>()?;
         tracing::info!(num_blocks, block_size, ?storage, "device KV pool allocated");
         Ok(Self { layers, num_blocks, block_size, kv_heads, head_dim, storage })
     }
@@ -114,10 +156,27 @@ impl<R: Runtime> DeviceKvPool<R> {
 
     /// Stores one position's keys and values (`kv_heads·head_dim` each) in `(block, slot)`: a
     /// one-row [`Self::write_rows`] (uploaded, then narrowed on the device like every other row).
-    pub fn write(&mut self, gpu: &Kernels<R>, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) -> Result<(), CudaError> {
+    pub fn write(
+        &mut self,
+        gpu: &Kernels<R>,
+        layer: usize,
+        block: usize,
+        slot: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), CudaError> {
         let w = self.width();
-        if layer >= self.layers.len() || block >= self.num_blocks || slot >= self.block_size || k.len() != w || v.len() != w {
-            return Err(bad(format!("kv write: layer {layer} block {block} slot {slot} with {}/{} values (width {w})", k.len(), v.len())));
+        if layer >= self.layers.len()
+            || block >= self.num_blocks
+            || slot >= self.block_size
+            || k.len() != w
+            || v.len() != w
+        {
+            return Err(bad(format!(
+                "kv write: layer {layer} block {block} slot {slot} with {}/{} values (width {w})",
+                k.len(),
+                v.len()
+            )));
         }
         let row = (block * self.block_size + slot) as i32;
         let (dk, dv, ds) = (gpu.upload(k)?, gpu.upload(v)?, gpu.upload(&[row])?);
@@ -127,7 +186,15 @@ impl<R: Runtime> DeviceKvPool<R> {
     /// Stores `n` rows of keys and values (`width()` each, f32 on the device) of `layer` at pool
     /// rows `slots` (block · block_size + slot), narrowed on the device to the storage type.
     #[allow(clippy::too_many_arguments)]
-    pub fn write_rows(&mut self, gpu: &Kernels<R>, layer: usize, k: &R::Buf<f32>, v: &R::Buf<f32>, slots: &R::Buf<i32>, n: usize) -> Result<(), CudaError> {
+    pub fn write_rows(
+        &mut self,
+        gpu: &Kernels<R>,
+        layer: usize,
+        k: &R::Buf<f32>,
+        v: &R::Buf<f32>,
+        slots: &R::Buf<i32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
         let (w, kvh, hd) = (self.width(), self.kv_heads, self.head_dim);
         match self.layers.get_mut(layer).ok_or_else(|| bad(format!("kv write: no layer {layer}")))? {
             KvLayer::F32 { k: dk, v: dv } => gpu.kv_write_f32(k, v, slots, dk, dv, n, w),
@@ -146,8 +213,25 @@ impl<R: Runtime> DeviceKvPool<R> {
     /// Decode attention over `layer`; `tables`/`lens` as in [`Kernels::paged_attention_f32`], whose
     /// ids must be below `num_blocks` (the host block pool hands out only those).
     #[allow(clippy::too_many_arguments)]
-    pub fn attention(&self, gpu: &Kernels<R>, layer: usize, heads: usize, max_blocks: usize, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
-        let geo = PagedGeometry { heads, kv_heads: self.kv_heads, head_dim: self.head_dim, block_size: self.block_size, max_blocks };
+    pub fn attention(
+        &self,
+        gpu: &Kernels<R>,
+        layer: usize,
+        heads: usize,
+        max_blocks: usize,
+        q: &R::Buf<f32>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
+        let geo = PagedGeometry {
+            heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            block_size: self.block_size,
+            max_blocks,
+        };
         match self.layers.get(layer).ok_or_else(|| bad(format!("kv attention: no layer {layer}")))? {
             KvLayer::F32 { k, v } => gpu.paged_attention_f32(&geo, q, k, v, tables, lens, scale, out),
             KvLayer::Bf16 { k, v } => gpu.paged_attention_bf16(&geo, q, k, v, tables, lens, scale, out),
@@ -165,15 +249,40 @@ impl<R: Runtime> DeviceKvPool<R> {
     /// [`crate::gpu::prefill`]), planned for [`Self::prefill_kernel`]; other rows of `out` are
     /// left untouched.
     #[allow(clippy::too_many_arguments)]
-    pub fn prefill_attention(&self, gpu: &Kernels<R>, layer: usize, heads: usize, max_blocks: usize, q: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
-        let geo = PagedGeometry { heads, kv_heads: self.kv_heads, head_dim: self.head_dim, block_size: self.block_size, max_blocks };
+    pub fn prefill_attention(
+        &self,
+        gpu: &Kernels<R>,
+        layer: usize,
+        heads: usize,
+        max_blocks: usize,
+        q: &R::Buf<f32>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        tiles: &R::Buf<i32>,
+        num_tiles: usize,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
+        let geo = PagedGeometry {
+            heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            block_size: self.block_size,
+            max_blocks,
+        };
         let tensor_cores = self.prefill_kernel(gpu) == PrefillKernel::TensorCores;
         match self.layers.get(layer).ok_or_else(|| bad(format!("kv prefill attention: no layer {layer}")))? {
             KvLayer::F32 { k, v } => gpu.paged_prefill_f32(&geo, q, k, v, tables, lens, tiles, num_tiles, scale, out),
-            KvLayer::Bf16 { k, v } if tensor_cores => gpu.paged_flash_prefill_bf16(&geo, q, k, v, tables, lens, tiles, num_tiles, scale, out),
+            KvLayer::Bf16 { k, v } if tensor_cores => {
+                gpu.paged_flash_prefill_bf16(&geo, q, k, v, tables, lens, tiles, num_tiles, scale, out)
+            }
             KvLayer::Bf16 { k, v } => gpu.paged_prefill_bf16(&geo, q, k, v, tables, lens, tiles, num_tiles, scale, out),
-            KvLayer::Fp8 { k, v, ks, vs } if tensor_cores => gpu.paged_flash_prefill_fp8(&geo, q, k, v, ks, vs, tables, lens, tiles, num_tiles, scale, out),
-            KvLayer::Fp8 { k, v, ks, vs } => gpu.paged_prefill_fp8(&geo, q, k, v, ks, vs, tables, lens, tiles, num_tiles, scale, out),
+            KvLayer::Fp8 { k, v, ks, vs } if tensor_cores => {
+                gpu.paged_flash_prefill_fp8(&geo, q, k, v, ks, vs, tables, lens, tiles, num_tiles, scale, out)
+            }
+            KvLayer::Fp8 { k, v, ks, vs } => {
+                gpu.paged_prefill_fp8(&geo, q, k, v, ks, vs, tables, lens, tiles, num_tiles, scale, out)
+            }
         }
     }
 }

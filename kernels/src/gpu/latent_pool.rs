@@ -25,18 +25,36 @@ pub struct DeviceLatentPool<R: Runtime> {
 }
 
 impl<R: Runtime> DeviceLatentPool<R> {
-    pub fn new(gpu: &Kernels<R>, layers: usize, num_blocks: usize, block_size: usize, lora: usize, rope: usize, storage: KvStorage) -> Result<Self, CudaError> {
+    pub fn new(
+        gpu: &Kernels<R>,
+        layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        lora: usize,
+        rope: usize,
+        storage: KvStorage,
+    ) -> Result<Self, CudaError> {
         if lora == 0 || block_size == 0 {
             return Err(bad(format!("latent pool: latent {lora} wide, block size {block_size}")));
         }
-        let layers = (0..layers).map(|_| KvLayer::new(gpu, storage, num_blocks * block_size, latent_shape(lora, rope))).collect::<Result<_, CudaError>>()?;
+        let layers = (0..layers)
+            .map(|_| KvLayer::new(gpu, storage, num_blocks * block_size, latent_shape(lora, rope)))
+            .collect::<Result<_, CudaError>>()?;
         tracing::info!(num_blocks, block_size, lora, rope, ?storage, "device MLA latent pool allocated");
         Ok(Self { num_blocks, block_size, lora, rope, storage, layers })
     }
 
     /// Stores n rows: latent [n, lora] as the key row and k_rope [n, rope] as the value row of
     /// pool rows `slots` (block * block_size + slot), narrowed on the device to the storage type.
-    pub fn write_rows(&mut self, gpu: &Kernels<R>, layer: usize, latent: &R::Buf<f32>, k_rope: &R::Buf<f32>, slots: &R::Buf<i32>, n: usize) -> Result<(), CudaError> {
+    pub fn write_rows(
+        &mut self,
+        gpu: &Kernels<R>,
+        layer: usize,
+        latent: &R::Buf<f32>,
+        k_rope: &R::Buf<f32>,
+        slots: &R::Buf<i32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
         let (lora, rope) = (self.lora, self.rope);
         let nl = self.layers.len();
         let st = self.layers.get_mut(layer).ok_or_else(|| bad(format!("latent write: no layer {layer} of {nl}")))?;
@@ -68,7 +86,17 @@ impl<R: Runtime> DeviceLatentPool<R> {
     /// [`super::kv_pool::DeviceKvPool::copy_block`]).
     pub fn copy_block(&mut self, gpu: &Kernels<R>, src: usize, dst: usize, slots: usize) -> Result<(), CudaError> {
         let shape = latent_shape(self.lora, self.rope);
-        super::kv_pool::copy_block(&mut self.layers, gpu, "latent", self.num_blocks, self.block_size, src, dst, slots, shape)
+        super::kv_pool::copy_block(
+            &mut self.layers,
+            gpu,
+            "latent",
+            self.num_blocks,
+            self.block_size,
+            src,
+            dst,
+            slots,
+            shape,
+        )
     }
 
     /// Whether [`Self::prefill_attention`] can run here (the tensor-core kernel: bf16 or FP8 rows
@@ -82,12 +110,36 @@ impl<R: Runtime> DeviceLatentPool<R> {
     /// tensor cores; other rows of `ctx` are left untouched. An error where
     /// [`Self::has_prefill_kernel`] is false.
     #[allow(clippy::too_many_arguments)]
-    pub fn prefill_attention(&self, gpu: &Kernels<R>, layer: usize, heads: usize, max_blocks: usize, q_lat: &R::Buf<f32>, q_rope: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, ctx: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    pub fn prefill_attention(
+        &self,
+        gpu: &Kernels<R>,
+        layer: usize,
+        heads: usize,
+        max_blocks: usize,
+        q_lat: &R::Buf<f32>,
+        q_rope: &R::Buf<f32>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        tiles: &R::Buf<i32>,
+        num_tiles: usize,
+        scale: f32,
+        ctx: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         let g = LatentGeometry { heads, lora: self.lora, rope: self.rope, block_size: self.block_size, max_blocks };
-        match self.layers.get(layer).ok_or_else(|| bad(format!("latent prefill attention: no layer {layer} of {}", self.layers.len())))? {
-            KvLayer::F32 { .. } => Err(bad("latent prefill attention: an f32 pool keeps f32 products (use attention)".into())),
-            KvLayer::Bf16 { k, v } => gpu.mla_flash_prefill_bf16(&g, q_lat, q_rope, k, v, tables, lens, tiles, num_tiles, scale, ctx),
-            KvLayer::Fp8 { k, v, ks, vs } => gpu.mla_flash_prefill_fp8(&g, q_lat, q_rope, k, v, ks, vs, tables, lens, tiles, num_tiles, scale, ctx),
+        match self
+            .layers
+            .get(layer)
+            .ok_or_else(|| bad(format!("latent prefill attention: no layer {layer} of {}", self.layers.len())))?
+        {
+            KvLayer::F32 { .. } => {
+                Err(bad("latent prefill attention: an f32 pool keeps f32 products (use attention)".into()))
+            }
+            KvLayer::Bf16 { k, v } => {
+                gpu.mla_flash_prefill_bf16(&g, q_lat, q_rope, k, v, tables, lens, tiles, num_tiles, scale, ctx)
+            }
+            KvLayer::Fp8 { k, v, ks, vs } => {
+                gpu.mla_flash_prefill_fp8(&g, q_lat, q_rope, k, v, ks, vs, tables, lens, tiles, num_tiles, scale, ctx)
+            }
         }
     }
 
@@ -96,12 +148,30 @@ impl<R: Runtime> DeviceLatentPool<R> {
     /// q_lat [n, heads, lora], q_rope [n, heads, rope] dense. n = lens.len(). The block ids must be
     /// below `num_blocks` (the host block pool hands out only those).
     #[allow(clippy::too_many_arguments)]
-    pub fn attention(&self, gpu: &Kernels<R>, layer: usize, heads: usize, max_blocks: usize, q_lat: &R::Buf<f32>, q_rope: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, scale: f32, ctx: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    pub fn attention(
+        &self,
+        gpu: &Kernels<R>,
+        layer: usize,
+        heads: usize,
+        max_blocks: usize,
+        q_lat: &R::Buf<f32>,
+        q_rope: &R::Buf<f32>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        scale: f32,
+        ctx: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         let g = LatentGeometry { heads, lora: self.lora, rope: self.rope, block_size: self.block_size, max_blocks };
-        match self.layers.get(layer).ok_or_else(|| bad(format!("latent attention: no layer {layer} of {}", self.layers.len())))? {
+        match self
+            .layers
+            .get(layer)
+            .ok_or_else(|| bad(format!("latent attention: no layer {layer} of {}", self.layers.len())))?
+        {
             KvLayer::F32 { k, v } => gpu.mla_attention_f32(&g, q_lat, q_rope, k, v, tables, lens, scale, ctx),
             KvLayer::Bf16 { k, v } => gpu.mla_attention_bf16(&g, q_lat, q_rope, k, v, tables, lens, scale, ctx),
-            KvLayer::Fp8 { k, v, ks, vs } => gpu.mla_attention_fp8(&g, q_lat, q_rope, k, v, ks, vs, tables, lens, scale, ctx),
+            KvLayer::Fp8 { k, v, ks, vs } => {
+                gpu.mla_attention_fp8(&g, q_lat, q_rope, k, v, ks, vs, tables, lens, scale, ctx)
+            }
         }
     }
 }

@@ -13,7 +13,9 @@ pub mod runtime;
 
 pub use crate::cpu::mla::LatentGeometry;
 pub use kda::KdaGeometry;
-pub use kernels::{DevGrouped, DevMxfp4, DevPacked, GemmScratch, Kernels, MatmulPath, PagedGeometry, QuantWeight, GEMM_MIN_TOKENS};
+pub use kernels::{
+    DevGrouped, DevMxfp4, DevPacked, GemmScratch, Kernels, MatmulPath, PagedGeometry, QuantWeight, GEMM_MIN_TOKENS,
+};
 pub use latent_pool::DeviceLatentPool;
 pub use moe::{ExpertGroups, ExpertSlots, ExpertWeight, MoePlan, MoeTiles, Routed};
 pub use recurrent_pool::DeviceRecurrentPool;

@@ -109,9 +109,19 @@ fn fits_i32(v: usize) -> bool {
 impl<R: Runtime> Kernels<R> {
     /// `out[n, rows] = x[n, cols] · Wᵀ`, f32 weights (the router: its choice must not depend on
     /// bf16 rounding). The GEMV kernel shape: one warp per row, `TOK` tokens per grid row.
-    pub fn matmul_f32(&self, x: &R::Buf<f32>, w: &R::Buf<f32>, out: &mut R::Buf<f32>, n: usize, rows: usize, cols: usize) -> Result<(), CudaError> {
+    pub fn matmul_f32(
+        &self,
+        x: &R::Buf<f32>,
+        w: &R::Buf<f32>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(), CudaError> {
         Self::check_gemv(rows, cols, x, out, n)?;
-        check(w.len() >= rows * cols && fits_i32(rows) && fits_i32(cols), || format!("matmul_f32: {} weights for {rows}x{cols}", w.len()))?;
+        check(w.len() >= rows * cols && fits_i32(rows) && fits_i32(cols), || {
+            format!("matmul_f32: {} weights for {rows}x{cols}", w.len())
+        })?;
         check(n.div_ceil(TOK) <= 65535, || format!("matmul_f32: {n} tokens exceed 65535 grid rows of {TOK}"))?;
         let args = [A::F32s(w), A::F32s(x), A::F32s(out), A::I32(rows as i32), A::I32(cols as i32), A::I32(n as i32)];
         self.go("matmul_f32", Self::gemv_dims(rows, n), &args)
@@ -123,15 +133,31 @@ impl<R: Runtime> Kernels<R> {
     /// = experts[a] - held.start` when `held` contains it, else `held.len()`. One block (one warp)
     /// per token. Errors: more than 1024 experts, `top_k` outside `1..=min(32, num_experts)`,
     /// `n_group` not dividing `num_experts`, `held` not inside `0..num_experts`, short buffers.
-    pub fn moe_route(&self, logits: &R::Buf<f32>, bias: Option<&R::Buf<f32>>, spec: &RouterSpec, n: usize, held: Range<usize>, out: &mut Routed<R>) -> Result<(), CudaError> {
+    pub fn moe_route(
+        &self,
+        logits: &R::Buf<f32>,
+        bias: Option<&R::Buf<f32>>,
+        spec: &RouterSpec,
+        n: usize,
+        held: Range<usize>,
+        out: &mut Routed<R>,
+    ) -> Result<(), CudaError> {
         let (e, k) = (spec.num_experts, spec.top_k);
         check((1..=MAX_ROUTED_EXPERTS).contains(&e), || format!("moe_route: {e} experts (1..={MAX_ROUTED_EXPERTS})"))?;
-        check((1..=MAX_TOP_K.min(e)).contains(&k), || format!("moe_route: top-{k} of {e} experts (at most {MAX_TOP_K})"))?;
-        check(spec.n_group > 0 && e.is_multiple_of(spec.n_group), || format!("moe_route: {e} experts do not split into {} groups", spec.n_group))?;
+        check((1..=MAX_TOP_K.min(e)).contains(&k), || {
+            format!("moe_route: top-{k} of {e} experts (at most {MAX_TOP_K})")
+        })?;
+        check(spec.n_group > 0 && e.is_multiple_of(spec.n_group), || {
+            format!("moe_route: {e} experts do not split into {} groups", spec.n_group)
+        })?;
         check(held.start <= held.end && held.end <= e, || format!("moe_route: held experts {held:?} outside 0..{e}"))?;
-        check(logits.len() >= n * e && bias.is_none_or(|b| b.len() >= e), || format!("moe_route: {} logits for {n} x {e}, bias {:?}", logits.len(), bias.map(|b| b.len())))?;
+        check(logits.len() >= n * e && bias.is_none_or(|b| b.len() >= e), || {
+            format!("moe_route: {} logits for {n} x {e}, bias {:?}", logits.len(), bias.map(|b| b.len()))
+        })?;
         let (ex, w, l) = (&out.experts, &out.weights, &out.local);
-        check(ex.len() >= n * k && w.len() >= n * k && l.len() >= n * k, || format!("moe_route: outputs {} / {} / {} for {n} x {k}", ex.len(), w.len(), l.len()))?;
+        check(ex.len() >= n * k && w.len() >= n * k && l.len() >= n * k, || {
+            format!("moe_route: outputs {} / {} / {} for {n} x {k}", ex.len(), w.len(), l.len())
+        })?;
         check(fits_i32(n), || format!("moe_route: {n} tokens in one launch"))?;
         if n == 0 {
             return Ok(()); // CUDA refuses an empty grid
@@ -177,8 +203,16 @@ impl<R: Runtime> Kernels<R> {
         let offsets = self.zeros::<i32>(num_experts + 1)?;
         let order = self.zeros::<i32>(a)?;
         self.go("moe_count", Self::flat_dims(a), &[A::I32s(experts), A::I32(a as i32), A::I32s(&counts)])?;
-        self.go("moe_offsets", Dims::new((1, 1, 1), 32), &[A::I32s(&counts), A::I32(num_experts as i32), A::I32s(&offsets)])?;
-        self.go("moe_scatter", Dims::new((num_experts as u32, 1, 1), 256), &[A::I32s(experts), A::I32(a as i32), A::I32s(&offsets), A::I32s(&order)])?;
+        self.go(
+            "moe_offsets",
+            Dims::new((1, 1, 1), 32),
+            &[A::I32s(&counts), A::I32(num_experts as i32), A::I32s(&offsets)],
+        )?;
+        self.go(
+            "moe_scatter",
+            Dims::new((num_experts as u32, 1, 1), 256),
+            &[A::I32s(experts), A::I32(a as i32), A::I32s(&offsets), A::I32s(&order)],
+        )?;
         Ok((offsets, order))
     }
 
@@ -191,13 +225,32 @@ impl<R: Runtime> Kernels<R> {
 
     /// As [`Self::moe_tiles`], leaving out the experts with more than `max_slots` slots (those
     /// [`Self::moe_plan`] gives to the GEMM).
-    pub fn moe_tiles_up_to(&self, offsets: &R::Buf<i32>, held: usize, assignments: usize, max_slots: usize) -> Result<MoeTiles<R>, CudaError> {
+    pub fn moe_tiles_up_to(
+        &self,
+        offsets: &R::Buf<i32>,
+        held: usize,
+        assignments: usize,
+        max_slots: usize,
+    ) -> Result<MoeTiles<R>, CudaError> {
         check(offsets.len() > held, || format!("moe_tiles: {} offsets for {held} experts", offsets.len()))?;
-        check(fits_i32(held) && fits_i32(3 * assignments), || format!("moe_tiles: {held} experts, {assignments} assignments"))?;
+        check(fits_i32(held) && fits_i32(3 * assignments), || {
+            format!("moe_tiles: {held} experts, {assignments} assignments")
+        })?;
         let tiles = self.zeros::<i32>(3 * assignments)?;
         let count = self.zeros::<i32>(1)?;
         let max_slots = A::I32(max_slots.min(i32::MAX as usize) as i32);
-        self.go("moe_tiles", Dims::new((1, 1, 1), 32), &[A::I32s(offsets), A::I32(held as i32), A::I32(assignments as i32), max_slots, A::I32s(&tiles), A::I32s(&count)])?;
+        self.go(
+            "moe_tiles",
+            Dims::new((1, 1, 1), 32),
+            &[
+                A::I32s(offsets),
+                A::I32(held as i32),
+                A::I32(assignments as i32),
+                max_slots,
+                A::I32s(&tiles),
+                A::I32s(&count),
+            ],
+        )?;
         Ok(MoeTiles { tiles, count })
     }
 
@@ -212,7 +265,14 @@ impl<R: Runtime> Kernels<R> {
     /// synchronisation per layer, small next to a prefill's GEMMs) to size the GEMMs. `gemm`
     /// false (f32 experts, the exact checks whose GEMV keeps f32 activations) always plans tiles
     /// only.
-    pub fn moe_plan(&self, offsets: &R::Buf<i32>, held: usize, assignments: usize, tokens: usize, gemm: bool) -> Result<MoePlan<R>, CudaError> {
+    pub fn moe_plan(
+        &self,
+        offsets: &R::Buf<i32>,
+        held: usize,
+        assignments: usize,
+        tokens: usize,
+        gemm: bool,
+    ) -> Result<MoePlan<R>, CudaError> {
         if !gemm || tokens <= GEMM_MIN_TOKENS {
             return Ok(MoePlan { tiles: self.moe_tiles(offsets, held, assignments)?, gemm: Vec::new() });
         }
@@ -235,7 +295,18 @@ impl<R: Runtime> Kernels<R> {
     /// checks: [`Self::moe_plan`] gives them none) and scratch for `slots × cols` activations
     /// (and, packed, `rows_per_expert × cols` weights).
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_matmul(&self, w: ExpertWeight<'_, R>, rows_per_expert: usize, x: &R::Buf<f32>, x_div: usize, order: &R::Buf<i32>, plan: &MoePlan<R>, out: &mut R::Buf<f32>, assignments: usize, scratch: &mut GemmScratch<R>) -> Result<(), CudaError> {
+    pub fn moe_matmul(
+        &self,
+        w: ExpertWeight<'_, R>,
+        rows_per_expert: usize,
+        x: &R::Buf<f32>,
+        x_div: usize,
+        order: &R::Buf<i32>,
+        plan: &MoePlan<R>,
+        out: &mut R::Buf<f32>,
+        assignments: usize,
+        scratch: &mut GemmScratch<R>,
+    ) -> Result<(), CudaError> {
         // The GEMM experts' checks first, so a call that fails launches nothing; moe_gemv then
         // checks the weight's format and the buffers the gather reads (their slots are
         // assignments) before its own launch.
@@ -245,19 +316,41 @@ impl<R: Runtime> Kernels<R> {
             let weights = match w {
                 ExpertWeight::Quant(_) => rows_per_expert * cols,
                 ExpertWeight::Bf16 { .. } => 0,
-                ExpertWeight::F32 { .. } => return Err(CudaError::BadArgs("moe_matmul: the GEMM path takes packed or bf16 expert weights, not f32".into())),
+                ExpertWeight::F32 { .. } => {
+                    return Err(CudaError::BadArgs(
+                        "moe_matmul: the GEMM path takes packed or bf16 expert weights, not f32".into(),
+                    ))
+                }
             };
             let experts = w.rows() / rows_per_expert.max(1);
-            check(plan.gemm.iter().all(|s| s.expert < experts && s.first + s.slots <= assignments), || format!("moe_matmul: a GEMM expert outside {experts} experts / {assignments} assignments"))?;
-            check(scratch.x.len() >= widest * cols && scratch.weight.len() >= weights, || format!("moe_matmul: scratch holds {} activations / {} weights, need {widest} x {cols} / {weights}", scratch.x.len(), scratch.weight.len()))?;
-            check(fits_i32(cols) && fits_i32(rows_per_expert) && fits_i32(x_div), || format!("moe_matmul: {rows_per_expert}x{cols} exceeds 32-bit sizes"))?;
+            check(plan.gemm.iter().all(|s| s.expert < experts && s.first + s.slots <= assignments), || {
+                format!("moe_matmul: a GEMM expert outside {experts} experts / {assignments} assignments")
+            })?;
+            check(scratch.x.len() >= widest * cols && scratch.weight.len() >= weights, || {
+                format!(
+                    "moe_matmul: scratch holds {} activations / {} weights, need {widest} x {cols} / {weights}",
+                    scratch.x.len(),
+                    scratch.weight.len()
+                )
+            })?;
+            check(fits_i32(cols) && fits_i32(rows_per_expert) && fits_i32(x_div), || {
+                format!("moe_matmul: {rows_per_expert}x{cols} exceeds 32-bit sizes")
+            })?;
         }
         self.moe_gemv(w, rows_per_expert, x, x_div, order, &plan.tiles, out, assignments)?;
         let Some(widest) = widest else { return Ok(()) };
         let mut y = self.zeros::<f32>(widest * rows_per_expert)?;
         for s in &plan.gemm {
             let (first, slots) = (s.first as i32, s.slots as i32);
-            let gather = [A::F32s(x), A::I32(x_div as i32), A::I32s(order), A::I32(first), A::I32(slots), A::I32(cols as i32), A::U16s(&scratch.x)];
+            let gather = [
+                A::F32s(x),
+                A::I32(x_div as i32),
+                A::I32s(order),
+                A::I32(first),
+                A::I32(slots),
+                A::I32(cols as i32),
+                A::U16s(&scratch.x),
+            ];
             self.go("moe_gather_bf16", Self::row_dims(s.slots), &gather)?;
             let rows = s.expert * rows_per_expert..(s.expert + 1) * rows_per_expert;
             match w {
@@ -268,7 +361,14 @@ impl<R: Runtime> Kernels<R> {
                 ExpertWeight::Bf16 { w, .. } => self.gemm_bf16_rows(&scratch.x, w, rows, &mut y, s.slots, cols)?,
                 ExpertWeight::F32 { .. } => unreachable!("refused above"),
             }
-            let scatter = [A::F32s(&y), A::I32s(order), A::I32(first), A::I32(slots), A::I32(rows_per_expert as i32), A::F32s(out)];
+            let scatter = [
+                A::F32s(&y),
+                A::I32s(order),
+                A::I32(first),
+                A::I32(slots),
+                A::I32(rows_per_expert as i32),
+                A::F32s(out),
+            ];
             self.go("moe_scatter_rows", Self::row_dims(s.slots), &scatter)?;
         }
         Ok(())
@@ -281,17 +381,38 @@ impl<R: Runtime> Kernels<R> {
     /// untouched. `x_div` is `k` for a first projection (token rows) and 1 after it (assignment
     /// rows). INT weights take the 4-bit word kernel under the same condition as `int_gemv`.
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_gemv(&self, w: ExpertWeight<'_, R>, rows_per_expert: usize, x: &R::Buf<f32>, x_div: usize, order: &R::Buf<i32>, tiles: &MoeTiles<R>, out: &mut R::Buf<f32>, assignments: usize) -> Result<(), CudaError> {
+    pub fn moe_gemv(
+        &self,
+        w: ExpertWeight<'_, R>,
+        rows_per_expert: usize,
+        x: &R::Buf<f32>,
+        x_div: usize,
+        order: &R::Buf<i32>,
+        tiles: &MoeTiles<R>,
+        out: &mut R::Buf<f32>,
+        assignments: usize,
+    ) -> Result<(), CudaError> {
         let (rows, cols) = (w.rows(), w.cols());
-        check(rows_per_expert > 0 && rows.is_multiple_of(rows_per_expert) && x_div > 0, || format!("moe_gemv: {rows} rows in experts of {rows_per_expert}, x_div {x_div}"))?;
-        check(fits_i32(rows) && fits_i32(cols) && fits_i32(3 * assignments) && fits_i32(x_div), || format!("moe_gemv: {rows}x{cols}, {assignments} assignments exceed 32-bit sizes"))?;
+        check(rows_per_expert > 0 && rows.is_multiple_of(rows_per_expert) && x_div > 0, || {
+            format!("moe_gemv: {rows} rows in experts of {rows_per_expert}, x_div {x_div}")
+        })?;
+        check(fits_i32(rows) && fits_i32(cols) && fits_i32(3 * assignments) && fits_i32(x_div), || {
+            format!("moe_gemv: {rows}x{cols}, {assignments} assignments exceed 32-bit sizes")
+        })?;
         if assignments == 0 {
             return Ok(()); // no tiles; CUDA refuses an empty grid
         }
         let x_rows = (assignments - 1) / x_div + 1;
-        check(order.len() >= assignments && x.len() >= x_rows * cols && out.len() >= assignments * rows_per_expert, || format!("moe_gemv: order {} / x {} / out {} for {assignments} assignments of {rows_per_expert}x{cols}, x_div {x_div}", order.len(), x.len(), out.len()))?;
+        check(
+            order.len() >= assignments && x.len() >= x_rows * cols && out.len() >= assignments * rows_per_expert,
+            || {
+                format!("moe_gemv: order {} / x {} / out {} for {assignments} assignments of {rows_per_expert}x{cols}, x_div {x_div}", order.len(), x.len(), out.len())
+            },
+        )?;
         // The kernel reads at most min(count[0], assignments) tiles.
-        check(tiles.tiles.len() >= 3 * assignments && !tiles.count.is_empty(), || format!("moe_gemv: {} tile entries for {assignments} assignments", tiles.tiles.len()))?;
+        check(tiles.tiles.len() >= 3 * assignments && !tiles.count.is_empty(), || {
+            format!("moe_gemv: {} tile entries for {assignments} assignments", tiles.tiles.len())
+        })?;
         let tail = [
             A::F32s(x),
             A::I32(x_div as i32),
@@ -327,7 +448,16 @@ impl<R: Runtime> Kernels<R> {
                 }
             }
             ExpertWeight::Quant(QuantWeight::Mxfp4(m)) => {
-                check(cols.is_multiple_of(32) && m.packed.len() >= rows * cols / 2 && m.scales.len() >= rows * cols / 32, || format!("moe_gemv MXFP4 {rows}x{cols}: {} code bytes, {} scales", m.packed.len(), m.scales.len()))?;
+                check(
+                    cols.is_multiple_of(32) && m.packed.len() >= rows * cols / 2 && m.scales.len() >= rows * cols / 32,
+                    || {
+                        format!(
+                            "moe_gemv MXFP4 {rows}x{cols}: {} code bytes, {} scales",
+                            m.packed.len(),
+                            m.scales.len()
+                        )
+                    },
+                )?;
                 ("moe_mxfp4_gemv", vec![A::U8s(&m.packed), A::U8s(&m.scales)], vec![])
             }
         };
@@ -338,20 +468,55 @@ impl<R: Runtime> Kernels<R> {
     /// One warp per expert row (gridDim.x); tiles grid-strided over gridDim.y (at most
     /// `assignments` of them, CUDA caps gridDim.y at 65535).
     fn moe_gemv_dims(rows_per_expert: usize, assignments: usize) -> Dims {
-        Dims::new((rows_per_expert.div_ceil(GEMV_WARPS) as u32, assignments.clamp(1, 65535) as u32, 1), (GEMV_WARPS * 32) as u32)
+        Dims::new(
+            (rows_per_expert.div_ceil(GEMV_WARPS) as u32, assignments.clamp(1, 65535) as u32, 1),
+            (GEMV_WARPS * 32) as u32,
+        )
     }
 
     /// `out[t, :] += Σ_j weights[a] · y[a, :]` over the `k` assignments `a = t*k + j` with
     /// `local[a] < held` (`y` `[n*k, d]`), accumulated in increasing `j` with fused multiply-adds.
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_combine(&self, y: &R::Buf<f32>, weights: &R::Buf<f32>, local: &R::Buf<i32>, held: usize, n: usize, k: usize, d: usize, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
-        check(k > 0 && y.len() >= n * k * d && weights.len() >= n * k && local.len() >= n * k && out.len() >= n * d, || format!("moe_combine: y {} / weights {} / local {} / out {} for {n} tokens x {k} of {d}", y.len(), weights.len(), local.len(), out.len()))?;
-        check(fits_i32(held) && fits_i32(n) && fits_i32(k) && fits_i32(d), || format!("moe_combine: {n} x {k} x {d} exceed 32-bit sizes"))?;
+    pub fn moe_combine(
+        &self,
+        y: &R::Buf<f32>,
+        weights: &R::Buf<f32>,
+        local: &R::Buf<i32>,
+        held: usize,
+        n: usize,
+        k: usize,
+        d: usize,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
+        check(
+            k > 0 && y.len() >= n * k * d && weights.len() >= n * k && local.len() >= n * k && out.len() >= n * d,
+            || {
+                format!(
+                    "moe_combine: y {} / weights {} / local {} / out {} for {n} tokens x {k} of {d}",
+                    y.len(),
+                    weights.len(),
+                    local.len(),
+                    out.len()
+                )
+            },
+        )?;
+        check(fits_i32(held) && fits_i32(n) && fits_i32(k) && fits_i32(d), || {
+            format!("moe_combine: {n} x {k} x {d} exceed 32-bit sizes")
+        })?;
         if n * d == 0 {
             return Ok(());
         }
         let dims = Self::elementwise_dims("moe_combine", n * d)?;
-        let args = [A::F32s(y), A::F32s(weights), A::I32s(local), A::I32(held as i32), A::I32(n as i32), A::I32(k as i32), A::I32(d as i32), A::F32s(out)];
+        let args = [
+            A::F32s(y),
+            A::F32s(weights),
+            A::I32s(local),
+            A::I32(held as i32),
+            A::I32(n as i32),
+            A::I32(k as i32),
+            A::I32(d as i32),
+            A::F32s(out),
+        ];
         self.go("moe_combine", dims, &args)
     }
 }

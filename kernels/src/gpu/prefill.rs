@@ -38,7 +38,11 @@ impl PrefillKernel {
     /// undo what `--kv-cache-dtype float32` asks for.
     pub fn choose(storage: KvStorage, head_dim: usize, bf16_mma: bool) -> Self {
         let shape_fits = head_dim.is_multiple_of(16) && head_dim > 0 && head_dim <= FLASH_MAX_HEAD_DIM;
-        if bf16_mma && shape_fits && storage != KvStorage::F32 { PrefillKernel::TensorCores } else { PrefillKernel::CudaCores }
+        if bf16_mma && shape_fits && storage != KvStorage::F32 {
+            PrefillKernel::TensorCores
+        } else {
+            PrefillKernel::CudaCores
+        }
     }
 
     /// Query vectors per block.
@@ -81,19 +85,79 @@ impl<R: Runtime> Kernels<R> {
     /// rows outside the tiles are left untouched. The caller guarantees what the kernel assumes:
     /// each tile is one run, block tables and lengths inside the pool.
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_prefill_f32(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<f32>, v: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
-        self.paged_prefill("paged_prefill_f32", g, q, vec![A::F32s(k), A::F32s(v)], tables, lens, tiles, num_tiles, scale, out)
+    pub fn paged_prefill_f32(
+        &self,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        k: &R::Buf<f32>,
+        v: &R::Buf<f32>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        tiles: &R::Buf<i32>,
+        num_tiles: usize,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
+        self.paged_prefill(
+            "paged_prefill_f32",
+            g,
+            q,
+            vec![A::F32s(k), A::F32s(v)],
+            tables,
+            lens,
+            tiles,
+            num_tiles,
+            scale,
+            out,
+        )
     }
 
     /// As [`Self::paged_prefill_f32`] over bf16 (bit patterns) K/V blocks.
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_prefill_bf16(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<u16>, v: &R::Buf<u16>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
-        self.paged_prefill("paged_prefill_bf16", g, q, vec![A::U16s(k), A::U16s(v)], tables, lens, tiles, num_tiles, scale, out)
+    pub fn paged_prefill_bf16(
+        &self,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        k: &R::Buf<u16>,
+        v: &R::Buf<u16>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        tiles: &R::Buf<i32>,
+        num_tiles: usize,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
+        self.paged_prefill(
+            "paged_prefill_bf16",
+            g,
+            q,
+            vec![A::U16s(k), A::U16s(v)],
+            tables,
+            lens,
+            tiles,
+            num_tiles,
+            scale,
+            out,
+        )
     }
 
     /// As [`Self::paged_prefill_f32`] over E4M3 K/V blocks with one scale per (row, kv head).
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_prefill_fp8(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<u8>, v: &R::Buf<u8>, k_scales: &R::Buf<f32>, v_scales: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    pub fn paged_prefill_fp8(
+        &self,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        k: &R::Buf<u8>,
+        v: &R::Buf<u8>,
+        k_scales: &R::Buf<f32>,
+        v_scales: &R::Buf<f32>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        tiles: &R::Buf<i32>,
+        num_tiles: usize,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         let cache = vec![A::U8s(k), A::U8s(v), A::F32s(k_scales), A::F32s(v_scales)];
         self.paged_prefill("paged_prefill_fp8", g, q, cache, tables, lens, tiles, num_tiles, scale, out)
     }
@@ -102,42 +166,139 @@ impl<R: Runtime> Kernels<R> {
     /// `tiles` planned with its [`PrefillKernel::rows_per_tile`]; an error where
     /// [`PrefillKernel::choose`] would not pick it (head_dim, no bf16 MMA).
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_flash_prefill_bf16(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<u16>, v: &R::Buf<u16>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    pub fn paged_flash_prefill_bf16(
+        &self,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        k: &R::Buf<u16>,
+        v: &R::Buf<u16>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        tiles: &R::Buf<i32>,
+        num_tiles: usize,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         self.check_flash("paged_flash_prefill_bf16", g, KvStorage::Bf16)?;
-        self.prefill_launch("paged_flash_prefill_bf16", PrefillKernel::TensorCores, g, q, vec![A::U16s(k), A::U16s(v)], tables, lens, tiles, num_tiles, scale, out)
+        self.prefill_launch(
+            "paged_flash_prefill_bf16",
+            PrefillKernel::TensorCores,
+            g,
+            q,
+            vec![A::U16s(k), A::U16s(v)],
+            tables,
+            lens,
+            tiles,
+            num_tiles,
+            scale,
+            out,
+        )
     }
 
     /// As [`Self::paged_flash_prefill_bf16`] over E4M3 K/V blocks with one scale per (row, kv head).
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_flash_prefill_fp8(&self, g: &PagedGeometry, q: &R::Buf<f32>, k: &R::Buf<u8>, v: &R::Buf<u8>, k_scales: &R::Buf<f32>, v_scales: &R::Buf<f32>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    pub fn paged_flash_prefill_fp8(
+        &self,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        k: &R::Buf<u8>,
+        v: &R::Buf<u8>,
+        k_scales: &R::Buf<f32>,
+        v_scales: &R::Buf<f32>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        tiles: &R::Buf<i32>,
+        num_tiles: usize,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         self.check_flash("paged_flash_prefill_fp8", g, KvStorage::Fp8)?;
         let cache = vec![A::U8s(k), A::U8s(v), A::F32s(k_scales), A::F32s(v_scales)];
-        self.prefill_launch("paged_flash_prefill_fp8", PrefillKernel::TensorCores, g, q, cache, tables, lens, tiles, num_tiles, scale, out)
+        self.prefill_launch(
+            "paged_flash_prefill_fp8",
+            PrefillKernel::TensorCores,
+            g,
+            q,
+            cache,
+            tables,
+            lens,
+            tiles,
+            num_tiles,
+            scale,
+            out,
+        )
     }
 
     fn check_flash(&self, name: &str, g: &PagedGeometry, storage: KvStorage) -> Result<(), CudaError> {
         let chosen = PrefillKernel::choose(storage, g.head_dim, self.rt.bf16_mma());
-        check(chosen == PrefillKernel::TensorCores, || format!("{name}: head_dim {} (a multiple of 16 up to {FLASH_MAX_HEAD_DIM}) on {} (bf16 MMA: {})", g.head_dim, self.rt.describe(), self.rt.bf16_mma()))
+        check(chosen == PrefillKernel::TensorCores, || {
+            format!(
+                "{name}: head_dim {} (a multiple of 16 up to {FLASH_MAX_HEAD_DIM}) on {} (bf16 MMA: {})",
+                g.head_dim,
+                self.rt.describe(),
+                self.rt.bf16_mma()
+            )
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn paged_prefill(&self, name: &'static str, g: &PagedGeometry, q: &R::Buf<f32>, cache: Vec<A<'_, R>>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    fn paged_prefill(
+        &self,
+        name: &'static str,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        cache: Vec<A<'_, R>>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        tiles: &R::Buf<i32>,
+        num_tiles: usize,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         self.prefill_launch(name, PrefillKernel::CudaCores, g, q, cache, tables, lens, tiles, num_tiles, scale, out)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn prefill_launch(&self, name: &'static str, kernel: PrefillKernel, g: &PagedGeometry, q: &R::Buf<f32>, cache: Vec<A<'_, R>>, tables: &R::Buf<i32>, lens: &R::Buf<i32>, tiles: &R::Buf<i32>, num_tiles: usize, scale: f32, out: &mut R::Buf<f32>) -> Result<(), CudaError> {
+    fn prefill_launch(
+        &self,
+        name: &'static str,
+        kernel: PrefillKernel,
+        g: &PagedGeometry,
+        q: &R::Buf<f32>,
+        cache: Vec<A<'_, R>>,
+        tables: &R::Buf<i32>,
+        lens: &R::Buf<i32>,
+        tiles: &R::Buf<i32>,
+        num_tiles: usize,
+        scale: f32,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), CudaError> {
         Self::attn_check(g, q, tables, lens, out)?;
-        check(tiles.len() >= 2 * num_tiles && num_tiles <= i32::MAX as usize, || format!("{name}: {} tile entries for {num_tiles} tiles", tiles.len()))?;
+        check(tiles.len() >= 2 * num_tiles && num_tiles <= i32::MAX as usize, || {
+            format!("{name}: {} tile entries for {num_tiles} tiles", tiles.len())
+        })?;
         let group = g.heads / g.kv_heads;
         let z = (kernel.rows_per_tile(group) * group).div_ceil(kernel.vectors());
-        check(g.kv_heads <= 65535 && z <= 65535, || format!("{name}: {} kv heads of {group} query heads exceed one launch's grid", g.kv_heads))?;
+        check(g.kv_heads <= 65535 && z <= 65535, || {
+            format!("{name}: {} kv heads of {group} query heads exceed one launch's grid", g.kv_heads)
+        })?;
         if num_tiles == 0 {
             return Ok(()); // no prompt chunk in the batch; CUDA refuses an empty grid
         }
         let mut args = vec![A::F32s(q)];
         args.extend(cache);
-        args.extend([A::I32s(tables), A::I32s(lens), A::I32s(tiles), A::F32s(out), A::I32(g.heads as i32), A::I32(g.kv_heads as i32), A::I32(g.head_dim as i32), A::I32(g.block_size as i32), A::I32(g.max_blocks as i32), A::F32(scale)]);
+        args.extend([
+            A::I32s(tables),
+            A::I32s(lens),
+            A::I32s(tiles),
+            A::F32s(out),
+            A::I32(g.heads as i32),
+            A::I32(g.kv_heads as i32),
+            A::I32(g.head_dim as i32),
+            A::I32(g.block_size as i32),
+            A::I32(g.max_blocks as i32),
+            A::F32(scale),
+        ]);
         let threads = match kernel {
             PrefillKernel::CudaCores => PREFILL_VECS / 2 * 32, // 2 vectors per warp
             PrefillKernel::TensorCores => FLASH_VECS / 16 * 32, // 16 per warp

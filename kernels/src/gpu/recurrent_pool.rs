@@ -25,16 +25,33 @@ pub struct DeviceRecurrentPool<R: Runtime> {
 
 impl<R: Runtime> DeviceRecurrentPool<R> {
     /// `layers` KDA layers of `heads` x `head_dim` with a `kernel`-tap conv over 3*heads*head_dim channels; zeroed.
-    pub fn new(gpu: &Kernels<R>, layers: usize, slots: usize, heads: usize, head_dim: usize, kernel: usize) -> Result<Self, CudaError> {
+    pub fn new(
+        gpu: &Kernels<R>,
+        layers: usize,
+        slots: usize,
+        heads: usize,
+        head_dim: usize,
+        kernel: usize,
+    ) -> Result<Self, CudaError> {
         if slots == 0 || heads == 0 || head_dim == 0 || kernel < 2 {
-            return Err(bad(format!("recurrent pool: {slots} slots, {heads} heads of {head_dim}, kernel {kernel} (at least 2)")));
+            return Err(bad(format!(
+                "recurrent pool: {slots} slots, {heads} heads of {head_dim}, kernel {kernel} (at least 2)"
+            )));
         }
         let mut pool = Self { slots, heads, head_dim, kernel, layers: Vec::with_capacity(layers) };
         for _ in 0..layers {
             let (conv, recurrent) = (gpu.zeros(slots * pool.conv_len())?, gpu.zeros(slots * pool.recurrent_len())?);
             pool.layers.push(LayerState { conv, recurrent });
         }
-        tracing::info!(layers, slots, heads, head_dim, kernel, bytes = 4 * layers * slots * (pool.conv_len() + pool.recurrent_len()), "device KDA state pool allocated");
+        tracing::info!(
+            layers,
+            slots,
+            heads,
+            head_dim,
+            kernel,
+            bytes = 4 * layers * slots * (pool.conv_len() + pool.recurrent_len()),
+            "device KDA state pool allocated"
+        );
         Ok(pool)
     }
 

@@ -79,7 +79,16 @@ pub trait Runtime {
     /// `out[n, m] (f32) = x[n, k] (bf16) · W[m, k]ᵀ (bf16)`, f32 accumulation (cuBLAS on CUDA),
     /// where W is rows `w_row0..w_row0 + m` of `w` (one expert of an expert-stacked weight).
     #[allow(clippy::too_many_arguments)]
-    fn gemm_bf16(&self, x: &Self::Buf<u16>, w: &Self::Buf<u16>, w_row0: usize, out: &mut Self::Buf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError>;
+    fn gemm_bf16(
+        &self,
+        x: &Self::Buf<u16>,
+        w: &Self::Buf<u16>,
+        w_row0: usize,
+        out: &mut Self::Buf<f32>,
+        n: usize,
+        k: usize,
+        m: usize,
+    ) -> Result<(), CudaError>;
     /// Whether kernels may issue bf16 tensor-core MMAs (`mma_bf16_16816` in cuda/prelude.cuh:
     /// sm_80 and later). The simulator emulates them.
     fn bf16_mma(&self) -> bool {

@@ -59,7 +59,16 @@ pub const BUILT: bool = cfg!(wasmserve_sim);
 /// # Safety
 /// Every pointer argument must point at memory large enough for what the kernel accesses, and
 /// ranges of one grid running at once on other threads must not race (CUDA's rules for blocks).
-pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[*mut c_void], kinds: &str, blocks: std::ops::Range<u64>, reverse: bool) -> Result<(), String> {
+pub unsafe fn launch(
+    kernel: &str,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_bytes: u32,
+    args: &[*mut c_void],
+    kinds: &str,
+    blocks: std::ops::Range<u64>,
+    reverse: bool,
+) -> Result<(), String> {
     let name = CString::new(kernel).map_err(|_| format!("kernel name {kernel:?} contains a NUL byte"))?;
     let kinds = CString::new(kinds).expect("kinds are ASCII letters");
     #[cfg(wasmserve_sim)]
@@ -67,7 +76,21 @@ pub unsafe fn launch(kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes
         let mut err = vec![0 as c_char; 1024];
         // SAFETY: the strings are NUL-terminated, the arrays have the lengths the C side reads,
         // and the caller guarantees the arguments (see above).
-        let rc = unsafe { wsim_launch(name.as_ptr(), grid.as_ptr(), block.as_ptr(), shared_bytes, args.as_ptr() as *mut *mut c_void, kinds.as_ptr(), blocks.start, blocks.end - blocks.start, reverse as c_int, err.as_mut_ptr(), err.len()) };
+        let rc = unsafe {
+            wsim_launch(
+                name.as_ptr(),
+                grid.as_ptr(),
+                block.as_ptr(),
+                shared_bytes,
+                args.as_ptr() as *mut *mut c_void,
+                kinds.as_ptr(),
+                blocks.start,
+                blocks.end - blocks.start,
+                reverse as c_int,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
         if rc == 0 {
             Ok(())
         } else {
@@ -98,4 +121,5 @@ pub fn signature(kernel: &str) -> Option<String> {
     }
 }
 
-pub const NOT_BUILT: &str = "the CUDA simulator was not built (no C++ compiler was found when the kernels crate was compiled)";
+pub const NOT_BUILT: &str =
+    "the CUDA simulator was not built (no C++ compiler was found when the kernels crate was compiled)";

@@ -122,7 +122,9 @@ impl Runtime for SimRuntime {
         "CPU simulator".into()
     }
     fn upload<T: Elem>(&self, host: &[T]) -> Result<SimBuf<T>, CudaError> {
-        SimBuf::from_slice(host).ok_or_else(|| sim_err("simulated device memory", format!("out of memory for {} bytes", std::mem::size_of_val(host))))
+        SimBuf::from_slice(host).ok_or_else(|| {
+            sim_err("simulated device memory", format!("out of memory for {} bytes", std::mem::size_of_val(host)))
+        })
     }
     fn download<T: Elem>(&self, buf: &SimBuf<T>) -> Result<Vec<T>, CudaError> {
         Ok(buf.to_vec())
@@ -131,7 +133,9 @@ impl Runtime for SimRuntime {
         self.upload(&vec![T::default(); n.max(1)])
     }
     fn write<T: Elem>(&self, buf: &mut SimBuf<T>, offset: usize, host: &[T]) -> Result<(), CudaError> {
-        gpu::kernels::check(offset.checked_add(host.len()).is_some_and(|end| end <= buf.len()), || format!("write of {} at {offset} into {}", host.len(), buf.len()))?;
+        gpu::kernels::check(offset.checked_add(host.len()).is_some_and(|end| end <= buf.len()), || {
+            format!("write of {} at {offset} into {}", host.len(), buf.len())
+        })?;
         buf.write(offset, host);
         Ok(())
     }
@@ -172,7 +176,18 @@ impl Runtime for SimRuntime {
         // SAFETY: the caller guarantees buffer sizes (see `Runtime::launch`); the argument kinds
         // are checked against the kernel's signature on the C side; blocks of one grid do not
         // race under CUDA's rules, which the kernels follow.
-        let run = |r: std::ops::Range<u64>| unsafe { ffi::launch(kernel, grid, block, dims.shared_mem_bytes, ptrs.get(), &kinds, r, self.order == ThreadOrder::Reverse) };
+        let run = |r: std::ops::Range<u64>| unsafe {
+            ffi::launch(
+                kernel,
+                grid,
+                block,
+                dims.shared_mem_bytes,
+                ptrs.get(),
+                &kinds,
+                r,
+                self.order == ThreadOrder::Reverse,
+            )
+        };
         let result = if threads > 1 && total > 1 {
             // A few ranges per thread so uneven blocks (attention over different lengths) balance.
             let chunk = total.div_ceil(threads * 4).max(1);
@@ -192,7 +207,10 @@ impl Runtime for SimRuntime {
                 _ => true,
             };
             if !intact {
-                return Err(sim_err("simulator", format!("{kernel}: argument {i} was written out of bounds (the padding around it changed)")));
+                return Err(sim_err(
+                    "simulator",
+                    format!("{kernel}: argument {i} was written out of bounds (the padding around it changed)"),
+                ));
             }
         }
         Ok(())
@@ -202,15 +220,29 @@ impl Runtime for SimRuntime {
     fn bf16_mma(&self) -> bool {
         self.bf16_mma
     }
-    fn gemm_bf16(&self, x: &SimBuf<u16>, w: &SimBuf<u16>, w_row0: usize, out: &mut SimBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
-        gpu::kernels::check(x.len() >= n * k && w.len() >= (w_row0 + m) * k && out.len() >= n * m, || "gemm_bf16: buffer sizes".into())?;
+    fn gemm_bf16(
+        &self,
+        x: &SimBuf<u16>,
+        w: &SimBuf<u16>,
+        w_row0: usize,
+        out: &mut SimBuf<f32>,
+        n: usize,
+        k: usize,
+        m: usize,
+    ) -> Result<(), CudaError> {
+        gpu::kernels::check(x.len() >= n * k && w.len() >= (w_row0 + m) * k && out.len() >= n * m, || {
+            "gemm_bf16: buffer sizes".into()
+        })?;
         let widen = |b: u16| f32::from_bits((b as u32) << 16);
         let (xs, ws) = (&x.as_slice()[..n * k], &w.as_slice()[w_row0 * k..(w_row0 + m) * k]);
         let mut res = vec![0.0f32; n * m];
         // One output element per task, each summed in k order: deterministic however rayon splits.
         res.par_iter_mut().enumerate().for_each(|(idx, o)| {
             let (i, j) = (idx / m, idx % m);
-            *o = xs[i * k..(i + 1) * k].iter().zip(&ws[j * k..(j + 1) * k]).fold(0.0f32, |acc, (&a, &b)| acc + widen(a) * widen(b));
+            *o = xs[i * k..(i + 1) * k]
+                .iter()
+                .zip(&ws[j * k..(j + 1) * k])
+                .fold(0.0f32, |acc, (&a, &b)| acc + widen(a) * widen(b));
         });
         out.write(0, &res);
         Ok(())

@@ -67,7 +67,11 @@ struct DevCsr<R: Runtime> {
 }
 
 fn upload_csr<R: Runtime>(g: &Kernels<R>, c: &Csr) -> DevCsr<R> {
-    DevCsr { seq_rows: g.upload(&c.seq_rows).unwrap(), seq_start: g.upload(&c.seq_start).unwrap(), seq_slot: g.upload(&c.seq_slot).unwrap() }
+    DevCsr {
+        seq_rows: g.upload(&c.seq_rows).unwrap(),
+        seq_start: g.upload(&c.seq_start).unwrap(),
+        seq_slot: g.upload(&c.seq_slot).unwrap(),
+    }
 }
 
 /// The convolution on 3·2·50 = 300 channels (a partial block) for kernels 4 and 2.
@@ -81,14 +85,37 @@ pub fn kda_conv_matches_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
         let weight = uniform(channels * kernel, seed + 1, -0.6, 0.6);
         let state0 = uniform(SLOTS * channels * (kernel - 1), seed + 2, -2.0, 2.0);
         let (mut want_out, mut want_state) = (vec![0.0f32; n * channels], state0.clone());
-        kda::conv_silu_batch(&mixed, &weight, &mut want_state, &whole.seq_rows, &whole.seq_start, &whole.seq_slot, channels, kernel, &mut want_out);
+        kda::conv_silu_batch(
+            &mixed,
+            &weight,
+            &mut want_state,
+            &whole.seq_rows,
+            &whole.seq_start,
+            &whole.seq_slot,
+            channels,
+            kernel,
+            &mut want_out,
+        );
 
         let (dm, dw) = (g.upload(&mixed).unwrap(), g.upload(&weight).unwrap());
         let run = |batches: &[&Csr]| {
             let (mut state, mut out) = (g.upload(&state0).unwrap(), g.zeros::<f32>(n * channels).unwrap());
             for c in batches {
                 let d = upload_csr(g, c);
-                g.kda_conv_silu(&dm, &dw, &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, LENS.len(), n, channels, kernel, &mut out).unwrap();
+                g.kda_conv_silu(
+                    &dm,
+                    &dw,
+                    &mut state,
+                    &d.seq_rows,
+                    &d.seq_start,
+                    &d.seq_slot,
+                    LENS.len(),
+                    n,
+                    channels,
+                    kernel,
+                    &mut out,
+                )
+                .unwrap();
             }
             (g.download(&out).unwrap(), g.download(&state).unwrap())
         };
@@ -103,13 +130,86 @@ pub fn kda_conv_matches_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let (dm, dw) = (g.zeros::<f32>(n * channels).unwrap(), g.zeros::<f32>(channels * kernel).unwrap());
     let (mut state, mut out) = (g.zeros::<f32>(SLOTS * channels * 3).unwrap(), g.zeros::<f32>(n * channels).unwrap());
     let seqs = LENS.len();
-    g.kda_conv_silu(&dm, &dw, &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, seqs, n, channels, kernel, &mut out).unwrap();
-    assert!(g.kda_conv_silu(&dm, &dw, &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, seqs, n + 1, channels, kernel, &mut out).is_err(), "more rows than mixed holds");
-    assert!(g.kda_conv_silu(&dm, &dw, &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, seqs, n, channels, 5, &mut out).is_err(), "more taps than weight holds");
-    assert!(g.kda_conv_silu(&dm, &g.zeros(channels * 9).unwrap(), &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, seqs, n, channels, 9, &mut out).is_err(), "kernel above KDA_MAX_KERNEL");
-    assert!(g.kda_conv_silu(&dm, &dw, &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, seqs, n, channels, 1, &mut out).is_err(), "kernel 1 (no history)");
-    assert!(g.kda_conv_silu(&dm, &dw, &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, seqs + 1, n, channels, kernel, &mut out).is_err(), "more sequences than seq_start / seq_slot hold");
-    assert!(g.kda_conv_silu(&dm, &dw, &mut g.zeros(channels * 3 - 1).unwrap(), &d.seq_rows, &d.seq_start, &d.seq_slot, seqs, n, channels, kernel, &mut out).is_err(), "conv_state without a whole slot");
+    g.kda_conv_silu(&dm, &dw, &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, seqs, n, channels, kernel, &mut out)
+        .unwrap();
+    assert!(
+        g.kda_conv_silu(
+            &dm,
+            &dw,
+            &mut state,
+            &d.seq_rows,
+            &d.seq_start,
+            &d.seq_slot,
+            seqs,
+            n + 1,
+            channels,
+            kernel,
+            &mut out
+        )
+        .is_err(),
+        "more rows than mixed holds"
+    );
+    assert!(
+        g.kda_conv_silu(&dm, &dw, &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, seqs, n, channels, 5, &mut out)
+            .is_err(),
+        "more taps than weight holds"
+    );
+    assert!(
+        g.kda_conv_silu(
+            &dm,
+            &g.zeros(channels * 9).unwrap(),
+            &mut state,
+            &d.seq_rows,
+            &d.seq_start,
+            &d.seq_slot,
+            seqs,
+            n,
+            channels,
+            9,
+            &mut out
+        )
+        .is_err(),
+        "kernel above KDA_MAX_KERNEL"
+    );
+    assert!(
+        g.kda_conv_silu(&dm, &dw, &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, seqs, n, channels, 1, &mut out)
+            .is_err(),
+        "kernel 1 (no history)"
+    );
+    assert!(
+        g.kda_conv_silu(
+            &dm,
+            &dw,
+            &mut state,
+            &d.seq_rows,
+            &d.seq_start,
+            &d.seq_slot,
+            seqs + 1,
+            n,
+            channels,
+            kernel,
+            &mut out
+        )
+        .is_err(),
+        "more sequences than seq_start / seq_slot hold"
+    );
+    assert!(
+        g.kda_conv_silu(
+            &dm,
+            &dw,
+            &mut g.zeros(channels * 3 - 1).unwrap(),
+            &d.seq_rows,
+            &d.seq_start,
+            &d.seq_slot,
+            seqs,
+            n,
+            channels,
+            kernel,
+            &mut out
+        )
+        .is_err(),
+        "conv_state without a whole slot"
+    );
 }
 
 /// The recurrence's inputs for `n` rows of `heads` x `hd`, at the magnitudes of a real layer
@@ -149,7 +249,21 @@ pub fn kda_recurrent_matches_cpu_for_both_gates_and_head_dims<R: Runtime>(g: &Ke
             let what = format!("kda_recurrent {heads}x{hd} lower_bound={lower_bound:?}");
             let x = rec_inputs(n, heads, hd, (hd * 10 + lower_bound.is_some() as usize) as u64);
             let (mut want_out, mut want_state) = (vec![0.0f32; n * heads * hd], x.state.clone());
-            kda::recurrent_batch(&x.conv, &x.f, &x.beta, &x.gate, &x.dt_bias, &x.decay_rate, &x.o_norm, &mut want_state, &whole.seq_rows, &whole.seq_start, &whole.seq_slot, &geo, &mut want_out);
+            kda::recurrent_batch(
+                &x.conv,
+                &x.f,
+                &x.beta,
+                &x.gate,
+                &x.dt_bias,
+                &x.decay_rate,
+                &x.o_norm,
+                &mut want_state,
+                &whole.seq_rows,
+                &whole.seq_start,
+                &whole.seq_slot,
+                &geo,
+                &mut want_out,
+            );
 
             let up = |v: &[f32]| g.upload(v).unwrap();
             let (conv, f, beta, gate) = (up(&x.conv), up(&x.f), up(&x.beta), up(&x.gate));
@@ -158,7 +272,22 @@ pub fn kda_recurrent_matches_cpu_for_both_gates_and_head_dims<R: Runtime>(g: &Ke
                 let (mut state, mut out) = (up(&x.state), g.zeros::<f32>(n * heads * hd).unwrap());
                 for c in batches {
                     let d = upload_csr(g, c);
-                    g.kda_recurrent(&conv, &f, &beta, &gate, &dt_bias, &decay_rate, &o_norm, &mut state, &d.seq_rows, &d.seq_start, &d.seq_slot, &geo, &mut out).unwrap();
+                    g.kda_recurrent(
+                        &conv,
+                        &f,
+                        &beta,
+                        &gate,
+                        &dt_bias,
+                        &decay_rate,
+                        &o_norm,
+                        &mut state,
+                        &d.seq_rows,
+                        &d.seq_start,
+                        &d.seq_slot,
+                        &geo,
+                        &mut out,
+                    )
+                    .unwrap();
                 }
                 (g.download(&out).unwrap(), g.download(&state).unwrap())
             };
@@ -178,17 +307,54 @@ pub fn kda_recurrent_matches_cpu_for_both_gates_and_head_dims<R: Runtime>(g: &Ke
     let (dt_bias, decay_rate, o_norm) = (up(&x.dt_bias), up(&x.decay_rate), up(&x.o_norm));
     let (mut state, mut out) = (up(&x.state), g.zeros::<f32>(n * heads * hd).unwrap());
     let d = upload_csr(g, &whole);
-    let mut call = |geo: &KdaGeometry, state: &mut R::Buf<f32>| g.kda_recurrent(&conv, &f, &beta, &gate, &dt_bias, &decay_rate, &o_norm, state, &d.seq_rows, &d.seq_start, &d.seq_slot, geo, &mut out);
+    let mut call = |geo: &KdaGeometry, state: &mut R::Buf<f32>| {
+        g.kda_recurrent(
+            &conv,
+            &f,
+            &beta,
+            &gate,
+            &dt_bias,
+            &decay_rate,
+            &o_norm,
+            state,
+            &d.seq_rows,
+            &d.seq_start,
+            &d.seq_slot,
+            geo,
+            &mut out,
+        )
+    };
     call(&geo, &mut state).unwrap();
     assert!(call(&KdaGeometry { n: n + 1, ..geo }, &mut state).is_err(), "more rows than the inputs hold");
     assert!(call(&KdaGeometry { slots: SLOTS + 1, ..geo }, &mut state).is_err(), "more slots than the state holds");
-    assert!(call(&KdaGeometry { seqs: LENS.len() + 1, ..geo }, &mut state).is_err(), "more sequences than seq_start / seq_slot hold");
+    assert!(
+        call(&KdaGeometry { seqs: LENS.len() + 1, ..geo }, &mut state).is_err(),
+        "more sequences than seq_start / seq_slot hold"
+    );
     assert!(call(&KdaGeometry { heads: 3, ..geo }, &mut state).is_err(), "more heads than the inputs hold");
     assert!(call(&KdaGeometry { heads: 0, ..geo }, &mut state).is_err(), "no heads");
     let big = |len: usize| g.zeros::<f32>(len).unwrap();
     let mut big_state = big(SLOTS * 257 * 257);
     let big_geo = KdaGeometry { n: 1, heads: 1, head_dim: 257, ..geo };
-    assert!(g.kda_recurrent(&big(3 * 257), &big(257), &big(1), &big(257), &big(257), &big(1), &big(257), &mut big_state, &d.seq_rows, &d.seq_start, &d.seq_slot, &big_geo, &mut big(257)).is_err(), "head_dim above KDA_MAX_HEAD_DIM");
+    assert!(
+        g.kda_recurrent(
+            &big(3 * 257),
+            &big(257),
+            &big(1),
+            &big(257),
+            &big(257),
+            &big(1),
+            &big(257),
+            &mut big_state,
+            &d.seq_rows,
+            &d.seq_start,
+            &d.seq_slot,
+            &big_geo,
+            &mut big(257)
+        )
+        .is_err(),
+        "head_dim above KDA_MAX_HEAD_DIM"
+    );
 }
 
 /// `copy_slot_f32` / `zero_slot_f32` against the same slice operations, and the recurrent pool's
@@ -218,12 +384,40 @@ pub fn kda_slot_copy_zero_and_pool_work<R: Runtime>(g: &Kernels<R>, _t: &Tol) {
     let (rows, start, slot) = (g.upload(&[0i32]).unwrap(), g.upload(&[0i32, 1]).unwrap(), g.upload(&[2i32]).unwrap());
     let mut conv = g.zeros::<f32>(channels).unwrap();
     let weight = g.upload(&uniform(channels * kernel, 301, -0.6, 0.6)).unwrap();
-    g.kda_conv_silu(&g.upload(&uniform(channels, 302, -2.0, 2.0)).unwrap(), &weight, pool.conv_state(1), &rows, &start, &slot, 1, 1, channels, kernel, &mut conv).unwrap();
+    g.kda_conv_silu(
+        &g.upload(&uniform(channels, 302, -2.0, 2.0)).unwrap(),
+        &weight,
+        pool.conv_state(1),
+        &rows,
+        &start,
+        &slot,
+        1,
+        1,
+        channels,
+        kernel,
+        &mut conv,
+    )
+    .unwrap();
     let x = rec_inputs(1, heads, hd, 303);
     let geo = KdaGeometry { seqs: 1, n: 1, heads, head_dim: hd, slots: pool_slots, eps: 1e-5, lower_bound: None };
     let up = |v: &[f32]| g.upload(v).unwrap();
     let mut out = g.zeros::<f32>(p).unwrap();
-    g.kda_recurrent(&conv, &up(&x.f), &up(&x.beta), &up(&x.gate), &up(&x.dt_bias), &up(&x.decay_rate), &up(&x.o_norm), pool.recurrent_state(1), &rows, &start, &slot, &geo, &mut out).unwrap();
+    g.kda_recurrent(
+        &conv,
+        &up(&x.f),
+        &up(&x.beta),
+        &up(&x.gate),
+        &up(&x.dt_bias),
+        &up(&x.decay_rate),
+        &up(&x.o_norm),
+        pool.recurrent_state(1),
+        &rows,
+        &start,
+        &slot,
+        &geo,
+        &mut out,
+    )
+    .unwrap();
 
     let (cl, rl) = (pool.conv_len(), pool.recurrent_len());
     assert_eq!((cl, rl), (channels * (kernel - 1), heads * hd * hd));

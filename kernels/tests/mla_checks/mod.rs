@@ -43,7 +43,9 @@ pub fn mla_pieces_match_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let positions = [0i32, 1, 17, 4095, 60_000];
     let dp = g.upload(&positions).unwrap();
     for half in [40usize, 3] {
-        let inv: Vec<f32> = (0..half).map(|i| 1.0f32 / 10000f32.powf((2 * i) as f32 / (2 * half) as f32) * if i % 3 == 0 { 0.25 } else { 1.0 }).collect();
+        let inv: Vec<f32> = (0..half)
+            .map(|i| 1.0f32 / 10000f32.powf((2 * i) as f32 / (2 * half) as f32) * if i % 3 == 0 { 0.25 } else { 1.0 })
+            .collect();
         let di = g.upload(&inv).unwrap();
         let x = uniform(tokens * per_token * 2 * half, 22 + half as u64, -2.0, 2.0);
         for (interleave, factor) in [(false, 1.0f32), (true, 1.0), (true, 1.3), (false, 0.7)] {
@@ -51,12 +53,23 @@ pub fn mla_pieces_match_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
             cpu::rope::rope_rows_batch(&mut want, &positions, per_token, &inv, interleave, factor);
             let mut dx = g.upload(&x).unwrap();
             g.rope_rows(&mut dx, &dp, &di, tokens, per_token, interleave, factor).unwrap();
-            assert_close(&format!("rope_rows half={half} interleave={interleave} factor={factor}"), &g.download(&dx).unwrap(), &want, t.rope);
+            assert_close(
+                &format!("rope_rows half={half} interleave={interleave} factor={factor}"),
+                &g.download(&dx).unwrap(),
+                &want,
+                t.rope,
+            );
         }
     }
     let mut dx = g.zeros::<f32>(2 * 257).unwrap();
-    assert!(g.rope_rows(&mut dx, &dp, &g.zeros::<f32>(257).unwrap(), 1, 1, true, 1.0).is_err(), "more than 256 pairs is an error");
-    assert!(g.rope_rows(&mut dx, &dp, &g.zeros::<f32>(8).unwrap(), 6, 1, true, 1.0).is_err(), "more tokens than positions is an error");
+    assert!(
+        g.rope_rows(&mut dx, &dp, &g.zeros::<f32>(257).unwrap(), 1, 1, true, 1.0).is_err(),
+        "more than 256 pairs is an error"
+    );
+    assert!(
+        g.rope_rows(&mut dx, &dp, &g.zeros::<f32>(8).unwrap(), 6, 1, true, 1.0).is_err(),
+        "more tokens than positions is an error"
+    );
 
     // head_matvec_bf16: 19 tokens (tiles of 8, 8, 3), 37 rows (a partial block of 4 warps), 70 cols.
     let (tokens, heads, rows, cols) = (19, 3, 37, 70);
@@ -68,7 +81,10 @@ pub fn mla_pieces_match_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
     let mut dout = g.zeros::<f32>(want.len()).unwrap();
     g.head_matvec_bf16(&dw, &dx, &mut dout, tokens, heads, rows, cols).unwrap();
     assert_close("head_matvec_bf16", &g.download(&dout).unwrap(), &want, t.gemv);
-    assert!(g.head_matvec_bf16(&dw, &dx, &mut dout, tokens, heads, rows, cols + 1).is_err(), "too small buffers are an error");
+    assert!(
+        g.head_matvec_bf16(&dw, &dx, &mut dout, tokens, heads, rows, cols + 1).is_err(),
+        "too small buffers are an error"
+    );
     assert!(g.head_matvec_bf16(&dw, &dx, &mut dout, 0, 70_000, 0, 0).is_err(), "more heads than gridDim.y is an error");
     // head_matvec_f32: the same with f32 weights.
     let wf = uniform(heads * rows * cols, 25, -0.5, 0.5);
@@ -91,7 +107,11 @@ pub fn mla_pieces_match_cpu<R: Runtime>(g: &Kernels<R>, t: &Tol) {
 pub fn kv_stores_match_cpu_bit_for_bit<R: Runtime>(g: &Kernels<R>, _t: &Tol) {
     let (n, width, pool_rows) = (7, 45, 20);
     // Magnitudes differ per row (distinct FP8 scales); row 4 is all zeros (scale 1).
-    let x: Vec<f32> = uniform(n * width, 31, -1.0, 1.0).iter().enumerate().map(|(i, v)| if i / width == 4 { 0.0 } else { v * (1 + i / width) as f32 }).collect();
+    let x: Vec<f32> = uniform(n * width, 31, -1.0, 1.0)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| if i / width == 4 { 0.0 } else { v * (1 + i / width) as f32 })
+        .collect();
     let slots = [17i32, 2, 3, 8, 0, 19, 9];
     let (dx, ds) = (g.upload(&x).unwrap(), g.upload(&slots).unwrap());
 
@@ -117,7 +137,10 @@ pub fn kv_stores_match_cpu_bit_for_bit<R: Runtime>(g: &Kernels<R>, _t: &Tol) {
 
     assert!(g.kv_store_f32(&dx, &ds, &mut dc, n + 1, width).is_err(), "more rows than slots is an error");
     assert!(g.kv_store_f32(&dx, &ds, &mut dc, n, 0).is_err(), "zero-width rows are an error");
-    assert!(g.kv_store_fp8(&dx, &ds, &mut d8, &mut g.zeros::<f32>(pool_rows - 1).unwrap(), n, width).is_err(), "a scale per pool row is required");
+    assert!(
+        g.kv_store_fp8(&dx, &ds, &mut d8, &mut g.zeros::<f32>(pool_rows - 1).unwrap(), n, width).is_err(),
+        "a scale per pool row is required"
+    );
 }
 
 /// The pool's rows as the CPU stores them (the host block pool's bits), for the CPU reference.
@@ -132,7 +155,12 @@ impl CpuRows {
         match storage {
             KvStorage::F32 => CpuRows::F32(vec![0.0; rows * lora], vec![0.0; rows * rope]),
             KvStorage::Bf16 => CpuRows::Bf16(vec![0; rows * lora], vec![0; rows * rope]),
-            KvStorage::Fp8 => CpuRows::Fp8 { c: vec![0; rows * lora], kr: vec![0; rows * rope], cs: vec![0.0; rows], krs: vec![0.0; rows] },
+            KvStorage::Fp8 => CpuRows::Fp8 {
+                c: vec![0; rows * lora],
+                kr: vec![0; rows * rope],
+                cs: vec![0.0; rows],
+                krs: vec![0.0; rows],
+            },
         }
     }
 
@@ -201,7 +229,8 @@ fn pool_row(seq: usize, pos: usize) -> i32 {
 
 /// Rows of latents (magnitude varying per row, so FP8 scales differ) and rotary keys.
 fn latent_rows(n: usize, lora: usize, rope: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
-    let c = uniform(n * lora, seed, -1.0, 1.0).iter().enumerate().map(|(i, v)| v * (1 + (i / lora) % 4) as f32).collect();
+    let c =
+        uniform(n * lora, seed, -1.0, 1.0).iter().enumerate().map(|(i, v)| v * (1 + (i / lora) % 4) as f32).collect();
     (c, uniform(n * rope, seed + 1, -3.0, 3.0))
 }
 
@@ -231,8 +260,14 @@ fn pool_case<R: Runtime>(g: &Kernels<R>, t: &Tol, storage: KvStorage, heads: usi
             cpu_rows.copy_rows(2 * BS, 7 * BS, 2, lora, rope);
         }
     }
-    assert!(pool.copy_block(g, 2, 7, BS + 1).is_err() && pool.copy_block(g, BLOCKS, 7, 1).is_err(), "{what}: copy out of range is an error");
-    assert!(pool.write_rows(g, 2, &up(&[0.0; 1]), &up(&[0.0; 1]), &g.upload(&[0i32]).unwrap(), 1).is_err(), "{what}: no layer 2");
+    assert!(
+        pool.copy_block(g, 2, 7, BS + 1).is_err() && pool.copy_block(g, BLOCKS, 7, 1).is_err(),
+        "{what}: copy out of range is an error"
+    );
+    assert!(
+        pool.write_rows(g, 2, &up(&[0.0; 1]), &up(&[0.0; 1]), &g.upload(&[0i32]).unwrap(), 1).is_err(),
+        "{what}: no layer 2"
+    );
 
     let n = LENS.len();
     let geo = LatentGeometry { heads, lora, rope, block_size: BS, max_blocks: MAX_BLOCKS };
@@ -240,14 +275,26 @@ fn pool_case<R: Runtime>(g: &Kernels<R>, t: &Tol, storage: KvStorage, heads: usi
     let q_rope = uniform((n * heads * rope).max(1), 51, -0.3, 0.3);
     let scale = 1.0 / ((lora + rope) as f32).sqrt() * 4.0;
     let mut want = vec![0.0; n * heads * lora];
-    cpu::mla::mla_attention(&q_lat, &q_rope[..n * heads * rope], &cpu_rows.blocks(), &TABLES, &LENS, &geo, scale, &mut want);
+    cpu::mla::mla_attention(
+        &q_lat,
+        &q_rope[..n * heads * rope],
+        &cpu_rows.blocks(),
+        &TABLES,
+        &LENS,
+        &geo,
+        scale,
+        &mut want,
+    );
     let (dt, dl) = (g.upload(&TABLES).unwrap(), g.upload(&LENS).unwrap());
     let mut ctx = g.upload(&vec![7.0f32; want.len()]).unwrap();
     pool.attention(g, 1, heads, MAX_BLOCKS, &up(&q_lat), &up(&q_rope), &dt, &dl, scale, &mut ctx).unwrap();
     let got = g.download(&ctx).unwrap();
     assert!(got[2 * heads * lora..3 * heads * lora].iter().all(|&v| v == 0.0), "{what}: an empty sequence gives zeros");
     assert_close(&what, &got, &want, t.gemv);
-    assert!(pool.attention(g, 1, heads, MAX_BLOCKS, &up(&q_lat[1..]), &up(&q_rope), &dt, &dl, scale, &mut ctx).is_err(), "{what}: short q_lat is an error");
+    assert!(
+        pool.attention(g, 1, heads, MAX_BLOCKS, &up(&q_lat[1..]), &up(&q_rope), &dt, &dl, scale, &mut ctx).is_err(),
+        "{what}: short q_lat is an error"
+    );
 }
 
 /// The latent pool in every storage type, with a rotary slice, without one (NoPE), at
@@ -265,7 +312,18 @@ pub fn latent_pool_writes_copies_and_attends_like_cpu<R: Runtime>(g: &Kernels<R>
     for (lora, rope) in [(1025, 0), (8, 257)] {
         let pool = DeviceLatentPool::new(g, 1, 1, 1, lora, rope, KvStorage::F32).unwrap();
         let mut ctx = g.zeros::<f32>(lora).unwrap();
-        let r = pool.attention(g, 0, 1, 1, &up(&vec![0.0; lora]), &up(&vec![0.0; rope]), &g.upload(&[0i32]).unwrap(), &dl, 1.0, &mut ctx);
+        let r = pool.attention(
+            g,
+            0,
+            1,
+            1,
+            &up(&vec![0.0; lora]),
+            &up(&vec![0.0; rope]),
+            &g.upload(&[0i32]).unwrap(),
+            &dl,
+            1.0,
+            &mut ctx,
+        );
         assert!(r.is_err(), "lora {lora} / rope {rope} must be refused");
     }
     assert!(DeviceLatentPool::new(g, 1, 1, 1, 0, 8, KvStorage::F32).is_err(), "a zero-width latent is an error");
@@ -287,7 +345,9 @@ pub fn mla_flash_prefill_matches_cpu_within_bf16_rounding<R: Runtime>(g: &Kernel
     let (dt, dl) = (g.upload(&b.tables).unwrap(), g.upload(&b.lens).unwrap());
     let up = |x: &[f32]| g.upload(x).unwrap();
     let all_rows: Vec<i32> = (0..pool_rows as i32).collect();
-    for (ci, &(heads, lora, rope)) in [(4usize, 24usize, 8usize), (4, 16, 0), (16, 512, 64), (40, 64, 16)].iter().enumerate() {
+    for (ci, &(heads, lora, rope)) in
+        [(4usize, 24usize, 8usize), (4, 16, 0), (16, 512, 64), (40, 64, 16)].iter().enumerate()
+    {
         let (c, kr) = latent_rows(pool_rows, lora, rope, 200 + ci as u64);
         let q_lat = uniform(n * heads * lora, 210 + ci as u64, -0.3, 0.3);
         let q_rope = uniform((n * heads * rope).max(1), 220 + ci as u64, -0.3, 0.3);
@@ -307,9 +367,32 @@ pub fn mla_flash_prefill_matches_cpu_within_bf16_rounding<R: Runtime>(g: &Kernel
             let mut cpu_rows = CpuRows::new(storage, pool_rows, lora, rope);
             cpu_rows.store(&c, &kr, &all_rows, lora, rope);
             let mut want = vec![0.0; n * per_row];
-            cpu::mla::mla_attention(&ql16, &qr16[..n * heads * rope], &cpu_rows.blocks(), &b.tables, &b.lens, &geo, 1.0, &mut want);
+            cpu::mla::mla_attention(
+                &ql16,
+                &qr16[..n * heads * rope],
+                &cpu_rows.blocks(),
+                &b.tables,
+                &b.lens,
+                &geo,
+                1.0,
+                &mut want,
+            );
             let mut ctx = up(&vec![7.0f32; n * per_row]);
-            pool.prefill_attention(g, 0, heads, b.max_blocks, &up(&q_lat), &up(&q_rope), &dt, &dl, &dtiles, num_tiles, scale, &mut ctx).unwrap();
+            pool.prefill_attention(
+                g,
+                0,
+                heads,
+                b.max_blocks,
+                &up(&q_lat),
+                &up(&q_rope),
+                &dt,
+                &dl,
+                &dtiles,
+                num_tiles,
+                scale,
+                &mut ctx,
+            )
+            .unwrap();
             b.check(&what, &g.download(&ctx).unwrap(), &want, per_row, t.mma);
         }
     }
@@ -319,7 +402,10 @@ pub fn mla_flash_prefill_matches_cpu_within_bf16_rounding<R: Runtime>(g: &Kernel
         let pool = DeviceLatentPool::new(g, 1, b.num_blocks, b.bs, lora, rope, storage).unwrap();
         assert!(!pool.has_prefill_kernel(g), "{storage:?} {lora}/{rope}");
         let mut ctx = g.zeros::<f32>(n * lora).unwrap();
-        assert!(pool.prefill_attention(g, 0, 1, b.max_blocks, &q, &q, &dt, &dl, &tiles, 1, 1.0, &mut ctx).is_err(), "{storage:?} {lora}/{rope}");
+        assert!(
+            pool.prefill_attention(g, 0, 1, b.max_blocks, &q, &q, &dt, &dl, &tiles, 1, 1.0, &mut ctx).is_err(),
+            "{storage:?} {lora}/{rope}"
+        );
     }
 }
 
@@ -340,7 +426,12 @@ pub fn latent_attention_splits_long_contexts<R: Runtime>(g: &Kernels<R>, t: &Tol
             next += 1;
         }
     }
-    let slots: Vec<i32> = lens.iter().enumerate().flat_map(|(s, &len)| (0..len as usize).map(move |p| (s, p))).map(|(s, p)| tables[s * max_blocks + p / bs] * bs as i32 + (p % bs) as i32).collect();
+    let slots: Vec<i32> = lens
+        .iter()
+        .enumerate()
+        .flat_map(|(s, &len)| (0..len as usize).map(move |p| (s, p)))
+        .map(|(s, p)| tables[s * max_blocks + p / bs] * bs as i32 + (p % bs) as i32)
+        .collect();
     let (c, kr) = latent_rows(slots.len(), lora, rope, 120);
     let up = |x: &[f32]| g.upload(x).unwrap();
     for storage in [KvStorage::F32, KvStorage::Bf16, KvStorage::Fp8] {
@@ -357,7 +448,19 @@ pub fn latent_attention_splits_long_contexts<R: Runtime>(g: &Kernels<R>, t: &Tol
             let mut want = vec![0.0; n * heads * lora];
             cpu::mla::mla_attention(&q_lat, &q_rope, &cpu_rows.blocks(), &tables, &lens, &geo, scale, &mut want);
             let mut ctx = g.upload(&vec![7.0f32; want.len()]).unwrap();
-            pool.attention(g, 0, heads, max_blocks, &up(&q_lat), &up(&q_rope), &g.upload(&tables).unwrap(), &g.upload(&lens).unwrap(), scale, &mut ctx).unwrap();
+            pool.attention(
+                g,
+                0,
+                heads,
+                max_blocks,
+                &up(&q_lat),
+                &up(&q_rope),
+                &g.upload(&tables).unwrap(),
+                &g.upload(&lens).unwrap(),
+                scale,
+                &mut ctx,
+            )
+            .unwrap();
             let got = g.download(&ctx).unwrap();
             assert!(got[heads * lora..2 * heads * lora].iter().all(|&v| v == 0.0), "an empty sequence gives zeros");
             // 300-term softmax sums: the kernel's order against the reference's serial one costs
@@ -394,22 +497,37 @@ pub fn absorbed_mla_equals_expanded_attention<R: Runtime>(g: &Kernels<R>, t: &To
     let mut pool = DeviceLatentPool::new(g, 1, BLOCKS, BS, lora, rope, KvStorage::F32).unwrap();
     let mut c_all = vec![0f32; BLOCKS * BS * lora];
     let mut kr_all = vec![0f32; BLOCKS * BS * rope];
-    let slots: Vec<i32> = (0..6).map(|p| pool_row(0, p)).chain((4..13).map(|p| pool_row(1, p))).chain([pool_row(3, 0)]).collect();
+    let slots: Vec<i32> =
+        (0..6).map(|p| pool_row(0, p)).chain((4..13).map(|p| pool_row(1, p))).chain([pool_row(3, 0)]).collect();
     let (c, kr) = latent_rows(slots.len(), lora, rope, 70);
     cpu::kv_write::kv_store_f32(&c, &slots, lora, &mut c_all);
     cpu::kv_write::kv_store_f32(&kr, &slots, rope, &mut kr_all);
-    pool.write_rows(g, 0, &g.upload(&c).unwrap(), &g.upload(&kr).unwrap(), &g.upload(&slots).unwrap(), slots.len()).unwrap();
+    pool.write_rows(g, 0, &g.upload(&c).unwrap(), &g.upload(&kr).unwrap(), &g.upload(&slots).unwrap(), slots.len())
+        .unwrap();
 
     let q = uniform(n * heads * qk, 71, -1.0, 1.0);
     let scale = 1.0 / (qk as f32).sqrt();
     let dq = g.upload(&q).unwrap();
-    let (mut q_nope, mut q_rope) = (g.zeros::<f32>(n * heads * nope).unwrap(), g.zeros::<f32>(n * heads * rope).unwrap());
+    let (mut q_nope, mut q_rope) =
+        (g.zeros::<f32>(n * heads * nope).unwrap(), g.zeros::<f32>(n * heads * rope).unwrap());
     g.copy_cols(&dq, &mut q_nope, n * heads, qk, 0, nope).unwrap();
     g.copy_cols(&dq, &mut q_rope, n * heads, qk, nope, rope).unwrap();
     let mut q_lat = g.zeros::<f32>(n * heads * lora).unwrap();
     g.head_matvec_bf16(&g.upload(&uk_t).unwrap(), &q_nope, &mut q_lat, n, heads, lora, nope).unwrap();
     let mut ctx = g.zeros::<f32>(n * heads * lora).unwrap();
-    pool.attention(g, 0, heads, MAX_BLOCKS, &q_lat, &q_rope, &g.upload(&TABLES).unwrap(), &g.upload(&LENS).unwrap(), scale, &mut ctx).unwrap();
+    pool.attention(
+        g,
+        0,
+        heads,
+        MAX_BLOCKS,
+        &q_lat,
+        &q_rope,
+        &g.upload(&TABLES).unwrap(),
+        &g.upload(&LENS).unwrap(),
+        scale,
+        &mut ctx,
+    )
+    .unwrap();
     let mut out = g.zeros::<f32>(n * heads * v).unwrap();
     g.head_matvec_bf16(&g.upload(&w_uv).unwrap(), &ctx, &mut out, n, heads, v, lora).unwrap();
 
@@ -423,7 +541,9 @@ pub fn absorbed_mla_equals_expanded_attention<R: Runtime>(g: &Kernels<R>, t: &To
             for p in 0..len as usize {
                 let r = pool_row(s, p) as usize;
                 let cp = &c_all[r * lora..(r + 1) * lora];
-                let expand = |w: &[f64], i: usize| (0..lora).map(|l| w[(h * (w.len() / heads / lora) + i) * lora + l] * cp[l] as f64).sum::<f64>();
+                let expand = |w: &[f64], i: usize| {
+                    (0..lora).map(|l| w[(h * (w.len() / heads / lora) + i) * lora + l] * cp[l] as f64).sum::<f64>()
+                };
                 let k_nope: f64 = (0..nope).map(|i| qh[i] as f64 * expand(&uk, i)).sum();
                 let k_rope: f64 = (0..rope).map(|i| qh[nope + i] as f64 * kr_all[r * rope + i] as f64).sum();
                 scores.push(scale as f64 * (k_nope + k_rope));
@@ -433,7 +553,8 @@ pub fn absorbed_mla_equals_expanded_attention<R: Runtime>(g: &Kernels<R>, t: &To
             let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
             let total: f64 = e.iter().sum();
             for i in 0..v {
-                want[(s * heads + h) * v + i] = (e.iter().zip(&values).map(|(w, val)| w * val[i]).sum::<f64>() / total.max(f64::MIN_POSITIVE)) as f32;
+                want[(s * heads + h) * v + i] = (e.iter().zip(&values).map(|(w, val)| w * val[i]).sum::<f64>()
+                    / total.max(f64::MIN_POSITIVE)) as f32;
             }
         }
     }

@@ -17,7 +17,11 @@ use super::test_data::{codes, lcg, uniform};
 use super::{assert_close, Tol};
 
 fn routed<R: Runtime>(g: &Kernels<R>, assignments: usize) -> Routed<R> {
-    Routed { experts: g.zeros(assignments).unwrap(), weights: g.zeros(assignments).unwrap(), local: g.zeros(assignments).unwrap() }
+    Routed {
+        experts: g.zeros(assignments).unwrap(),
+        weights: g.zeros(assignments).unwrap(),
+        local: g.zeros(assignments).unwrap(),
+    }
 }
 
 /// Routing weights go through `expf`: the simulator calls the reference's libm, so they must be
@@ -38,7 +42,10 @@ fn assert_weights(what: &str, got: &[f32], want: &[f32], t: &Tol) {
             assert!(rel <= t.rope, "{what}: weight {i} is {a:e}, want {b:e}");
         }
     }
-    eprintln!("{what}: weights {}", if t.rope == 0.0 { "bit-identical".to_string() } else { format!("max relative error {worst:.1e}") });
+    eprintln!(
+        "{what}: weights {}",
+        if t.rope == 0.0 { "bit-identical".to_string() } else { format!("max relative error {worst:.1e}") }
+    );
 }
 
 struct RouteCase {
@@ -54,7 +61,16 @@ struct RouteCase {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn spec(scoring: RouterScoring, method: RouterTopk, num_experts: usize, n_group: usize, topk_group: usize, top_k: usize, normalize: bool, scale: f32) -> RouterSpec {
+fn spec(
+    scoring: RouterScoring,
+    method: RouterTopk,
+    num_experts: usize,
+    n_group: usize,
+    topk_group: usize,
+    top_k: usize,
+    normalize: bool,
+    scale: f32,
+) -> RouterSpec {
     RouterSpec { scoring, method, num_experts, n_group, topk_group, top_k, normalize, scale }
 }
 
@@ -62,14 +78,78 @@ pub fn moe_routing_matches_route_token_bit_for_bit<R: Runtime>(g: &Kernels<R>, t
     use RouterScoring::*;
     use RouterTopk::*;
     let cases = [
-        RouteCase { name: "softmax greedy", spec: spec(Softmax, Greedy, 64, 1, 1, 6, false, 1.0), n: 37, held: 0..64, bias: false, ties: false, nan: true },
-        RouteCase { name: "sigmoid greedy, renormalised, ties", spec: spec(Sigmoid, Greedy, 64, 1, 1, 8, true, 2.5), n: 37, held: 16..40, bias: false, ties: true, nan: true },
-        RouteCase { name: "softmax group-limited (DeepSeek-V2)", spec: spec(Softmax, GroupLimitedGreedy, 160, 8, 3, 6, false, 16.0), n: 29, held: 0..160, bias: false, ties: false, nan: false },
-        RouteCase { name: "softmax group-limited, ties", spec: spec(Softmax, GroupLimitedGreedy, 64, 8, 2, 5, true, 1.0), n: 29, held: 8..16, bias: false, ties: true, nan: false },
-        RouteCase { name: "sigmoid noaux_tc (DeepSeek-V3)", spec: spec(Sigmoid, NoauxTc, 256, 8, 4, 8, true, 2.5), n: 33, held: 64..128, bias: true, ties: false, nan: true },
-        RouteCase { name: "sigmoid noaux_tc, one expert per group, ties", spec: spec(Sigmoid, NoauxTc, 16, 16, 5, 4, true, 1.0), n: 21, held: 0..16, bias: true, ties: true, nan: false },
-        RouteCase { name: "sigmoid noaux_tc ungrouped, 1024 experts, top-32 (Kimi)", spec: spec(Sigmoid, NoauxTc, 1024, 1, 1, 32, true, 1.7), n: 5, held: 1000..1024, bias: true, ties: false, nan: true },
-        RouteCase { name: "softmax noaux_tc, not renormalised, nothing held", spec: spec(Softmax, NoauxTc, 32, 4, 2, 3, false, 1.0), n: 9, held: 7..7, bias: true, ties: false, nan: false },
+        RouteCase {
+            name: "softmax greedy",
+            spec: spec(Softmax, Greedy, 64, 1, 1, 6, false, 1.0),
+            n: 37,
+            held: 0..64,
+            bias: false,
+            ties: false,
+            nan: true,
+        },
+        RouteCase {
+            name: "sigmoid greedy, renormalised, ties",
+            spec: spec(Sigmoid, Greedy, 64, 1, 1, 8, true, 2.5),
+            n: 37,
+            held: 16..40,
+            bias: false,
+            ties: true,
+            nan: true,
+        },
+        RouteCase {
+            name: "softmax group-limited (DeepSeek-V2)",
+            spec: spec(Softmax, GroupLimitedGreedy, 160, 8, 3, 6, false, 16.0),
+            n: 29,
+            held: 0..160,
+            bias: false,
+            ties: false,
+            nan: false,
+        },
+        RouteCase {
+            name: "softmax group-limited, ties",
+            spec: spec(Softmax, GroupLimitedGreedy, 64, 8, 2, 5, true, 1.0),
+            n: 29,
+            held: 8..16,
+            bias: false,
+            ties: true,
+            nan: false,
+        },
+        RouteCase {
+            name: "sigmoid noaux_tc (DeepSeek-V3)",
+            spec: spec(Sigmoid, NoauxTc, 256, 8, 4, 8, true, 2.5),
+            n: 33,
+            held: 64..128,
+            bias: true,
+            ties: false,
+            nan: true,
+        },
+        RouteCase {
+            name: "sigmoid noaux_tc, one expert per group, ties",
+            spec: spec(Sigmoid, NoauxTc, 16, 16, 5, 4, true, 1.0),
+            n: 21,
+            held: 0..16,
+            bias: true,
+            ties: true,
+            nan: false,
+        },
+        RouteCase {
+            name: "sigmoid noaux_tc ungrouped, 1024 experts, top-32 (Kimi)",
+            spec: spec(Sigmoid, NoauxTc, 1024, 1, 1, 32, true, 1.7),
+            n: 5,
+            held: 1000..1024,
+            bias: true,
+            ties: false,
+            nan: true,
+        },
+        RouteCase {
+            name: "softmax noaux_tc, not renormalised, nothing held",
+            spec: spec(Softmax, NoauxTc, 32, 4, 2, 3, false, 1.0),
+            n: 9,
+            held: 7..7,
+            bias: true,
+            ties: false,
+            nan: false,
+        },
     ];
     for (ci, c) in cases.iter().enumerate() {
         let e = c.spec.num_experts;
@@ -113,13 +193,20 @@ pub fn moe_routing_matches_route_token_bit_for_bit<R: Runtime>(g: &Kernels<R>, t
 fn download_tiles<R: Runtime>(g: &Kernels<R>, t: &MoeTiles<R>) -> Vec<cpu::moe::Tile> {
     let count = g.download(&t.count).unwrap()[0] as usize;
     let raw = g.download(&t.tiles).unwrap();
-    raw[..3 * count].chunks(3).map(|c| cpu::moe::Tile { first: c[0] as usize, slots: c[1] as usize, expert: c[2] as usize }).collect()
+    raw[..3 * count]
+        .chunks(3)
+        .map(|c| cpu::moe::Tile { first: c[0] as usize, slots: c[1] as usize, expert: c[2] as usize })
+        .collect()
 }
 
 /// Groups `local` (ids in `0..=held`) on both sides and builds the tiles on the device: returns the
 /// device's order and tiles and the CPU's.
 #[allow(clippy::type_complexity)]
-fn group_and_tile<R: Runtime>(g: &Kernels<R>, local: &[i32], held: usize) -> ((R::Buf<i32>, MoeTiles<R>), (Vec<usize>, Vec<cpu::moe::Tile>)) {
+fn group_and_tile<R: Runtime>(
+    g: &Kernels<R>,
+    local: &[i32],
+    held: usize,
+) -> ((R::Buf<i32>, MoeTiles<R>), (Vec<usize>, Vec<cpu::moe::Tile>)) {
     let (off, order) = cpu::moe::group_by_expert(local, held + 1).unwrap();
     let (doff, dorder) = g.moe_group(&g.upload(local).unwrap(), held + 1).unwrap();
     assert_eq!(g.download(&doff).unwrap(), off.iter().map(|&x| x as i32).collect::<Vec<_>>(), "offsets");
@@ -134,7 +221,14 @@ pub fn moe_tiles_match_cpu_for_skewed_routing<R: Runtime>(g: &Kernels<R>, _t: &T
     // 160 assignments over 6 held experts: expert 2 takes 70% (14 tiles), experts 1, 3, 4 none,
     // 10% go to the not-held bucket (6), which must get no tile.
     let held = 6;
-    let local: Vec<i32> = (0..160).map(|a| match a % 10 { 0..=6 => 2, 7 => 0, 8 => 5, _ => held as i32 }).collect();
+    let local: Vec<i32> = (0..160)
+        .map(|a| match a % 10 {
+            0..=6 => 2,
+            7 => 0,
+            8 => 5,
+            _ => held as i32,
+        })
+        .collect();
     let (_, (_, tiles)) = group_and_tile(g, &local, held);
     assert_eq!(tiles.iter().filter(|t| t.expert == 2).count(), 14);
     assert!(tiles.iter().all(|t| t.expert < held && (1..=TOK).contains(&t.slots)));
@@ -199,11 +293,19 @@ enum Fmt {
 /// rows are kept, so expert sub-ranges slice one model). INT/Cubic rows are padded to int32
 /// words, as compressed-tensors stores them (the INT4 word fast path applies when the group
 /// allows).
-fn weight<R: Runtime>(g: &Kernels<R>, f: Fmt, rows: usize, cols: usize, seed: u64, keep: Range<usize>) -> (DevW<R>, CpuW) {
+fn weight<R: Runtime>(
+    g: &Kernels<R>,
+    f: Fmt,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+    keep: Range<usize>,
+) -> (DevW<R>, CpuW) {
     let kr = keep.len();
     match f {
         Fmt::Bf16 => {
-            let all: Vec<u16> = uniform(rows * cols, seed, -0.2, 0.2).iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+            let all: Vec<u16> =
+                uniform(rows * cols, seed, -0.2, 0.2).iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
             let w = all[keep.start * cols..keep.end * cols].to_vec();
             (DevW::Bf16(g.upload(&w).unwrap(), kr, cols), CpuW::Bf16(w, kr, cols))
         }
@@ -216,7 +318,13 @@ fn weight<R: Runtime>(g: &Kernels<R>, f: Fmt, rows: usize, cols: usize, seed: u6
             let groups = cols.div_ceil(gs);
             let (p0, p1): (Vec<f32>, Vec<f32>) = match f {
                 // bf16 scales and integer zero points, as checkpoints store them.
-                Fmt::Int(..) => (uniform(rows * groups, seed + 1, 1e-3, 2e-2).into_iter().map(|s| half::bf16::from_f32(s).to_f32()).collect(), codes(rows * groups, bits, seed + 2).into_iter().map(f32::from).collect()),
+                Fmt::Int(..) => (
+                    uniform(rows * groups, seed + 1, 1e-3, 2e-2)
+                        .into_iter()
+                        .map(|s| half::bf16::from_f32(s).to_f32())
+                        .collect(),
+                    codes(rows * groups, bits, seed + 2).into_iter().map(f32::from).collect(),
+                ),
                 _ => (uniform(rows * groups, seed + 1, -0.02, 0.02), uniform(rows * groups, seed + 2, 0.0, 1.0)),
             };
             let (p0, p1) = (&p0[keep.start * groups..keep.end * groups], &p1[keep.start * groups..keep.end * groups]);
@@ -224,7 +332,8 @@ fn weight<R: Runtime>(g: &Kernels<R>, f: Fmt, rows: usize, cols: usize, seed: u6
             let stride = dense.div_ceil(4) * 4;
             let mut bytes = vec![0u8; kr * stride];
             for (i, r) in keep.enumerate() {
-                bytes[i * stride..i * stride + dense].copy_from_slice(&cpu::bitpack::pack_row(&c[r * cols..(r + 1) * cols], bits));
+                bytes[i * stride..i * stride + dense]
+                    .copy_from_slice(&cpu::bitpack::pack_row(&c[r * cols..(r + 1) * cols], bits));
             }
             let dev = g.upload_grouped(g.upload_packed(bits, kr, cols, stride, &bytes).unwrap(), gs, p0, p1).unwrap();
             let packed = PackedRows::new(bits, kr, cols, stride, &bytes);
@@ -236,8 +345,14 @@ fn weight<R: Runtime>(g: &Kernels<R>, f: Fmt, rows: usize, cols: usize, seed: u6
         Fmt::Mxfp4 => {
             let bytes = codes(rows * cols / 2, 8, seed);
             let scales: Vec<u8> = codes(rows * cols / 32, 3, seed + 1).into_iter().map(|e| 121 + e).collect();
-            let (b, s) = (&bytes[keep.start * cols / 2..keep.end * cols / 2], &scales[keep.start * cols / 32..keep.end * cols / 32]);
-            (DevW::Mxfp4(g.upload_mxfp4(kr, cols, b, s).unwrap()), CpuW::Mxfp4(cpu::mxfp4::Mxfp4Matrix::new(kr, cols, b, s)))
+            let (b, s) = (
+                &bytes[keep.start * cols / 2..keep.end * cols / 2],
+                &scales[keep.start * cols / 32..keep.end * cols / 32],
+            );
+            (
+                DevW::Mxfp4(g.upload_mxfp4(kr, cols, b, s).unwrap()),
+                CpuW::Mxfp4(cpu::mxfp4::Mxfp4Matrix::new(kr, cols, b, s)),
+            )
         }
     }
 }
@@ -264,7 +379,10 @@ pub fn moe_gemv_matches_cpu_for_every_format<R: Runtime>(g: &Kernels<R>, t: &Tol
             let got = g.download(&out).unwrap();
             let what = format!("moe gemv {f:?} x_div={x_div} {rpe}x{cols}");
             for (ai, _) in local.iter().enumerate().filter(|(_, &l)| l as usize == held) {
-                assert!(got[ai * rpe..(ai + 1) * rpe].iter().all(|&v| v == UNTOUCHED), "{what}: assignment {ai} (not held) was written");
+                assert!(
+                    got[ai * rpe..(ai + 1) * rpe].iter().all(|&v| v == UNTOUCHED),
+                    "{what}: assignment {ai} (not held) was written"
+                );
             }
             assert_close(&what, &got, &want, t.gemv);
         }
@@ -323,22 +441,32 @@ pub fn moe_matmul_multiplies_crowded_experts_with_the_gemm<R: Runtime>(g: &Kerne
     let gemm_experts: Vec<usize> = plan.gemm.iter().map(|s| s.expert).collect();
     assert_eq!(gemm_experts, [1, 3], "GEMM experts");
     for s in &plan.gemm {
-        assert_eq!((s.first, s.slots), (off[s.expert], off[s.expert + 1] - off[s.expert]), "expert {}'s slots", s.expert);
+        assert_eq!(
+            (s.first, s.slots),
+            (off[s.expert], off[s.expert + 1] - off[s.expert]),
+            "expert {}'s slots",
+            s.expert
+        );
     }
     let tiled: Vec<cpu::moe::Tile> = all_tiles.iter().copied().filter(|t| !gemm_experts.contains(&t.expert)).collect();
     assert_eq!(download_tiles(g, &plan.tiles), tiled, "the plan's tiles leave the GEMM experts out");
-    assert!(g.moe_plan(&doff, held, a, n, false).unwrap().gemm.is_empty(), "f32 experts are never planned for the GEMM");
+    assert!(
+        g.moe_plan(&doff, held, a, n, false).unwrap().gemm.is_empty(),
+        "f32 experts are never planned for the GEMM"
+    );
 
     const UNTOUCHED: f32 = 1e-3;
     let mut scratch = g.gemm_scratch(rpe * 256, 45 * 256).unwrap();
-    for (fi, f) in [Fmt::Int(4, 32), Fmt::Int(3, 40), Fmt::Cubic(3, 32), Fmt::Mxfp4, Fmt::Bf16].into_iter().enumerate() {
+    for (fi, f) in [Fmt::Int(4, 32), Fmt::Int(3, 40), Fmt::Cubic(3, 32), Fmt::Mxfp4, Fmt::Bf16].into_iter().enumerate()
+    {
         for (x_div, cols) in [(k, 256), (1, 96)] {
             let (dw, cw) = weight(g, f, held * rpe, cols, 60 + fi as u64, 0..held * rpe);
             let x = uniform(a.div_ceil(x_div) * cols, 3 + x_div as u64, -1.0, 1.0);
             let mut want = vec![UNTOUCHED; a * rpe];
             cpu::moe::moe_gemv(&cw.view(), rpe, &x, x_div, &order, &all_tiles, &mut want);
             let mut out = g.upload(&vec![UNTOUCHED; a * rpe]).unwrap();
-            g.moe_matmul(dw.view(), rpe, &g.upload(&x).unwrap(), x_div, &dorder, &plan, &mut out, a, &mut scratch).unwrap();
+            g.moe_matmul(dw.view(), rpe, &g.upload(&x).unwrap(), x_div, &dorder, &plan, &mut out, a, &mut scratch)
+                .unwrap();
             let got = g.download(&out).unwrap();
             let what = format!("moe matmul {f:?} x_div={x_div} {rpe}x{cols}");
             let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
@@ -353,14 +481,20 @@ pub fn moe_matmul_multiplies_crowded_experts_with_the_gemm<R: Runtime>(g: &Kerne
                         let row = cw.view().row(e as usize * rpe + r);
                         let s: f64 = row.iter().zip(xr).map(|(&w, &v)| (w as f64 * v as f64).abs()).sum();
                         let frac = (gv as f64 - wv as f64).abs() / super::prefill_gemm::gemm_bound(s, cols);
-                        assert!(frac <= 1.0, "{what}: assignment {ai} (expert {e}) row {r}: {gv} vs {wv} beyond the bf16 bound");
+                        assert!(
+                            frac <= 1.0,
+                            "{what}: assignment {ai} (expert {e}) row {r}: {gv} vs {wv} beyond the bf16 bound"
+                        );
                         worst_gemm = worst_gemm.max(frac);
                     }
                 } else {
                     worst_gemv = worst_gemv.max(kernels::compare::max_abs_error(gr, wr) / scale);
                 }
             }
-            eprintln!("{what}: GEMV experts {worst_gemv:.2e} of max |ref|, GEMM experts {:.0}% of the bf16 bound", worst_gemm * 100.0);
+            eprintln!(
+                "{what}: GEMV experts {worst_gemv:.2e} of max |ref|, GEMM experts {:.0}% of the bf16 bound",
+                worst_gemm * 100.0
+            );
             assert!(worst_gemv <= t.gemv, "{what}: GEMV experts' relative error {worst_gemv}");
         }
     }
@@ -383,7 +517,17 @@ pub fn moe_combine_matches_cpu<R: Runtime>(g: &Kernels<R>, _t: &Tol) {
     let mut want = out0.clone();
     cpu::moe::combine(&y, &weights, &local, held, n, k, d, &mut want);
     let mut out = g.upload(&out0).unwrap();
-    g.moe_combine(&g.upload(&y).unwrap(), &g.upload(&weights).unwrap(), &g.upload(&local).unwrap(), held, n, k, d, &mut out).unwrap();
+    g.moe_combine(
+        &g.upload(&y).unwrap(),
+        &g.upload(&weights).unwrap(),
+        &g.upload(&local).unwrap(),
+        held,
+        n,
+        k,
+        d,
+        &mut out,
+    )
+    .unwrap();
     // Fused multiply-adds in the same order are exact on every runtime.
     assert_eq!(g.download(&out).unwrap(), want, "moe_combine");
     eprintln!("moe combine: bit-identical");
@@ -392,11 +536,29 @@ pub fn moe_combine_matches_cpu<R: Runtime>(g: &Kernels<R>, _t: &Tol) {
 /// One MoE layer's routed experts on the device, for the experts `held` (weights of those experts
 /// only), added into `out`. Returns the routed assignments' global expert ids.
 #[allow(clippy::too_many_arguments)]
-fn device_layer<R: Runtime>(g: &Kernels<R>, logits: &R::Buf<f32>, bias: &R::Buf<f32>, spec: &RouterSpec, x: &R::Buf<f32>, n: usize, hidden: usize, inter: usize, held: Range<usize>, out: &mut R::Buf<f32>) -> Vec<i32> {
+fn device_layer<R: Runtime>(
+    g: &Kernels<R>,
+    logits: &R::Buf<f32>,
+    bias: &R::Buf<f32>,
+    spec: &RouterSpec,
+    x: &R::Buf<f32>,
+    n: usize,
+    hidden: usize,
+    inter: usize,
+    held: Range<usize>,
+    out: &mut R::Buf<f32>,
+) -> Vec<i32> {
     let k = spec.top_k;
     let a = n * k;
     let h = held.len();
-    let (gate_up, _) = weight(g, Fmt::Int(4, 32), spec.num_experts * 2 * inter, hidden, 61, held.start * 2 * inter..held.end * 2 * inter);
+    let (gate_up, _) = weight(
+        g,
+        Fmt::Int(4, 32),
+        spec.num_experts * 2 * inter,
+        hidden,
+        61,
+        held.start * 2 * inter..held.end * 2 * inter,
+    );
     let (down, _) = weight(g, Fmt::Mxfp4, spec.num_experts * hidden, inter, 62, held.start * hidden..held.end * hidden);
     let mut routed = routed(g, a);
     g.moe_route(logits, Some(bias), spec, n, held, &mut routed).unwrap();

@@ -8,16 +8,16 @@
 //!   the runtime's GEMV tolerance of the largest output on the GEMV side; on the GEMM side within the error the bf16
 //!   narrowing of weights and activations can cause, bounded per output (see [`gemm_bound`]).
 
+use super::test_data::{codes, uniform};
 use kernels::cpu;
 use kernels::cpu::bitpack::PackedRows;
 use kernels::cpu::dequant::DequantizeRows;
-use super::test_data::{codes, uniform};
 use kernels::gpu::{DevGrouped, Kernels, MatmulPath, QuantWeight, Runtime, GEMM_MIN_TOKENS};
-
 
 /// Shapes with rows not a multiple of the GEMV's 4-row blocks and, for the group formats, cols
 /// not a multiple of the group (a partial last group): (bits, rows, cols, group size).
-const GROUPED: &[(u32, usize, usize, usize)] = &[(4, 37, 200, 64), (4, 64, 384, 128), (8, 33, 256, 64), (3, 17, 200, 32), (2, 9, 96, 32)];
+const GROUPED: &[(u32, usize, usize, usize)] =
+    &[(4, 37, 200, 64), (4, 64, 384, 128), (8, 33, 256, 64), (3, 17, 200, 32), (2, 9, 96, 32)];
 /// MXFP4 (rows, cols): cols is a multiple of the 32-input block by definition.
 const MXFP4: &[(usize, usize)] = &[(70, 640), (3, 32)];
 
@@ -28,27 +28,50 @@ struct Grouped<R: Runtime, C> {
     cpu: C,
 }
 
-fn packed<R: Runtime>(k: &Kernels<R>, bits: u32, rows: usize, cols: usize, seed: u64) -> (kernels::gpu::DevPacked<R>, PackedRows) {
+fn packed<R: Runtime>(
+    k: &Kernels<R>,
+    bits: u32,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> (kernels::gpu::DevPacked<R>, PackedRows) {
     let c = codes(rows * cols, bits, seed);
     let dense = cpu::bitpack::row_bytes(cols, bits);
     let stride = dense.div_ceil(4) * 4;
     let mut bytes = vec![0u8; rows * stride];
     for r in 0..rows {
-        bytes[r * stride..r * stride + dense].copy_from_slice(&cpu::bitpack::pack_row(&c[r * cols..(r + 1) * cols], bits));
+        bytes[r * stride..r * stride + dense]
+            .copy_from_slice(&cpu::bitpack::pack_row(&c[r * cols..(r + 1) * cols], bits));
     }
     (k.upload_packed(bits, rows, cols, stride, &bytes).unwrap(), PackedRows::new(bits, rows, cols, stride, &bytes))
 }
 
-fn int_matrix<R: Runtime>(k: &Kernels<R>, bits: u32, rows: usize, cols: usize, gs: usize) -> Grouped<R, cpu::quant_int::IntMatrix> {
+fn int_matrix<R: Runtime>(
+    k: &Kernels<R>,
+    bits: u32,
+    rows: usize,
+    cols: usize,
+    gs: usize,
+) -> Grouped<R, cpu::quant_int::IntMatrix> {
     let groups = rows * cols.div_ceil(gs);
     // bf16 scales and integer zero points, as checkpoints store them.
-    let scale: Vec<f32> = uniform(groups, 5 + bits as u64, 1e-3, 2e-2).into_iter().map(|s| half::bf16::from_f32(s).to_f32()).collect();
+    let scale: Vec<f32> =
+        uniform(groups, 5 + bits as u64, 1e-3, 2e-2).into_iter().map(|s| half::bf16::from_f32(s).to_f32()).collect();
     let zero: Vec<f32> = codes(groups, bits, 6).into_iter().map(f32::from).collect();
     let (dev, rows_cpu) = packed(k, bits, rows, cols, bits as u64 * 31 + cols as u64);
-    Grouped { dev: k.upload_grouped(dev, gs, &scale, &zero).unwrap(), cpu: cpu::quant_int::IntMatrix::new(rows_cpu, gs, &scale, &zero) }
+    Grouped {
+        dev: k.upload_grouped(dev, gs, &scale, &zero).unwrap(),
+        cpu: cpu::quant_int::IntMatrix::new(rows_cpu, gs, &scale, &zero),
+    }
 }
 
-fn cubic_matrix<R: Runtime>(k: &Kernels<R>, bits: u32, rows: usize, cols: usize, gs: usize) -> Grouped<R, cpu::cubic::AnyCubic> {
+fn cubic_matrix<R: Runtime>(
+    k: &Kernels<R>,
+    bits: u32,
+    rows: usize,
+    cols: usize,
+    gs: usize,
+) -> Grouped<R, cpu::cubic::AnyCubic> {
     let groups = rows * cols.div_ceil(gs);
     let s = uniform(groups, 7 + bits as u64, -0.02, 0.02);
     let a = uniform(groups, 8, 0.0, 1.0);
@@ -58,7 +81,12 @@ fn cubic_matrix<R: Runtime>(k: &Kernels<R>, bits: u32, rows: usize, cols: usize,
 
 /// Scales 2^-6 .. 2^1; with `extremes` the first blocks get E8M0 0 (2^-127: subnormal weights),
 /// 254 (6·2^127 overflows to infinity) and 255 (NaN), which only the dequant test can use.
-fn mxfp4_matrix<R: Runtime>(k: &Kernels<R>, rows: usize, cols: usize, extremes: bool) -> (kernels::gpu::DevMxfp4<R>, cpu::mxfp4::Mxfp4Matrix) {
+fn mxfp4_matrix<R: Runtime>(
+    k: &Kernels<R>,
+    rows: usize,
+    cols: usize,
+    extremes: bool,
+) -> (kernels::gpu::DevMxfp4<R>, cpu::mxfp4::Mxfp4Matrix) {
     let codes = codes(rows * cols / 2, 8, 3 + rows as u64);
     let mut scales: Vec<u8> = self::codes(rows * cols / 32, 3, 4).into_iter().map(|e| 121 + e).collect();
     if extremes {
@@ -78,7 +106,13 @@ fn assert_dequant<R: Runtime>(k: &Kernels<R>, what: &str, w: QuantWeight<'_, R>,
     // operand's): any NaN matches any NaN, everything else bit for bit.
     let is_nan = |b: u16| b & 0x7f80 == 0x7f80 && b & 0x7f != 0;
     let bad = got.iter().zip(want).position(|(&a, &b)| a != b && !(is_nan(a) && is_nan(b)));
-    assert!(bad.is_none(), "{what}: element {} is {:#06x}, want {:#06x}", bad.unwrap(), got[bad.unwrap()], want[bad.unwrap()]);
+    assert!(
+        bad.is_none(),
+        "{what}: element {} is {:#06x}, want {:#06x}",
+        bad.unwrap(),
+        got[bad.unwrap()],
+        want[bad.unwrap()]
+    );
     assert!(got[want.len()..].iter().all(|&v| v == 0xdead), "{what}: wrote past rows × cols");
     eprintln!("{what}: {} bf16 weights bit-exact", want.len());
 }
@@ -87,16 +121,43 @@ fn assert_dequant<R: Runtime>(k: &Kernels<R>, what: &str, w: QuantWeight<'_, R>,
 pub fn dequant_matches_cpu_bit_for_bit<R: Runtime>(k: &Kernels<R>) {
     for &(bits, rows, cols, gs) in GROUPED {
         let w = int_matrix(k, bits, rows, cols, gs);
-        assert_dequant(k, &format!("dequant int{bits} {rows}x{cols} g{gs}"), QuantWeight::Int(&w.dev), &cpu::dequant::dequantize_bf16(&w.cpu));
+        assert_dequant(
+            k,
+            &format!("dequant int{bits} {rows}x{cols} g{gs}"),
+            QuantWeight::Int(&w.dev),
+            &cpu::dequant::dequantize_bf16(&w.cpu),
+        );
         let w = cubic_matrix(k, bits, rows, cols, gs);
-        assert_dequant(k, &format!("dequant cubic{bits} {rows}x{cols} g{gs}"), QuantWeight::Cubic(&w.dev), &cpu::dequant::dequantize_bf16(&w.cpu));
+        assert_dequant(
+            k,
+            &format!("dequant cubic{bits} {rows}x{cols} g{gs}"),
+            QuantWeight::Cubic(&w.dev),
+            &cpu::dequant::dequantize_bf16(&w.cpu),
+        );
     }
     for &(rows, cols) in MXFP4 {
         let (dev, host) = mxfp4_matrix(k, rows, cols, true);
-        assert_dequant(k, &format!("dequant mxfp4 {rows}x{cols}"), QuantWeight::Mxfp4(&dev), &cpu::dequant::dequantize_bf16(&host));
+        assert_dequant(
+            k,
+            &format!("dequant mxfp4 {rows}x{cols}"),
+            QuantWeight::Mxfp4(&dev),
+            &cpu::dequant::dequantize_bf16(&host),
+        );
     }
     // Ties to even both ways, a value just under a tie, infinities, NaN, subnormals, -0.
-    let mut x = vec![1.0f32, f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000), f32::from_bits(0x3f80_7fff), f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::from_bits(0x7f80_0001), f32::from_bits(1), -0.0, f32::MAX];
+    let mut x = vec![
+        1.0f32,
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        f32::from_bits(0x3f80_7fff),
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0x7f80_0001),
+        f32::from_bits(1),
+        -0.0,
+        f32::MAX,
+    ];
     x.extend(uniform(1000, 9, -3.0, 3.0));
     let want = cpu::dequant::f32_to_bf16_rows(&x);
     let mut out = k.zeros::<u16>(x.len()).unwrap();
@@ -113,7 +174,14 @@ pub fn gemm_bound(s_i: f64, k: usize) -> f64 {
     ((2f64.powi(-8) + 2f64.powi(-18) + 2.0 * k as f64 * 2f64.powi(-24)) * s_i) * 1.001 + 1e-30
 }
 
-fn check_matmul<R: Runtime>(k: &Kernels<R>, what: &str, w: QuantWeight<'_, R>, host: &impl DequantizeRows, gemv_tol: f32, reference: impl Fn(&[f32], &mut [f32], usize)) {
+fn check_matmul<R: Runtime>(
+    k: &Kernels<R>,
+    what: &str,
+    w: QuantWeight<'_, R>,
+    host: &impl DequantizeRows,
+    gemv_tol: f32,
+    reference: impl Fn(&[f32], &mut [f32], usize),
+) {
     let (rows, cols) = (host.rows(), host.cols());
     let dense: Vec<Vec<f32>> = (0..rows).map(|r| host.dequantize_row(r)).collect();
     let max_n = 77;
@@ -143,7 +211,13 @@ fn check_matmul<R: Runtime>(k: &Kernels<R>, what: &str, w: QuantWeight<'_, R>, h
                         let s: f64 = wr.iter().zip(xt).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
                         let err = (got[t * rows + r] as f64 - want[t * rows + r] as f64).abs();
                         let frac = err / gemm_bound(s, cols);
-                        assert!(frac <= 1.0, "{what} n={n} token {t} row {r}: {} vs {} (error {err:.3e} > bound {:.3e})", got[t * rows + r], want[t * rows + r], gemm_bound(s, cols));
+                        assert!(
+                            frac <= 1.0,
+                            "{what} n={n} token {t} row {r}: {} vs {} (error {err:.3e} > bound {:.3e})",
+                            got[t * rows + r],
+                            want[t * rows + r],
+                            gemm_bound(s, cols)
+                        );
                         worst = worst.max(frac);
                     }
                 }
@@ -158,12 +232,28 @@ fn check_matmul<R: Runtime>(k: &Kernels<R>, what: &str, w: QuantWeight<'_, R>, h
 pub fn matmul_quant_matches_cpu<R: Runtime>(k: &Kernels<R>, gemv_tol: f32) {
     for &(bits, rows, cols, gs) in GROUPED {
         let w = int_matrix(k, bits, rows, cols, gs);
-        check_matmul(k, &format!("int{bits} {rows}x{cols} g{gs}"), QuantWeight::Int(&w.dev), &w.cpu, gemv_tol, |x, o, n| w.cpu.matmul_t(x, o, n));
+        check_matmul(
+            k,
+            &format!("int{bits} {rows}x{cols} g{gs}"),
+            QuantWeight::Int(&w.dev),
+            &w.cpu,
+            gemv_tol,
+            |x, o, n| w.cpu.matmul_t(x, o, n),
+        );
         let w = cubic_matrix(k, bits, rows, cols, gs);
-        check_matmul(k, &format!("cubic{bits} {rows}x{cols} g{gs}"), QuantWeight::Cubic(&w.dev), &w.cpu, gemv_tol, |x, o, n| w.cpu.matmul_t(x, o, n));
+        check_matmul(
+            k,
+            &format!("cubic{bits} {rows}x{cols} g{gs}"),
+            QuantWeight::Cubic(&w.dev),
+            &w.cpu,
+            gemv_tol,
+            |x, o, n| w.cpu.matmul_t(x, o, n),
+        );
     }
     for &(rows, cols) in MXFP4 {
         let (dev, host) = mxfp4_matrix(k, rows, cols, false);
-        check_matmul(k, &format!("mxfp4 {rows}x{cols}"), QuantWeight::Mxfp4(&dev), &host, gemv_tol, |x, o, n| host.matmul_t(x, o, n));
+        check_matmul(k, &format!("mxfp4 {rows}x{cols}"), QuantWeight::Mxfp4(&dev), &host, gemv_tol, |x, o, n| {
+            host.matmul_t(x, o, n)
+        });
     }
 }

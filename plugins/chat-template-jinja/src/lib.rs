@@ -14,9 +14,9 @@ use std::cell::Cell;
 use minijinja::value::{Kwargs, Value as JValue};
 use minijinja::{Environment, Error, ErrorKind};
 use serde_json::{Map, Value};
+use wasmserve_guest::{ChatTemplate, Plugin, PluginInfo, RenderOptions, Rendered};
 use wasmserve_parsers::pyjson;
 use wasmserve_parsers::strftime::format_utc;
-use wasmserve_guest::{ChatTemplate, Plugin, PluginInfo, RenderOptions, Rendered};
 
 pub struct JinjaTemplate {
     env: Environment<'static>,
@@ -35,7 +35,9 @@ fn tojson(value: JValue, kwargs: Kwargs) -> Result<String, Error> {
         None => None,
         Some(v) => match <[String; 2]>::try_from(v) {
             Ok([item, key]) => Some((item, key)),
-            Err(_) => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be an (item, key) pair")),
+            Err(_) => {
+                return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be an (item, key) pair"))
+            }
         },
     };
     let opts = pyjson::DumpOpts {
@@ -45,7 +47,8 @@ fn tojson(value: JValue, kwargs: Kwargs) -> Result<String, Error> {
         ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
     };
     kwargs.assert_all_used()?;
-    let json: Value = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json: Value =
+        serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     Ok(pyjson::dumps_with(&json, &opts))
 }
 
@@ -57,24 +60,33 @@ fn strftime_now(format: String) -> String {
     format_utc(NOW.with(Cell::get), &format)
 }
 
-
 impl Plugin for JinjaTemplate {
     fn info() -> PluginInfo {
-        PluginInfo { name: "chat-template-jinja".into(), version: env!("CARGO_PKG_VERSION").into(), needs_special_tokens: false }
+        PluginInfo {
+            name: "chat-template-jinja".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            needs_special_tokens: false,
+        }
     }
 
     fn configure(config: &str) -> Result<Self, String> {
         let cfg: Value = serde_json::from_str(config).map_err(|e| format!("config: {e}"))?;
-        let source = cfg.get("template").and_then(Value::as_str).ok_or("config: 'template' (the Jinja source) is required")?;
+        let source =
+            cfg.get("template").and_then(Value::as_str).ok_or("config: 'template' (the Jinja source) is required")?;
         let s = |k: &str| cfg.get(k).and_then(Value::as_str).unwrap_or("").to_string();
         let mut env = Environment::new();
-        let syntax = minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(|e| format!("template syntax: {e}"))?;
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| format!("template syntax: {e}"))?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned("chat", source.to_string()).map_err(|e| format!("chat template does not compile: {e:#}"))?;
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| format!("chat template does not compile: {e:#}"))?;
         Ok(Self { env, bos: s("bos_token"), eos: s("eos_token") })
     }
 }
@@ -82,10 +94,11 @@ impl Plugin for JinjaTemplate {
 impl ChatTemplate for JinjaTemplate {
     fn render(&self, messages: &str, tools: Option<&str>, options: &RenderOptions) -> Result<Rendered, String> {
         let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
-        let mut ctx: Map<String, Value> = match serde_json::from_str(if options.extra.is_empty() { "{}" } else { &options.extra }) {
-            Ok(Value::Object(m)) => m,
-            _ => return Err("options.extra must be a JSON object".into()),
-        };
+        let mut ctx: Map<String, Value> =
+            match serde_json::from_str(if options.extra.is_empty() { "{}" } else { &options.extra }) {
+                Ok(Value::Object(m)) => m,
+                _ => return Err("options.extra must be a JSON object".into()),
+            };
         NOW.with(|n| n.set(ctx.remove("__now").and_then(|v| v.as_u64()).unwrap_or(0)));
         if let Some(r) = &options.reasoning_effort {
             ctx.insert("reasoning_effort".into(), r.clone().into());
@@ -98,7 +111,9 @@ impl ChatTemplate for JinjaTemplate {
         ctx.insert("add_generation_prompt".into(), options.add_generation_prompt.into());
         ctx.insert("bos_token".into(), self.bos.clone().into());
         ctx.insert("eos_token".into(), self.eos.clone().into());
-        let prompt = tmpl.render(JValue::from(minijinja::value::Serde(&ctx))).map_err(|e| format!("chat template failed: {e:#}"))?;
+        let prompt = tmpl
+            .render(JValue::from(minijinja::value::Serde(&ctx)))
+            .map_err(|e| format!("chat template failed: {e:#}"))?;
         Ok(Rendered { prompt, token_ids: None })
     }
 }

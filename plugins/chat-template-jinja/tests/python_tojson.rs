@@ -8,16 +8,22 @@ use wasmserve_guest::{ChatTemplate, Plugin, RenderOptions};
 
 #[test]
 fn tojson_matches_python_json_dumps() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/reference/templates/tojson_expected.json");
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/reference/templates/tojson_expected.json");
     let data: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let cases = data["cases"].as_array().unwrap();
     let mut failures = Vec::new();
     for case in cases {
         let t = JinjaTemplate::configure(&json!({"template": case["template"]}).to_string()).unwrap();
-        let opts = RenderOptions { add_generation_prompt: false, reasoning_effort: None, extra: json!({"value": case["value"]}).to_string() };
+        let opts = RenderOptions {
+            add_generation_prompt: false,
+            reasoning_effort: None,
+            extra: json!({"value": case["value"]}).to_string(),
+        };
         let got = t.render("[]", None, &opts).map(|r| r.prompt);
         if got.as_deref() != Ok(case["expected"].as_str().unwrap()) {
-            failures.push(format!("{} {}: got {got:?}, want {}", case["value_name"], case["template"], case["expected"]));
+            failures
+                .push(format!("{} {}: got {got:?}, want {}", case["value_name"], case["template"], case["expected"]));
         }
     }
     assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
@@ -26,7 +32,8 @@ fn tojson_matches_python_json_dumps() {
 
 #[test]
 fn bad_separators_are_an_error() {
-    let t = JinjaTemplate::configure(&json!({"template": "{{ [1] | tojson(separators=(',',)) }}"}).to_string()).unwrap();
+    let t =
+        JinjaTemplate::configure(&json!({"template": "{{ [1] | tojson(separators=(',',)) }}"}).to_string()).unwrap();
     let opts = RenderOptions { add_generation_prompt: false, reasoning_effort: None, extra: "{}".into() };
     assert!(t.render("[]", None, &opts).unwrap_err().contains("separators"));
 }

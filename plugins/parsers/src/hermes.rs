@@ -16,7 +16,9 @@
 //! cannot take the already-sent call back (vLLM's own streaming has the same limitation).
 
 use serde_json::Value;
-use wasmserve_guest::{Plugin, PluginInfo, RequestContext, ToolCall, ToolCallDelta, ToolDelta, ToolParser, ToolResult, ToolStream};
+use wasmserve_guest::{
+    Plugin, PluginInfo, RequestContext, ToolCall, ToolCallDelta, ToolDelta, ToolParser, ToolResult, ToolStream,
+};
 
 use crate::scan::{flush_into, scan_into, Piece, Scanner};
 
@@ -78,7 +80,14 @@ pub struct HermesStream {
 
 impl HermesStream {
     pub fn new() -> Self {
-        Self { state: State::Content, scan: Scanner::default(), body: String::new(), calls: 0, held_ws: String::new(), content_started: false }
+        Self {
+            state: State::Content,
+            scan: Scanner::default(),
+            body: String::new(),
+            calls: 0,
+            held_ws: String::new(),
+            content_started: false,
+        }
     }
 
     /// A stream whose content so far was already handled by another parser (`qwen3`): whether
@@ -111,7 +120,12 @@ impl HermesStream {
         let body = std::mem::take(&mut self.body);
         match call_from_body(&body) {
             Some((name, arguments)) => {
-                out.tool_calls.push(ToolCallDelta { index: self.calls, id: Some(String::new()), name: Some(name), arguments });
+                out.tool_calls.push(ToolCallDelta {
+                    index: self.calls,
+                    id: Some(String::new()),
+                    name: Some(name),
+                    arguments,
+                });
                 self.calls += 1;
                 self.held_ws.clear();
                 self.state = State::Between;

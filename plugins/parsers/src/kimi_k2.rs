@@ -12,7 +12,9 @@
 //! arguments as they arrive (leading whitespace skipped, trailing whitespace held until more
 //! text follows), so the assembled stream equals the whole-output result.
 
-use wasmserve_guest::{Plugin, PluginInfo, RequestContext, ToolCall, ToolCallDelta, ToolDelta, ToolParser, ToolResult, ToolStream};
+use wasmserve_guest::{
+    Plugin, PluginInfo, RequestContext, ToolCall, ToolCallDelta, ToolDelta, ToolParser, ToolResult, ToolStream,
+};
 
 use crate::scan::{flush_into, scan_into, Piece, Scanner};
 
@@ -123,7 +125,12 @@ impl KimiStream {
     fn start_args(&mut self, out: &mut ToolDelta) {
         self.current = None;
         if let Some((id, name)) = id_and_name(&std::mem::take(&mut self.header)) {
-            out.tool_calls.push(ToolCallDelta { index: self.calls, id: Some(id), name: Some(name), arguments: String::new() });
+            out.tool_calls.push(ToolCallDelta {
+                index: self.calls,
+                id: Some(id),
+                name: Some(name),
+                arguments: String::new(),
+            });
             self.current = Some(self.calls);
             self.calls += 1;
             self.held_ws.clear();
@@ -193,9 +200,17 @@ impl ToolStream for KimiStream {
 
 /// Whole output: the stream run over the text in one delta, assembled.
 pub fn parse(text: &str) -> ToolResult {
-    let r = wasmserve_guest::harness::run_tools(KimiStream::default(), &[text]).expect("the kimi stream keeps the delta contract");
+    let r = wasmserve_guest::harness::run_tools(KimiStream::default(), &[text])
+        .expect("the kimi stream keeps the delta contract");
     let content = if r.tool_calls.is_empty() { Some(text.to_string()).filter(|t| !t.is_empty()) } else { r.content };
-    ToolResult { content, tool_calls: r.tool_calls.into_iter().map(|c| ToolCall { id: c.id, name: c.name, arguments: c.arguments }).collect() }
+    ToolResult {
+        content,
+        tool_calls: r
+            .tool_calls
+            .into_iter()
+            .map(|c| ToolCall { id: c.id, name: c.name, arguments: c.arguments })
+            .collect(),
+    }
 }
 
 pub struct KimiK2;

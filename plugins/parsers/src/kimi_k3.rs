@@ -19,8 +19,8 @@
 
 use serde_json::Value;
 use wasmserve_guest::{
-    Plugin, PluginInfo, ReasoningDelta, ReasoningParser, ReasoningResult, ReasoningStream, RequestContext, ToolCall, ToolCallDelta, ToolDelta,
-    ToolParser, ToolResult, ToolStream,
+    Plugin, PluginInfo, ReasoningDelta, ReasoningParser, ReasoningResult, ReasoningStream, RequestContext, ToolCall,
+    ToolCallDelta, ToolDelta, ToolParser, ToolResult, ToolStream,
 };
 
 use crate::scan::{flush_into, scan_into, Piece, Scanner};
@@ -280,7 +280,12 @@ pub fn attrs(s: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let mut from = 0;
     while let Some(p) = s[from..].find("=\"").map(|p| from + p) {
-        let key_start = s[from..p].char_indices().rev().take_while(|(_, c)| c.is_alphanumeric() || *c == '_').last().map(|(i, _)| from + i);
+        let key_start = s[from..p]
+            .char_indices()
+            .rev()
+            .take_while(|(_, c)| c.is_alphanumeric() || *c == '_')
+            .last()
+            .map(|(i, _)| from + i);
         let vstart = p + 2;
         let Some(vlen) = s[vstart..].find('"') else { break };
         match key_start {
@@ -468,7 +473,14 @@ pub struct K3ToolStream {
 
 impl Default for K3ToolStream {
     fn default() -> Self {
-        Self { state: TState::Content, scan: Scanner::default(), unwrap: Unwrap::default(), header: String::new(), call: None, sent: 0 }
+        Self {
+            state: TState::Content,
+            scan: Scanner::default(),
+            unwrap: Unwrap::default(),
+            header: String::new(),
+            call: None,
+            sent: 0,
+        }
     }
 }
 
@@ -508,11 +520,23 @@ impl K3ToolStream {
         let name = attr(&a, "tool").unwrap_or("");
         let index = (!name.is_empty()).then(|| {
             let i = self.sent;
-            out.tool_calls.push(ToolCallDelta { index: i, id: Some(call_id(name, i)), name: Some(name.to_string()), arguments: String::new() });
+            out.tool_calls.push(ToolCallDelta {
+                index: i,
+                id: Some(call_id(name, i)),
+                name: Some(name.to_string()),
+                arguments: String::new(),
+            });
             self.sent += 1;
             i
         });
-        self.call = Some(OpenCall { index, args_open: false, arg_type: String::new(), raw: String::new(), pending_prefix: String::new(), string_open: false });
+        self.call = Some(OpenCall {
+            index,
+            args_open: false,
+            arg_type: String::new(),
+            raw: String::new(),
+            pending_prefix: String::new(),
+            string_open: false,
+        });
         self.state = TState::Call;
     }
 
@@ -688,7 +712,10 @@ mod tests {
 
     #[test]
     fn attributes_are_unescaped_like_vllm() {
-        assert_eq!(attrs(r#"tool="a&amp;b" index="1""#), vec![("tool".into(), "a&b".into()), ("index".into(), "1".into())]);
+        assert_eq!(
+            attrs(r#"tool="a&amp;b" index="1""#),
+            vec![("tool".into(), "a&b".into()), ("index".into(), "1".into())]
+        );
         assert_eq!(attrs(r#"key="q&quot;k" type="array""#)[0].1, "q\"k");
         // `&amp;quot;` is `&quot;` written escaped: un-escaping `&quot;` first keeps it.
         assert_eq!(attrs(r#"key="&amp;quot;""#)[0].1, "&quot;");

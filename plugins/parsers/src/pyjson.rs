@@ -70,7 +70,13 @@ fn write_str(s: &str, ascii: bool, out: &mut String) {
 fn write_float(f: f64, out: &mut String) {
     if !f.is_finite() {
         // json.dumps writes these (allow_nan=True); serde_json cannot hold them, but be exact.
-        out.push_str(if f.is_nan() { "NaN" } else if f > 0.0 { "Infinity" } else { "-Infinity" });
+        out.push_str(if f.is_nan() {
+            "NaN"
+        } else if f > 0.0 {
+            "Infinity"
+        } else {
+            "-Infinity"
+        });
         return;
     }
     let sci = format!("{:e}", f.abs()); // shortest digits: "1.2345e-5", "1e16", "0e0"
@@ -170,7 +176,10 @@ mod tests {
     #[test]
     fn matches_python_json_dumps() {
         let v = json!({"name": "get_weather", "parameters": {"city": "Zürich <b>", "n": [1, 2.5, 3.0]}, "e": {}});
-        assert_eq!(super::dumps(&v, None), r#"{"name": "get_weather", "parameters": {"city": "Zürich <b>", "n": [1, 2.5, 3.0]}, "e": {}}"#);
+        assert_eq!(
+            super::dumps(&v, None),
+            r#"{"name": "get_weather", "parameters": {"city": "Zürich <b>", "n": [1, 2.5, 3.0]}, "e": {}}"#
+        );
         assert_eq!(super::dumps(&json!({"a": [1]}), Some(2)), "{\n  \"a\": [\n    1\n  ]\n}");
     }
 }

@@ -17,7 +17,9 @@
 //! difference: leading whitespace of content that is followed by a call was already sent.
 
 use serde_json::{Map, Value};
-use wasmserve_guest::{Plugin, PluginInfo, RequestContext, ToolCall, ToolCallDelta, ToolDelta, ToolParser, ToolResult, ToolStream};
+use wasmserve_guest::{
+    Plugin, PluginInfo, RequestContext, ToolCall, ToolCallDelta, ToolDelta, ToolParser, ToolResult, ToolStream,
+};
 
 use crate::hermes::HermesStream;
 use crate::scan::{flush_into, Piece, Scanner};
@@ -32,7 +34,9 @@ fn tool_properties(ctx: &RequestContext, name: &str) -> Option<Map<String, Value
     let tools: Value = serde_json::from_str(&ctx.tools).ok()?;
     tools.as_array()?.iter().find_map(|t| {
         let f = t.get("function")?;
-        (f.get("name")?.as_str()? == name).then(|| f.get("parameters")?.get("properties")?.as_object().cloned()).flatten()
+        (f.get("name")?.as_str()? == name)
+            .then(|| f.get("parameters")?.get("properties")?.as_object().cloned())
+            .flatten()
     })
 }
 
@@ -100,7 +104,12 @@ fn py_int(v: &str) -> Option<i64> {
         Some(b'+') => ("", &t[1..]),
         _ => ("", t),
     };
-    if digits.is_empty() || digits.starts_with('_') || digits.ends_with('_') || digits.contains("__") || !digits.chars().all(|c| c.is_ascii_digit() || c == '_') {
+    if digits.is_empty()
+        || digits.starts_with('_')
+        || digits.ends_with('_')
+        || digits.contains("__")
+        || !digits.chars().all(|c| c.is_ascii_digit() || c == '_')
+    {
         return None;
     }
     format!("{sign}{}", digits.replace('_', "")).parse().ok()
@@ -189,7 +198,14 @@ fn param_open_len(s: &str) -> Option<usize> {
 
 /// `<\s*/\s*parameter\s*>` at the start of `s`: the length matched.
 fn param_close_len(s: &str) -> Option<usize> {
-    let r = s.strip_prefix('<')?.trim_start().strip_prefix('/')?.trim_start().strip_prefix("parameter")?.trim_start().strip_prefix('>')?;
+    let r = s
+        .strip_prefix('<')?
+        .trim_start()
+        .strip_prefix('/')?
+        .trim_start()
+        .strip_prefix("parameter")?
+        .trim_start()
+        .strip_prefix('>')?;
     Some(s.len() - r.len())
 }
 
@@ -326,7 +342,12 @@ impl Qwen3Stream {
     fn named(&mut self, out: &mut ToolDelta) {
         let name = self.name.trim().to_string();
         if !name.is_empty() {
-            out.tool_calls.push(ToolCallDelta { index: self.calls, id: Some(String::new()), name: Some(name), arguments: String::new() });
+            out.tool_calls.push(ToolCallDelta {
+                index: self.calls,
+                id: Some(String::new()),
+                name: Some(name),
+                arguments: String::new(),
+            });
             self.open = Some(Some(self.calls));
             self.calls += 1;
             // Content next to calls is stripped.
@@ -342,14 +363,23 @@ impl Qwen3Stream {
             Some(i) => i,
             // A call whose `>` never came: vLLM still takes a non-empty name.
             None if !name.is_empty() => {
-                out.tool_calls.push(ToolCallDelta { index: self.calls, id: Some(String::new()), name: Some(name.clone()), arguments: String::new() });
+                out.tool_calls.push(ToolCallDelta {
+                    index: self.calls,
+                    id: Some(String::new()),
+                    name: Some(name.clone()),
+                    arguments: String::new(),
+                });
                 self.calls += 1;
                 self.held_ws.clear();
                 self.calls - 1
             }
             None => return,
         };
-        let arguments = if self.args.trim().is_empty() { "{}".to_string() } else { convert_args(&self.args, tool_properties(&self.ctx, &name).as_ref()) };
+        let arguments = if self.args.trim().is_empty() {
+            "{}".to_string()
+        } else {
+            convert_args(&self.args, tool_properties(&self.ctx, &name).as_ref())
+        };
         out.tool_calls.push(ToolCallDelta { index, id: None, name: None, arguments });
     }
 
@@ -357,7 +387,12 @@ impl Qwen3Stream {
     fn decided(&mut self, json: bool, out: &mut ToolDelta) {
         let buf = std::mem::take(&mut self.decide_buf);
         if json {
-            let held = if self.content_started { out.content.push_str(&std::mem::take(&mut self.held_ws)); String::new() } else { std::mem::take(&mut self.held_ws) };
+            let held = if self.content_started {
+                out.content.push_str(&std::mem::take(&mut self.held_ws));
+                String::new()
+            } else {
+                std::mem::take(&mut self.held_ws)
+            };
             let mut h = HermesStream::after_content(self.content_started, held);
             let d = h.feed(&format!("{TOOL_START}{buf}"), &[]);
             out.content.push_str(&d.content);

@@ -15,14 +15,22 @@ pub struct Scanner {
 /// Length of the longest suffix of `s` that is a proper prefix of `m` (at a char boundary).
 fn partial_len(s: &str, m: &str) -> usize {
     let max = s.len().min(m.len().saturating_sub(1));
-    (1..=max).rev().find(|&k| s.is_char_boundary(s.len() - k) && m.as_bytes().starts_with(&s.as_bytes()[s.len() - k..])).unwrap_or(0)
+    (1..=max)
+        .rev()
+        .find(|&k| s.is_char_boundary(s.len() - k) && m.as_bytes().starts_with(&s.as_bytes()[s.len() - k..]))
+        .unwrap_or(0)
 }
 
 impl Scanner {
     /// Appends `delta`, then calls `f` with each resolved piece in order. `markers` may change
     /// between calls (the set depends on the caller's state), so `f` returns the set to use for
     /// the rest of the text.
-    pub fn feed(&mut self, delta: &str, mut markers: &'static [&'static str], mut f: impl FnMut(Piece) -> &'static [&'static str]) {
+    pub fn feed(
+        &mut self,
+        delta: &str,
+        mut markers: &'static [&'static str],
+        mut f: impl FnMut(Piece) -> &'static [&'static str],
+    ) {
         self.pending.push_str(delta);
         let buf = std::mem::take(&mut self.pending);
         let mut rest = buf.as_str();

@@ -9,7 +9,9 @@
 //!   for the tool parser. Kimi strips trailing whitespace from the reasoning. Either can be
 //!   switched off per request (`enable_thinking` / `thinking` false): all text is content.
 
-use wasmserve_guest::{Plugin, PluginInfo, ReasoningDelta, ReasoningParser, ReasoningResult, ReasoningStream, RequestContext};
+use wasmserve_guest::{
+    Plugin, PluginInfo, ReasoningDelta, ReasoningParser, ReasoningResult, ReasoningStream, RequestContext,
+};
 
 use crate::scan::{flush_into, scan_into, Piece, Scanner};
 
@@ -145,7 +147,10 @@ pub fn parse(flavor: Flavor, text: &str, ctx: &RequestContext) -> ReasoningResul
         let after = text.split_once("<think>").map_or(text, |(_, a)| a);
         return match after.split_once("</think>") {
             None => ReasoningResult { reasoning: Some(after.to_string()), content: None },
-            Some((r, c)) => ReasoningResult { reasoning: Some(r.to_string()), content: Some(c.to_string()).filter(|c| !c.is_empty()) },
+            Some((r, c)) => ReasoningResult {
+                reasoning: Some(r.to_string()),
+                content: Some(c.to_string()).filter(|c| !c.is_empty()),
+            },
         };
     }
     let (r, c) = wasmserve_guest::harness::run_reasoning(ThinkStream::new(flavor, ctx), &[text]);

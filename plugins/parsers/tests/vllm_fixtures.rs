@@ -83,7 +83,9 @@ fn whole(r: &R, t: &T, text: &str, ctx: &RequestContext) -> Out {
     // As the host does: with calls, whitespace-only content is dropped; without, the tool
     // parser's content is the message content.
     match res {
-        Some(res) if !res.tool_calls.is_empty() => Out { reasoning, content: res.content.filter(|c| !c.trim().is_empty()), calls: calls(res.tool_calls) },
+        Some(res) if !res.tool_calls.is_empty() => {
+            Out { reasoning, content: res.content.filter(|c| !c.trim().is_empty()), calls: calls(res.tool_calls) }
+        }
         Some(res) => Out { reasoning, content: res.content.filter(|c| !c.is_empty()), calls: vec![] },
         None => Out { reasoning, content, calls: vec![] },
     }
@@ -189,36 +191,36 @@ fn parsers_match_vllm_whole_and_streamed_at_every_split() {
         };
         let truncated = case.get("truncated_call").and_then(Value::as_bool) == Some(true);
         for &t in ts {
-        let ctx = RequestContext {
-            tools: case["tools"].to_string(),
-            template_kwargs: case.get("chat_template_kwargs").map_or("{}".into(), |k| k.to_string()),
-            history_tool_calls: 0,
-        };
-        let text = case["text"].as_str().unwrap();
-        let want = expected(&case["expected"]);
-        let label = format!("{}/{} as {t:?} {:?}", case["reasoning_parser"], case["tool_parser"], text);
-        let got = whole(&r, &t, text, &ctx);
-        if got != want {
-            failures.push(format!("whole {label}:\n  got  {got:?}\n  want {want:?}"));
-        }
-        cases += 1;
-        let want = as_streamed(want);
-        let tokens = token_like_chunks(text, &markers);
-        let mut splits: Vec<Vec<&str>> = boundaries(text).into_iter().map(|b| split_at(text, b)).collect();
-        splits.push(tokens);
-        for chunks in &splits {
-            let mut got = streamed(&r, &t, chunks, &ctx);
-            streams += 1;
-            if truncated {
-                // A call still open at the end was streamed already (vLLM's whole parse drops it).
-                assert!(got.calls.len() == want.calls.len() + 1, "{label}: the open call was not streamed");
-                got.calls.pop();
-            }
+            let ctx = RequestContext {
+                tools: case["tools"].to_string(),
+                template_kwargs: case.get("chat_template_kwargs").map_or("{}".into(), |k| k.to_string()),
+                history_tool_calls: 0,
+            };
+            let text = case["text"].as_str().unwrap();
+            let want = expected(&case["expected"]);
+            let label = format!("{}/{} as {t:?} {:?}", case["reasoning_parser"], case["tool_parser"], text);
+            let got = whole(&r, &t, text, &ctx);
             if got != want {
-                failures.push(format!("stream {label} chunks {chunks:?}:\n  got  {got:?}\n  want {want:?}"));
-                break;
+                failures.push(format!("whole {label}:\n  got  {got:?}\n  want {want:?}"));
             }
-        }
+            cases += 1;
+            let want = as_streamed(want);
+            let tokens = token_like_chunks(text, &markers);
+            let mut splits: Vec<Vec<&str>> = boundaries(text).into_iter().map(|b| split_at(text, b)).collect();
+            splits.push(tokens);
+            for chunks in &splits {
+                let mut got = streamed(&r, &t, chunks, &ctx);
+                streams += 1;
+                if truncated {
+                    // A call still open at the end was streamed already (vLLM's whole parse drops it).
+                    assert!(got.calls.len() == want.calls.len() + 1, "{label}: the open call was not streamed");
+                    got.calls.pop();
+                }
+                if got != want {
+                    failures.push(format!("stream {label} chunks {chunks:?}:\n  got  {got:?}\n  want {want:?}"));
+                    break;
+                }
+            }
         }
     }
     eprintln!("{cases} cases, {streams} streamed splits");

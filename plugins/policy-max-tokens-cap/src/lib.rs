@@ -11,13 +11,20 @@ pub struct MaxTokensCap {
 
 impl Plugin for MaxTokensCap {
     fn info() -> PluginInfo {
-        PluginInfo { name: "max-tokens-cap".into(), version: env!("CARGO_PKG_VERSION").into(), needs_special_tokens: false }
+        PluginInfo {
+            name: "max-tokens-cap".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            needs_special_tokens: false,
+        }
     }
     fn configure(config: &str) -> Result<Self, String> {
         let v: Value = serde_json::from_str(config).map_err(|e| format!("config: {e}"))?;
         let default = match v.get("max_tokens") {
             None => 4096,
-            Some(n) => n.as_u64().filter(|&n| n >= 1 && n <= u32::MAX as u64).ok_or("config: max_tokens must be a positive integer")? as u32,
+            Some(n) => n
+                .as_u64()
+                .filter(|&n| n >= 1 && n <= u32::MAX as u64)
+                .ok_or("config: max_tokens must be a positive integer")? as u32,
         };
         let tenants = v.get("tenants").and_then(Value::as_object).cloned().unwrap_or_default();
         Ok(Self { default, tenants })
@@ -26,7 +33,11 @@ impl Plugin for MaxTokensCap {
 
 impl RequestPolicy for MaxTokensCap {
     fn check(&self, req: &RequestInfo) -> Decision {
-        let cap = self.tenants.get(&req.tenant).and_then(Value::as_u64).map_or(self.default, |n| n.min(u32::MAX as u64) as u32);
+        let cap = self
+            .tenants
+            .get(&req.tenant)
+            .and_then(Value::as_u64)
+            .map_or(self.default, |n| n.min(u32::MAX as u64) as u32);
         Decision::Rewrite(Rewrite { max_tokens_cap: Some(cap), ..Default::default() })
     }
 }

@@ -12,14 +12,21 @@ pub struct ModelAllowList {
 fn strings(v: Option<&Value>) -> Result<Vec<String>, String> {
     match v {
         None => Ok(vec![]),
-        Some(Value::Array(a)) => a.iter().map(|x| x.as_str().map(str::to_string).ok_or_else(|| "config: model names must be strings".to_string())).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| x.as_str().map(str::to_string).ok_or_else(|| "config: model names must be strings".to_string()))
+            .collect(),
         Some(_) => Err("config: a model list must be an array".into()),
     }
 }
 
 impl Plugin for ModelAllowList {
     fn info() -> PluginInfo {
-        PluginInfo { name: "model-allow-list".into(), version: env!("CARGO_PKG_VERSION").into(), needs_special_tokens: false }
+        PluginInfo {
+            name: "model-allow-list".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            needs_special_tokens: false,
+        }
     }
     fn configure(config: &str) -> Result<Self, String> {
         let v: Value = serde_json::from_str(config).map_err(|e| format!("config: {e}"))?;
@@ -40,7 +47,10 @@ impl RequestPolicy for ModelAllowList {
         if allowed.iter().any(|m| m == &req.model) {
             Decision::Allow
         } else {
-            Decision::Reject(Rejection { status: 403, message: format!("model '{}' is not allowed for this tenant", req.model) })
+            Decision::Reject(Rejection {
+                status: 403,
+                message: format!("model '{}' is not allowed for this tenant", req.model),
+            })
         }
     }
 }
@@ -54,7 +64,9 @@ mod tests {
     #[test]
     fn tenant_lists_override_the_global_one() {
         let p = ModelAllowList::configure(r#"{"models": ["a"], "tenants": {"t": ["b"]}}"#).unwrap();
-        let ok = |t: &str, m: &str| p.check(&RequestInfo { tenant: t.into(), model: m.into(), ..Default::default() }) == Decision::Allow;
+        let ok = |t: &str, m: &str| {
+            p.check(&RequestInfo { tenant: t.into(), model: m.into(), ..Default::default() }) == Decision::Allow
+        };
         assert!(ok("x", "a") && !ok("x", "b") && ok("t", "b") && !ok("t", "a"));
     }
 }

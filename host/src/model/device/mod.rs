@@ -10,12 +10,12 @@ pub mod decoder;
 pub mod model;
 pub mod placement;
 pub mod ranks;
-pub mod step;
-pub mod weights;
 #[cfg(test)]
 pub(crate) mod ref_runtime;
+pub mod step;
 #[cfg(test)]
 pub(crate) mod test_util;
+pub mod weights;
 
 use kernels::gpu::{Kernels, Runtime};
 
@@ -34,7 +34,12 @@ pub fn device_ranks(m: &LoadedModel) -> Option<usize> {
 /// ranks: `--tensor-parallel-size`), the ranks exchanging partial sums through `group`, dense
 /// weights held as `dense` says; a model without a device forward is given back unchanged
 /// (logged). The host copy of the weights is dropped.
-pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<LoadedModel, ForwardError> {
+pub fn place_on_devices<R: Runtime + 'static>(
+    m: LoadedModel,
+    gpus: Vec<Kernels<R>>,
+    group: Box<dyn DeviceGroup<R>>,
+    dense: DenseWeights,
+) -> Result<LoadedModel, ForwardError> {
     let Some(form) = m.model.device_form() else {
         tracing::warn!(architecture = ?m.model.config().architecture, "no device forward for this architecture yet: its forward runs on the CPU");
         return Ok(m);

@@ -6,13 +6,13 @@
 use kernels::gpu::kv_pool::KvStorage;
 use kernels::gpu::Runtime;
 
+use crate::model::config::ModelConfig;
 use crate::model::device::ranks::{run_step, RankState};
 use crate::model::device::step::{checked_step, recurrent_rows, StepInputs};
-use crate::parallel::device_collective::{DeviceCollective, DeviceGroup};
-use crate::model::shard::even_range;
-use crate::model::config::ModelConfig;
 use crate::model::kv::{BatchRow, BlockCopy, CacheLayout, KvCache, PagedView};
+use crate::model::shard::even_range;
 use crate::model::{DeviceKv, ForwardError, LanguageModel};
+use crate::parallel::device_collective::{DeviceCollective, DeviceGroup};
 
 /// One device's part of a model.
 pub trait DeviceRank {
@@ -22,7 +22,13 @@ pub trait DeviceRank {
     /// (blocks, block size, storage) of this device's K/V pool, once allocated.
     fn pool(&self) -> Option<(usize, usize, KvStorage)>;
     /// Allocates this device's K/V pool for every layer of `cfg`.
-    fn allocate(&mut self, cfg: &ModelConfig, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError>;
+    fn allocate(
+        &mut self,
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+        storage: KvStorage,
+    ) -> Result<(), ForwardError>;
     /// The recurrent-state slots this device holds, once allocated (`None` for models without
     /// recurrent layers, or before `allocate_recurrent`).
     fn recurrent_slots(&self) -> Option<usize> {
@@ -35,7 +41,13 @@ pub trait DeviceRank {
     }
     /// This device's part of one step: `copies` (copy-on-write) first, then the forward, meeting
     /// the other ranks in `comm`. Returns this rank's part of the logits (see [`Logits`]).
-    fn forward(&mut self, cfg: &ModelConfig, copies: &[BlockCopy], inp: &StepInputs, comm: &dyn DeviceCollective<Self::Rt>) -> Result<Vec<f32>, ForwardError>;
+    fn forward(
+        &mut self,
+        cfg: &ModelConfig,
+        copies: &[BlockCopy],
+        inp: &StepInputs,
+        comm: &dyn DeviceCollective<Self::Rt>,
+    ) -> Result<Vec<f32>, ForwardError>;
 }
 
 /// How the ranks' outputs make the step's logits.
@@ -65,7 +77,9 @@ pub fn check_ranks(what: &str, positions: &[(usize, usize)], devices: usize) -> 
         return Err(ForwardError::Invalid(format!("{size} {what} ranks and {devices} devices: one device per rank")));
     }
     match positions.iter().enumerate().find(|&(r, &p)| p != (r, size)) {
-        Some((r, (rank, of))) => Err(ForwardError::Invalid(format!("device {r} was given {what} rank {rank} of {of} (expected rank {r} of {size})"))),
+        Some((r, (rank, of))) => Err(ForwardError::Invalid(format!(
+            "device {r} was given {what} rank {rank} of {of} (expected rank {r} of {size})"
+        ))),
         None => Ok(()),
     }
 }
@@ -73,12 +87,24 @@ pub fn check_ranks(what: &str, positions: &[(usize, usize)], devices: usize) -> 
 impl<S: DeviceRank> DeviceModel<S> {
     /// `ranks[r]` runs on device `r`; `layout` is what the engine sizes its block budget from
     /// (every rank's pool holds the same blocks).
-    pub fn new(kind: &'static str, cfg: ModelConfig, ranks: Vec<S>, group: Box<dyn DeviceGroup<S::Rt>>, layout: CacheLayout, logits: Logits) -> Result<Self, ForwardError> {
+    pub fn new(
+        kind: &'static str,
+        cfg: ModelConfig,
+        ranks: Vec<S>,
+        group: Box<dyn DeviceGroup<S::Rt>>,
+        layout: CacheLayout,
+        logits: Logits,
+    ) -> Result<Self, ForwardError> {
         if ranks.is_empty() || group.world_size() != ranks.len() {
-            return Err(ForwardError::Invalid(format!("{} ranks and a group of {}: one device per rank", ranks.len(), group.world_size())));
+            return Err(ForwardError::Invalid(format!(
+                "{} ranks and a group of {}: one device per rank",
+                ranks.len(),
+                group.world_size()
+            )));
         }
         let names: Vec<String> = ranks.iter().map(DeviceRank::describe).collect();
-        let describe = if names.len() == 1 { names[0].clone() } else { format!("{} ranks on {}", names.len(), names.join(", ")) };
+        let describe =
+            if names.len() == 1 { names[0].clone() } else { format!("{} ranks on {}", names.len(), names.join(", ")) };
         Ok(Self { cfg, describe, ranks: ranks.into_iter().map(RankState::new).collect(), group, layout, logits, kind })
     }
 
@@ -89,7 +115,13 @@ impl<S: DeviceRank> DeviceModel<S> {
 
     /// Every rank's step ([`run_step`]: each on its own thread, a failing rank releasing its
     /// peers), checked once on the host first, then the logits from the ranks' parts.
-    fn forward_ranks(&self, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
+    fn forward_ranks(
+        &self,
+        tokens: &[u32],
+        rows: &[BatchRow],
+        view: &PagedView<'_>,
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>, ForwardError> {
         let (pool, recurrent) = {
             let first = self.ranks[0].lock();
             (first.pool().map(|(blocks, size, _)| (blocks, size)), first.recurrent_slots())
@@ -140,7 +172,13 @@ impl<S: DeviceRank> LanguageModel for DeviceModel<S> {
         }
     }
 
-    fn try_forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Result<Vec<f32>, ForwardError> {
+    fn try_forward(
+        &self,
+        tokens: &[u32],
+        rows: &[BatchRow],
+        kv: &mut dyn KvCache,
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>, ForwardError> {
         let view = kv.paged_view().ok_or_else(|| ForwardError::Invalid("the device forward needs the engine's paged KV cache (its K/V live in the device pool); contiguous caches are not supported".into()))?;
         self.forward_ranks(tokens, rows, &view, logit_rows)
     }
@@ -156,7 +194,11 @@ impl<S: DeviceRank> DeviceKv for DeviceModel<S> {
             let mut st = rank.lock();
             match st.recurrent_slots() {
                 Some(have) if have == slots => continue,
-                Some(have) => return Err(ForwardError::Invalid(format!("the device recurrent state is already allocated ({have} slots)"))),
+                Some(have) => {
+                    return Err(ForwardError::Invalid(format!(
+                        "the device recurrent state is already allocated ({have} slots)"
+                    )))
+                }
                 None => st.allocate_recurrent(slots)?,
             }
         }
@@ -169,7 +211,11 @@ impl<S: DeviceRank> DeviceKv for DeviceModel<S> {
             let mut st = rank.lock();
             match st.pool() {
                 Some(p) if p == (num_blocks, block_size, storage) => continue,
-                Some((blocks, size, storage)) => return Err(ForwardError::Invalid(format!("the device KV pool is already allocated ({blocks} blocks of {size}, {storage:?})"))),
+                Some((blocks, size, storage)) => {
+                    return Err(ForwardError::Invalid(format!(
+                        "the device KV pool is already allocated ({blocks} blocks of {size}, {storage:?})"
+                    )))
+                }
                 None => st.allocate(&self.cfg, num_blocks, block_size, storage)?,
             }
         }

@@ -23,13 +23,23 @@ pub trait DeviceForward: Send + Sync {
 
     /// The device model: rank `r` on `gpus[r]`, the ranks exchanging partial sums through
     /// `group`, dense weights held as `dense` says.
-    fn onto_devices<R: Runtime + 'static>(&self, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Box<dyn LanguageModel>, ForwardError>;
+    fn onto_devices<R: Runtime + 'static>(
+        &self,
+        gpus: Vec<Kernels<R>>,
+        group: Box<dyn DeviceGroup<R>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError>;
 }
 
 /// [`DeviceForward`] as a trait object: implemented for every `DeviceForward`.
 pub trait Placeable: Send + Sync {
     fn ranks(&self) -> usize;
-    fn on_sim(&self, gpus: Vec<Kernels<SimRuntime>>, group: Box<dyn DeviceGroup<SimRuntime>>, dense: DenseWeights) -> Result<Box<dyn LanguageModel>, ForwardError>;
+    fn on_sim(
+        &self,
+        gpus: Vec<Kernels<SimRuntime>>,
+        group: Box<dyn DeviceGroup<SimRuntime>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError>;
     #[cfg(feature = "cuda")]
     fn on_cuda(
         &self,
@@ -38,14 +48,24 @@ pub trait Placeable: Send + Sync {
         dense: DenseWeights,
     ) -> Result<Box<dyn LanguageModel>, ForwardError>;
     #[cfg(test)]
-    fn on_reference(&self, gpus: Vec<Kernels<super::ref_runtime::RefRuntime>>, group: Box<dyn DeviceGroup<super::ref_runtime::RefRuntime>>, dense: DenseWeights) -> Result<Box<dyn LanguageModel>, ForwardError>;
+    fn on_reference(
+        &self,
+        gpus: Vec<Kernels<super::ref_runtime::RefRuntime>>,
+        group: Box<dyn DeviceGroup<super::ref_runtime::RefRuntime>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError>;
 }
 
 impl<T: DeviceForward> Placeable for T {
     fn ranks(&self) -> usize {
         self.device_ranks()
     }
-    fn on_sim(&self, gpus: Vec<Kernels<SimRuntime>>, group: Box<dyn DeviceGroup<SimRuntime>>, dense: DenseWeights) -> Result<Box<dyn LanguageModel>, ForwardError> {
+    fn on_sim(
+        &self,
+        gpus: Vec<Kernels<SimRuntime>>,
+        group: Box<dyn DeviceGroup<SimRuntime>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError> {
         self.onto_devices(gpus, group, dense)
     }
     #[cfg(feature = "cuda")]
@@ -58,7 +78,12 @@ impl<T: DeviceForward> Placeable for T {
         self.onto_devices(gpus, group, dense)
     }
     #[cfg(test)]
-    fn on_reference(&self, gpus: Vec<Kernels<super::ref_runtime::RefRuntime>>, group: Box<dyn DeviceGroup<super::ref_runtime::RefRuntime>>, dense: DenseWeights) -> Result<Box<dyn LanguageModel>, ForwardError> {
+    fn on_reference(
+        &self,
+        gpus: Vec<Kernels<super::ref_runtime::RefRuntime>>,
+        group: Box<dyn DeviceGroup<super::ref_runtime::RefRuntime>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError> {
         self.onto_devices(gpus, group, dense)
     }
 }
@@ -67,7 +92,12 @@ type Args<R> = (Vec<Kernels<R>>, Box<dyn DeviceGroup<R>>);
 
 /// Runs `p`'s upload on runtime `R`: the one place a generic runtime meets the object-safe
 /// methods (by type identity; a runtime not listed in [`Placeable`] is an error, not a panic).
-pub fn place<R: Runtime + 'static>(p: &dyn Placeable, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Box<dyn LanguageModel>, ForwardError> {
+pub fn place<R: Runtime + 'static>(
+    p: &dyn Placeable,
+    gpus: Vec<Kernels<R>>,
+    group: Box<dyn DeviceGroup<R>>,
+    dense: DenseWeights,
+) -> Result<Box<dyn LanguageModel>, ForwardError> {
     let args: Box<dyn Any> = Box::new((gpus, group));
     let args = match args.downcast::<Args<SimRuntime>>() {
         Ok(a) => return p.on_sim(a.0, a.1, dense),

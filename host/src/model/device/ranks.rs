@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kernels::gpu::Runtime;
 
-use crate::parallel::device_collective::{DeviceCollective, SoleRank};
 use crate::model::ForwardError;
+use crate::parallel::device_collective::{DeviceCollective, SoleRank};
 
 /// One device's state. Its buffers and runtime are only touched with the lock held, so one
 /// thread at a time drives that device.
@@ -44,7 +44,11 @@ impl<R: Runtime> Drop for AbortOnPanic<'_, R> {
 
 /// Runs `step` on every rank with its collective handle (`comms[r]` for rank `r`; ignored for a
 /// single rank, which gets [`SoleRank`]) and returns every rank's result in rank order.
-pub fn run_step<S, T, R>(ranks: &[RankState<S>], comms: &[Arc<dyn DeviceCollective<R>>], step: impl Fn(&mut S, &dyn DeviceCollective<R>) -> Result<T, ForwardError> + Sync) -> Result<Vec<T>, ForwardError>
+pub fn run_step<S, T, R>(
+    ranks: &[RankState<S>],
+    comms: &[Arc<dyn DeviceCollective<R>>],
+    step: impl Fn(&mut S, &dyn DeviceCollective<R>) -> Result<T, ForwardError> + Sync,
+) -> Result<Vec<T>, ForwardError>
 where
     T: Send,
     R: Runtime,
@@ -70,7 +74,9 @@ where
             .enumerate()
             .map(|(i, (state, comm))| {
                 let run = &run;
-                let spawned = std::thread::Builder::new().name(format!("device-rank-{}", i + 1)).spawn_scoped(s, move || run(state, comm));
+                let spawned = std::thread::Builder::new()
+                    .name(format!("device-rank-{}", i + 1))
+                    .spawn_scoped(s, move || run(state, comm));
                 if let Err(e) = &spawned {
                     // Its peers must not wait for a rank that never starts.
                     comm.abort(&format!("rank thread not started: {e}"));
@@ -81,7 +87,9 @@ where
         let mut parts = vec![run(&ranks[0], &comms[0])];
         for (i, p) in peers.into_iter().enumerate() {
             parts.push(match p {
-                Ok(h) => h.join().unwrap_or_else(|_| Err(ForwardError::Invalid(format!("device rank {} panicked in the forward pass", i + 1)))),
+                Ok(h) => h.join().unwrap_or_else(|_| {
+                    Err(ForwardError::Invalid(format!("device rank {} panicked in the forward pass", i + 1)))
+                }),
                 Err(e) => Err(ForwardError::Invalid(format!("cannot start the thread of device rank {}: {e}", i + 1))),
             });
         }

@@ -22,14 +22,44 @@ pub struct RefRuntime;
 /// The decode attention reference over the cache arguments of a paged attention or prefill
 /// launch (`k`, `v` at 1 and 2, FP8 scales at 3 and 4), storage from the kernel's suffix.
 #[allow(clippy::too_many_arguments)]
-fn decode_reference(kernel: &str, a: Args<'_, '_>, q: &[f32], tables: &[i32], lens: &[i32], g: &cpu::attention::PagedGeometry, scale: f32, out: &mut [f32]) {
+fn decode_reference(
+    kernel: &str,
+    a: Args<'_, '_>,
+    q: &[f32],
+    tables: &[i32],
+    lens: &[i32],
+    g: &cpu::attention::PagedGeometry,
+    scale: f32,
+    out: &mut [f32],
+) {
     use cpu::attention::{paged_attention_decode, KvBlocks};
     if kernel.ends_with("_f32") {
-        paged_attention_decode(q, &KvBlocks::F32 { k: &f32s(a, 1).borrow(), v: &f32s(a, 2).borrow() }, tables, lens, g, scale, out)
+        paged_attention_decode(
+            q,
+            &KvBlocks::F32 { k: &f32s(a, 1).borrow(), v: &f32s(a, 2).borrow() },
+            tables,
+            lens,
+            g,
+            scale,
+            out,
+        )
     } else if kernel.ends_with("_bf16") {
-        paged_attention_decode(q, &KvBlocks::Bf16 { k: &u16s(a, 1).borrow(), v: &u16s(a, 2).borrow() }, tables, lens, g, scale, out)
+        paged_attention_decode(
+            q,
+            &KvBlocks::Bf16 { k: &u16s(a, 1).borrow(), v: &u16s(a, 2).borrow() },
+            tables,
+            lens,
+            g,
+            scale,
+            out,
+        )
     } else {
-        let kv = KvBlocks::Fp8 { k: &u8s(a, 1).borrow(), v: &u8s(a, 2).borrow(), k_scales: &f32s(a, 3).borrow(), v_scales: &f32s(a, 4).borrow() };
+        let kv = KvBlocks::Fp8 {
+            k: &u8s(a, 1).borrow(),
+            v: &u8s(a, 2).borrow(),
+            k_scales: &f32s(a, 3).borrow(),
+            v_scales: &f32s(a, 4).borrow(),
+        };
         paged_attention_decode(q, &kv, tables, lens, g, scale, out)
     }
 }
@@ -125,11 +155,22 @@ impl Runtime for RefRuntime {
             }
             "rms_norm" => {
                 let (rows, d, eps) = (dims.grid.0 as usize, int(a, 3), flt(a, 4));
-                cpu::norm::rms_norm(&f32s(a, 0).borrow()[..rows * d], &f32s(a, 1).borrow(), eps, &mut f32s(a, 2).borrow_mut()[..rows * d]);
+                cpu::norm::rms_norm(
+                    &f32s(a, 0).borrow()[..rows * d],
+                    &f32s(a, 1).borrow(),
+                    eps,
+                    &mut f32s(a, 2).borrow_mut()[..rows * d],
+                );
             }
             "add_rms_norm" => {
                 let (rows, d, eps) = (dims.grid.0 as usize, int(a, 4), flt(a, 5));
-                cpu::norm::add_rms_norm(&mut f32s(a, 0).borrow_mut()[..rows * d], &f32s(a, 1).borrow()[..rows * d], &f32s(a, 2).borrow(), eps, &mut f32s(a, 3).borrow_mut()[..rows * d]);
+                cpu::norm::add_rms_norm(
+                    &mut f32s(a, 0).borrow_mut()[..rows * d],
+                    &f32s(a, 1).borrow()[..rows * d],
+                    &f32s(a, 2).borrow(),
+                    eps,
+                    &mut f32s(a, 3).borrow_mut()[..rows * d],
+                );
             }
             "rope_neox" => {
                 let (tokens, heads, hd) = (int(a, 3), int(a, 4), int(a, 5));
@@ -152,25 +193,54 @@ impl Runtime for RefRuntime {
             "paged_attention_f32" | "paged_attention_bf16" | "paged_attention_fp8" => {
                 let fp8 = kernel == "paged_attention_fp8";
                 let o = if fp8 { 2 } else { 0 };
-                let g = cpu::attention::PagedGeometry { heads: int(a, 6 + o), kv_heads: int(a, 7 + o), head_dim: int(a, 8 + o), block_size: int(a, 9 + o), max_blocks: int(a, 10 + o) };
+                let g = cpu::attention::PagedGeometry {
+                    heads: int(a, 6 + o),
+                    kv_heads: int(a, 7 + o),
+                    head_dim: int(a, 8 + o),
+                    block_size: int(a, 9 + o),
+                    max_blocks: int(a, 10 + o),
+                };
                 let seqs = dims.grid.0 as usize;
-                let (q, tables, lens, scale) = (f32s(a, 0).borrow(), i32s(a, 3 + o).borrow(), i32s(a, 4 + o).borrow(), flt(a, 11 + o));
+                let (q, tables, lens, scale) =
+                    (f32s(a, 0).borrow(), i32s(a, 3 + o).borrow(), i32s(a, 4 + o).borrow(), flt(a, 11 + o));
                 let mut out = f32s(a, 5 + o).borrow_mut();
                 let per = g.heads * g.head_dim;
-                let (q, out, tables, lens) = (&q[..seqs * per], &mut out[..seqs * per], &tables[..seqs * g.max_blocks], &lens[..seqs]);
+                let (q, out, tables, lens) =
+                    (&q[..seqs * per], &mut out[..seqs * per], &tables[..seqs * g.max_blocks], &lens[..seqs]);
                 decode_reference(kernel, a, q, tables, lens, &g, scale, out);
             }
-            "paged_prefill_f32" | "paged_prefill_bf16" | "paged_prefill_fp8" | "paged_flash_prefill_bf16" | "paged_flash_prefill_fp8" => {
+            "paged_prefill_f32"
+            | "paged_prefill_bf16"
+            | "paged_prefill_fp8"
+            | "paged_flash_prefill_bf16"
+            | "paged_flash_prefill_fp8" => {
                 // Each tile row by the decode reference with its own table and length (exact: the
                 // tensor-core kernel's bf16 rounding of Q and P is the device's, not the model's).
                 let o = if kernel.ends_with("fp8") { 2 } else { 0 };
-                let g = cpu::attention::PagedGeometry { heads: int(a, 7 + o), kv_heads: int(a, 8 + o), head_dim: int(a, 9 + o), block_size: int(a, 10 + o), max_blocks: int(a, 11 + o) };
-                let (q, tables, lens, tiles, scale) = (f32s(a, 0).borrow(), i32s(a, 3 + o).borrow(), i32s(a, 4 + o).borrow(), i32s(a, 5 + o).borrow(), flt(a, 12 + o));
+                let g = cpu::attention::PagedGeometry {
+                    heads: int(a, 7 + o),
+                    kv_heads: int(a, 8 + o),
+                    head_dim: int(a, 9 + o),
+                    block_size: int(a, 10 + o),
+                    max_blocks: int(a, 11 + o),
+                };
+                let (q, tables, lens, tiles, scale) = (
+                    f32s(a, 0).borrow(),
+                    i32s(a, 3 + o).borrow(),
+                    i32s(a, 4 + o).borrow(),
+                    i32s(a, 5 + o).borrow(),
+                    flt(a, 12 + o),
+                );
                 let mut out = f32s(a, 6 + o).borrow_mut();
                 let (per, mb) = (g.heads * g.head_dim, g.max_blocks);
                 for tile in tiles[..2 * dims.grid.0 as usize].chunks(2) {
                     for r in tile[0] as usize..(tile[0] + tile[1]) as usize {
-                        let (q, out, tables, lens) = (&q[r * per..(r + 1) * per], &mut out[r * per..(r + 1) * per], &tables[r * mb..(r + 1) * mb], &lens[r..r + 1]);
+                        let (q, out, tables, lens) = (
+                            &q[r * per..(r + 1) * per],
+                            &mut out[r * per..(r + 1) * per],
+                            &tables[r * mb..(r + 1) * mb],
+                            &lens[r..r + 1],
+                        );
                         decode_reference(kernel, a, q, tables, lens, &g, scale, out);
                     }
                 }
@@ -180,16 +250,41 @@ impl Runtime for RefRuntime {
                 let (k, v, slots) = (f32s(a, 0).borrow(), f32s(a, 1).borrow(), i32s(a, 2).borrow());
                 let (k, v, slots) = (&k[..n * w], &v[..n * w], &slots[..n]);
                 if kernel == "kv_write_f32" {
-                    cpu::kv_write::kv_write_f32(k, v, slots, w, &mut f32s(a, 3).borrow_mut(), &mut f32s(a, 4).borrow_mut());
+                    cpu::kv_write::kv_write_f32(
+                        k,
+                        v,
+                        slots,
+                        w,
+                        &mut f32s(a, 3).borrow_mut(),
+                        &mut f32s(a, 4).borrow_mut(),
+                    );
                 } else {
-                    cpu::kv_write::kv_write_bf16(k, v, slots, w, &mut u16s(a, 3).borrow_mut(), &mut u16s(a, 4).borrow_mut());
+                    cpu::kv_write::kv_write_bf16(
+                        k,
+                        v,
+                        slots,
+                        w,
+                        &mut u16s(a, 3).borrow_mut(),
+                        &mut u16s(a, 4).borrow_mut(),
+                    );
                 }
             }
             "kv_write_fp8" => {
                 let (n, kvh, hd) = (int(a, 7), int(a, 8), int(a, 9));
                 let (k, v, slots) = (f32s(a, 0).borrow(), f32s(a, 1).borrow(), i32s(a, 2).borrow());
-                let (mut kc, mut vc, mut ks, mut vs) = (u8s(a, 3).borrow_mut(), u8s(a, 4).borrow_mut(), f32s(a, 5).borrow_mut(), f32s(a, 6).borrow_mut());
-                cpu::kv_write::kv_write_fp8(&k[..n * kvh * hd], &v[..n * kvh * hd], &slots[..n], kvh, hd, &mut kc, &mut vc, &mut ks, &mut vs);
+                let (mut kc, mut vc, mut ks, mut vs) =
+                    (u8s(a, 3).borrow_mut(), u8s(a, 4).borrow_mut(), f32s(a, 5).borrow_mut(), f32s(a, 6).borrow_mut());
+                cpu::kv_write::kv_write_fp8(
+                    &k[..n * kvh * hd],
+                    &v[..n * kvh * hd],
+                    &slots[..n],
+                    kvh,
+                    hd,
+                    &mut kc,
+                    &mut vc,
+                    &mut ks,
+                    &mut vs,
+                );
             }
             "copy_span_f32" => {
                 let (s, d, n) = (int(a, 1), int(a, 2), int(a, 3));
@@ -205,7 +300,11 @@ impl Runtime for RefRuntime {
             }
             "int_gemv" | "int4_gemv" | "cubic_gemv" => {
                 let (rows, cols) = (int(a, 6), int(a, 7));
-                let (bits, group, n) = if kernel == "int4_gemv" { (4, int(a, 8), int(a, 9)) } else { (int(a, 8) as u32, int(a, 9), int(a, 10)) };
+                let (bits, group, n) = if kernel == "int4_gemv" {
+                    (4, int(a, 8), int(a, 9))
+                } else {
+                    (int(a, 8) as u32, int(a, 9), int(a, 10))
+                };
                 let p = packed(a, bits, rows, cols);
                 let (p0, p1) = (f32s(a, 2).borrow(), f32s(a, 3).borrow());
                 let (x, mut out) = (f32s(a, 4).borrow(), f32s(a, 5).borrow_mut());
@@ -218,11 +317,23 @@ impl Runtime for RefRuntime {
             }
             "matmul_f32" => {
                 let (rows, cols, n) = (int(a, 3), int(a, 4), int(a, 5));
-                cpu::matmul::matmul_t(&f32s(a, 1).borrow()[..n * cols], &f32s(a, 0).borrow()[..rows * cols], &mut f32s(a, 2).borrow_mut()[..n * rows], n, cols, rows);
+                cpu::matmul::matmul_t(
+                    &f32s(a, 1).borrow()[..n * cols],
+                    &f32s(a, 0).borrow()[..rows * cols],
+                    &mut f32s(a, 2).borrow_mut()[..n * rows],
+                    n,
+                    cols,
+                    rows,
+                );
             }
             "mxfp4_gemv" => {
                 let (rows, cols, n) = (int(a, 4), int(a, 5), int(a, 6));
-                let m = cpu::mxfp4::Mxfp4Matrix::new(rows, cols, &u8s(a, 0).borrow()[..rows * cols / 2], &u8s(a, 1).borrow());
+                let m = cpu::mxfp4::Mxfp4Matrix::new(
+                    rows,
+                    cols,
+                    &u8s(a, 0).borrow()[..rows * cols / 2],
+                    &u8s(a, 1).borrow(),
+                );
                 m.matmul_t(&f32s(a, 2).borrow()[..n * cols], &mut f32s(a, 3).borrow_mut()[..n * rows], n);
             }
             other => return Err(CudaError::BadArgs(format!("the reference runtime has no kernel {other}"))),
@@ -230,7 +341,16 @@ impl Runtime for RefRuntime {
         Ok(())
     }
 
-    fn gemm_bf16(&self, x: &RefBuf<u16>, w: &RefBuf<u16>, w_row0: usize, out: &mut RefBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+    fn gemm_bf16(
+        &self,
+        x: &RefBuf<u16>,
+        w: &RefBuf<u16>,
+        w_row0: usize,
+        out: &mut RefBuf<f32>,
+        n: usize,
+        k: usize,
+        m: usize,
+    ) -> Result<(), CudaError> {
         let (x, w) = (widen(&x.0.borrow()[..n * k]), widen(&w.0.borrow()[w_row0 * k..(w_row0 + m) * k]));
         cpu::matmul::matmul_t(&x, &w, &mut out.0.borrow_mut()[..n * m], n, k, m);
         Ok(())
@@ -290,7 +410,16 @@ impl Runtime for Flaky {
         // SAFETY: the caller's guarantee for `a`, which `args` is element for element.
         unsafe { RefRuntime.launch(kernel, dims, &args) }
     }
-    fn gemm_bf16(&self, x: &RefBuf<u16>, w: &RefBuf<u16>, w_row0: usize, out: &mut RefBuf<f32>, n: usize, k: usize, m: usize) -> Result<(), CudaError> {
+    fn gemm_bf16(
+        &self,
+        x: &RefBuf<u16>,
+        w: &RefBuf<u16>,
+        w_row0: usize,
+        out: &mut RefBuf<f32>,
+        n: usize,
+        k: usize,
+        m: usize,
+    ) -> Result<(), CudaError> {
         RefRuntime.gemm_bf16(x, w, w_row0, out, n, k, m)
     }
 }

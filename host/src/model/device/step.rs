@@ -38,7 +38,13 @@ impl KvCache for BlockTables {
         unreachable!("a device model reads K/V from its own pool")
     }
     fn paged_view(&self) -> Option<PagedView<'_>> {
-        Some(PagedView { block_size: self.block_size, tables: &self.tables, copies: &self.copies, slots: &self.slots, slot_ops: &self.slot_ops })
+        Some(PagedView {
+            block_size: self.block_size,
+            tables: &self.tables,
+            copies: &self.copies,
+            slots: &self.slots,
+            slot_ops: &self.slot_ops,
+        })
     }
 }
 
@@ -48,15 +54,29 @@ fn invalid(msg: String) -> ForwardError {
 
 /// Checks a step against a device pool of `pool` = (blocks, block size), `None` when the pool was
 /// never allocated: the batch ([`step_inputs`]) and the copy-on-write copies.
-pub fn checked_step(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], view: &PagedView<'_>, logit_rows: &[usize], pool: Option<(usize, usize)>) -> Result<StepInputs, ForwardError> {
+pub fn checked_step(
+    cfg: &ModelConfig,
+    tokens: &[u32],
+    rows: &[BatchRow],
+    view: &PagedView<'_>,
+    logit_rows: &[usize],
+    pool: Option<(usize, usize)>,
+) -> Result<StepInputs, ForwardError> {
     let Some((num_blocks, block_size)) = pool else {
         return Err(invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()));
     };
     if block_size != view.block_size {
         return Err(invalid(format!("block size {} in the batch, {block_size} in the device pool", view.block_size)));
     }
-    if let Some(c) = view.copies.iter().find(|c| c.src as usize >= num_blocks || c.dst as usize >= num_blocks || c.slots > block_size) {
-        return Err(invalid(format!("block copy {} -> {} of {} slots outside the device pool of {num_blocks} blocks of {block_size}", c.src, c.dst, c.slots)));
+    if let Some(c) = view
+        .copies
+        .iter()
+        .find(|c| c.src as usize >= num_blocks || c.dst as usize >= num_blocks || c.slots > block_size)
+    {
+        return Err(invalid(format!(
+            "block copy {} -> {} of {} slots outside the device pool of {num_blocks} blocks of {block_size}",
+            c.src, c.dst, c.slots
+        )));
     }
     step_inputs(cfg, tokens, rows, block_size, view.tables, num_blocks, logit_rows)
 }
@@ -103,7 +123,12 @@ impl RecurrentRows {
 /// Groups `rows` by sequence for a model with `capacity` state slots, checking what the kernels
 /// cannot: every sequence in the batch has a slot below `capacity`, no two share one, its rows
 /// are consecutive positions in batch order, and every slot operation names slots in range.
-pub fn recurrent_rows(rows: &[BatchRow], slots: &[Option<usize>], ops: &[SlotOp], capacity: usize) -> Result<RecurrentRows, ForwardError> {
+pub fn recurrent_rows(
+    rows: &[BatchRow],
+    slots: &[Option<usize>],
+    ops: &[SlotOp],
+    capacity: usize,
+) -> Result<RecurrentRows, ForwardError> {
     for op in ops {
         let (a, b) = match *op {
             SlotOp::Reset(s) => (s, s),
@@ -124,15 +149,25 @@ pub fn recurrent_rows(rows: &[BatchRow], slots: &[Option<usize>], ops: &[SlotOp]
         });
         members[k].push(i);
     }
-    let mut out = RecurrentRows { rows: Vec::with_capacity(rows.len()), start: vec![0], slot: Vec::with_capacity(order.len()) };
+    let mut out =
+        RecurrentRows { rows: Vec::with_capacity(rows.len()), start: vec![0], slot: Vec::with_capacity(order.len()) };
     let mut used = std::collections::HashSet::new();
     for (seq, idx) in order.iter().zip(&members) {
-        let slot = slots.get(*seq).copied().flatten().ok_or_else(|| invalid(format!("batch sequence {seq} has no recurrent-state slot")))?;
+        let slot = slots
+            .get(*seq)
+            .copied()
+            .flatten()
+            .ok_or_else(|| invalid(format!("batch sequence {seq} has no recurrent-state slot")))?;
         if slot >= capacity || !used.insert(slot) {
-            return Err(invalid(format!("batch sequence {seq}: recurrent-state slot {slot} is outside the {capacity} device slots or shared")));
+            return Err(invalid(format!(
+                "batch sequence {seq}: recurrent-state slot {slot} is outside the {capacity} device slots or shared"
+            )));
         }
         if let Some(w) = idx.windows(2).find(|w| rows[w[1]].pos != rows[w[0]].pos + 1) {
-            return Err(invalid(format!("batch sequence {seq}: positions {} then {}: a recurrent layer needs consecutive positions in order", rows[w[0]].pos, rows[w[1]].pos)));
+            return Err(invalid(format!(
+                "batch sequence {seq}: positions {} then {}: a recurrent layer needs consecutive positions in order",
+                rows[w[0]].pos, rows[w[1]].pos
+            )));
         }
         out.rows.extend(idx.iter().map(|&i| i as i32));
         out.start.push(out.rows.len() as i32);
@@ -141,7 +176,15 @@ pub fn recurrent_rows(rows: &[BatchRow], slots: &[Option<usize>], ops: &[SlotOp]
     Ok(out)
 }
 
-pub fn step_inputs(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], block_size: usize, tables: &[Vec<u32>], num_blocks: usize, logit_rows: &[usize]) -> Result<StepInputs, ForwardError> {
+pub fn step_inputs(
+    cfg: &ModelConfig,
+    tokens: &[u32],
+    rows: &[BatchRow],
+    block_size: usize,
+    tables: &[Vec<u32>],
+    num_blocks: usize,
+    logit_rows: &[usize],
+) -> Result<StepInputs, ForwardError> {
     let n = tokens.len();
     if rows.len() != n {
         return Err(invalid(format!("forward: {} batch rows for {n} tokens", rows.len())));
@@ -154,8 +197,12 @@ pub fn step_inputs(cfg: &ModelConfig, tokens: &[u32], rows: &[BatchRow], block_s
     }
     let mut slots = Vec::with_capacity(n);
     for r in rows {
-        let table = tables.get(r.seq).ok_or_else(|| invalid(format!("batch sequence {} has no block table ({} given)", r.seq, tables.len())))?;
-        let block = *table.get(r.pos / block_size).ok_or_else(|| invalid(format!("sequence {} position {} is past its {} blocks", r.seq, r.pos, table.len())))? as usize;
+        let table = tables
+            .get(r.seq)
+            .ok_or_else(|| invalid(format!("batch sequence {} has no block table ({} given)", r.seq, tables.len())))?;
+        let block = *table.get(r.pos / block_size).ok_or_else(|| {
+            invalid(format!("sequence {} position {} is past its {} blocks", r.seq, r.pos, table.len()))
+        })? as usize;
         if block >= num_blocks {
             return Err(invalid(format!("block {block} is outside the device pool of {num_blocks}")));
         }
@@ -218,7 +265,12 @@ mod tests {
 
     #[test]
     fn step_inputs_map_positions_to_pool_rows_and_per_token_tables() {
-        let rows = [BatchRow { seq: 0, pos: 0 }, BatchRow { seq: 0, pos: 1 }, BatchRow { seq: 0, pos: 2 }, BatchRow { seq: 1, pos: 5 }];
+        let rows = [
+            BatchRow { seq: 0, pos: 0 },
+            BatchRow { seq: 0, pos: 1 },
+            BatchRow { seq: 0, pos: 2 },
+            BatchRow { seq: 1, pos: 5 },
+        ];
         let tables = vec![vec![4, 2], vec![1, 3, 0]];
         let s = step_inputs(&cfg(), &[1, 2, 3, 4], &rows, 2, &tables, 5, &[2, 3]).unwrap();
         // seq 1 position 5: block index 2 of its table (block 0), slot 1.
@@ -241,13 +293,24 @@ mod tests {
 
     #[test]
     fn recurrent_rows_group_by_sequence_and_check_slots_and_order() {
-        let rows = [BatchRow { seq: 1, pos: 4 }, BatchRow { seq: 0, pos: 0 }, BatchRow { seq: 1, pos: 5 }, BatchRow { seq: 0, pos: 1 }];
+        let rows = [
+            BatchRow { seq: 1, pos: 4 },
+            BatchRow { seq: 0, pos: 0 },
+            BatchRow { seq: 1, pos: 5 },
+            BatchRow { seq: 0, pos: 1 },
+        ];
         let g = recurrent_rows(&rows, &[Some(3), Some(0)], &[SlotOp::Reset(3)], 4).unwrap();
         assert_eq!(g, RecurrentRows { rows: vec![0, 2, 1, 3], start: vec![0, 2, 4], slot: vec![0, 3] });
-        assert!(recurrent_rows(&rows, &[Some(3), None], &[], 4).unwrap_err().to_string().contains("no recurrent-state slot"));
+        assert!(recurrent_rows(&rows, &[Some(3), None], &[], 4)
+            .unwrap_err()
+            .to_string()
+            .contains("no recurrent-state slot"));
         assert!(recurrent_rows(&rows, &[Some(3), Some(3)], &[], 4).unwrap_err().to_string().contains("shared"));
         assert!(recurrent_rows(&rows, &[Some(4), Some(0)], &[], 4).unwrap_err().to_string().contains("outside"));
-        assert!(recurrent_rows(&rows, &[Some(1), Some(0)], &[SlotOp::Fork { from: 0, to: 7 }], 4).unwrap_err().to_string().contains("slot operation"));
+        assert!(recurrent_rows(&rows, &[Some(1), Some(0)], &[SlotOp::Fork { from: 0, to: 7 }], 4)
+            .unwrap_err()
+            .to_string()
+            .contains("slot operation"));
         let gap = [BatchRow { seq: 0, pos: 0 }, BatchRow { seq: 0, pos: 2 }];
         assert!(recurrent_rows(&gap, &[Some(0)], &[], 1).unwrap_err().to_string().contains("consecutive"));
     }
@@ -257,13 +320,28 @@ mod tests {
         let c = cfg();
         let t = vec![vec![0u32]];
         let row = [BatchRow { seq: 0, pos: 0 }];
-        assert!(step_inputs(&c, &[10], &row, 2, &t, 1, &[0]).unwrap_err().to_string().contains("outside the vocabulary"));
+        assert!(step_inputs(&c, &[10], &row, 2, &t, 1, &[0])
+            .unwrap_err()
+            .to_string()
+            .contains("outside the vocabulary"));
         assert!(step_inputs(&c, &[1], &row, 2, &t, 1, &[1]).unwrap_err().to_string().contains("logit row"));
-        assert!(step_inputs(&c, &[1], &[BatchRow { seq: 1, pos: 0 }], 2, &t, 1, &[0]).unwrap_err().to_string().contains("no block table"));
-        assert!(step_inputs(&c, &[1], &[BatchRow { seq: 0, pos: 2 }], 2, &t, 1, &[0]).unwrap_err().to_string().contains("past its"));
-        assert!(step_inputs(&c, &[1], &row, 2, &[vec![3]], 1, &[0]).unwrap_err().to_string().contains("outside the device pool"));
+        assert!(step_inputs(&c, &[1], &[BatchRow { seq: 1, pos: 0 }], 2, &t, 1, &[0])
+            .unwrap_err()
+            .to_string()
+            .contains("no block table"));
+        assert!(step_inputs(&c, &[1], &[BatchRow { seq: 0, pos: 2 }], 2, &t, 1, &[0])
+            .unwrap_err()
+            .to_string()
+            .contains("past its"));
+        assert!(step_inputs(&c, &[1], &row, 2, &[vec![3]], 1, &[0])
+            .unwrap_err()
+            .to_string()
+            .contains("outside the device pool"));
         // An earlier block of the table (read by attention, not written) is checked too.
         let late = [BatchRow { seq: 0, pos: 2 }];
-        assert!(step_inputs(&c, &[1], &late, 2, &[vec![7, 0]], 1, &[0]).unwrap_err().to_string().contains("block 7 is outside"));
+        assert!(step_inputs(&c, &[1], &late, 2, &[vec![7, 0]], 1, &[0])
+            .unwrap_err()
+            .to_string()
+            .contains("block 7 is outside"));
     }
 }

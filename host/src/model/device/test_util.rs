@@ -26,7 +26,12 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
 /// `block_size`: each reference case's prompt greedily continued for 12 tokens equals
 /// transformers' (`greedy_ids`); the first case runs with n = 2, so its second choice forks the
 /// prompt's blocks (a copy-on-write of the partial last one, on the device).
-pub fn engine_greedy_matches_transformers(m: LoadedModel, reference: &serde_json::Value, block_size: usize, what: &str) {
+pub fn engine_greedy_matches_transformers(
+    m: LoadedModel,
+    reference: &serde_json::Value,
+    block_size: usize,
+    what: &str,
+) {
     use crate::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
     use crate::sampling::SamplingParams;
     const TOKENS: usize = 12;
@@ -38,7 +43,14 @@ pub fn engine_greedy_matches_transformers(m: LoadedModel, reference: &serde_json
     for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let n = if i == 0 { 2 } else { 1 };
-        let req = EngineRequest { prompt_ids: ids(&case["ids"]), sampling: SamplingParams::greedy(), max_tokens: TOKENS, ignore_eos: true, n, ..Default::default() };
+        let req = EngineRequest {
+            prompt_ids: ids(&case["ids"]),
+            sampling: SamplingParams::greedy(),
+            max_tokens: TOKENS,
+            ignore_eos: true,
+            n,
+            ..Default::default()
+        };
         core.add_request(i as u64 + 1, req, tx).unwrap();
         let want = ids(&case["greedy_ids"]);
         rxs.push((rx, want[..TOKENS.min(want.len())].to_vec()));

@@ -52,10 +52,33 @@ pub enum DevLinear<R: Runtime> {
 /// Host-side parts of a weight in one device format, possibly several layers' rows stacked (the
 /// fused gate+up projection that `silu_mul` reads as `[tokens, 2 · intermediate]`).
 enum Parts {
-    Bf16 { rows: usize, cols: usize, data: Vec<u16> },
-    F32 { rows: usize, cols: usize, data: Vec<f32> },
-    Grouped { cubic: bool, bits: u32, rows: usize, cols: usize, stride: usize, bytes: Vec<u8>, group_size: usize, p0: Vec<f32>, p1: Vec<f32> },
-    Mxfp4 { rows: usize, cols: usize, packed: Vec<u8>, scales: Vec<u8> },
+    Bf16 {
+        rows: usize,
+        cols: usize,
+        data: Vec<u16>,
+    },
+    F32 {
+        rows: usize,
+        cols: usize,
+        data: Vec<f32>,
+    },
+    Grouped {
+        cubic: bool,
+        bits: u32,
+        rows: usize,
+        cols: usize,
+        stride: usize,
+        bytes: Vec<u8>,
+        group_size: usize,
+        p0: Vec<f32>,
+        p1: Vec<f32>,
+    },
+    Mxfp4 {
+        rows: usize,
+        cols: usize,
+        packed: Vec<u8>,
+        scales: Vec<u8>,
+    },
 }
 
 fn grouped(cubic: bool, packed: &PackedRows, group_size: usize, params: &[[f32; 2]]) -> Parts {
@@ -74,13 +97,19 @@ fn grouped(cubic: bool, packed: &PackedRows, group_size: usize, params: &[[f32; 
 
 fn parts(name: &str, l: &Linear, dense: DenseWeights) -> Result<Parts, ForwardError> {
     Ok(match l {
-        Linear::Dense(t) if dense == DenseWeights::F32 => Parts::F32 { rows: t.shape[0], cols: t.shape[1], data: t.as_slice().to_vec() },
-        Linear::Dense(t) => Parts::Bf16 { rows: t.shape[0], cols: t.shape[1], data: kernels::cpu::gather::narrow_bf16(t.as_slice()) },
+        Linear::Dense(t) if dense == DenseWeights::F32 => {
+            Parts::F32 { rows: t.shape[0], cols: t.shape[1], data: t.as_slice().to_vec() }
+        }
+        Linear::Dense(t) => {
+            Parts::Bf16 { rows: t.shape[0], cols: t.shape[1], data: kernels::cpu::gather::narrow_bf16(t.as_slice()) }
+        }
         Linear::Int(q) => {
             if q.perm.is_some() {
                 // The device GEMV reads input features in order; act-order checkpoints would need
                 // a gather of x per layer first.
-                return Err(ForwardError::Invalid(format!("{name}: activation-ordered (g_idx) INT weights are not supported by the device forward yet")));
+                return Err(ForwardError::Invalid(format!(
+                    "{name}: activation-ordered (g_idx) INT weights are not supported by the device forward yet"
+                )));
             }
             let (p, g, params) = q.w.parts();
             grouped(false, p, g, params)
@@ -98,7 +127,9 @@ fn parts(name: &str, l: &Linear, dense: DenseWeights) -> Result<Parts, ForwardEr
 
 /// `a`'s rows then `b`'s, when both are in the same format and layout.
 fn stack(name: &str, a: Parts, b: Parts) -> Result<Parts, ForwardError> {
-    let mismatch = || ForwardError::Invalid(format!("{name}: the stacked projections are stored in different formats or layouts; the device forward needs one format to fuse them"));
+    let mismatch = || {
+        ForwardError::Invalid(format!("{name}: the stacked projections are stored in different formats or layouts; the device forward needs one format to fuse them"))
+    };
     Ok(match (a, b) {
         (Parts::Bf16 { rows, cols, mut data }, Parts::Bf16 { rows: r2, cols: c2, data: d2 }) if cols == c2 => {
             data.extend(d2);
@@ -110,14 +141,27 @@ fn stack(name: &str, a: Parts, b: Parts) -> Result<Parts, ForwardError> {
         }
         (
             Parts::Grouped { cubic, bits, rows, cols, stride, mut bytes, group_size, mut p0, mut p1 },
-            Parts::Grouped { cubic: c2, bits: b2, rows: r2, cols: k2, stride: s2, bytes: y2, group_size: g2, p0: q0, p1: q1 },
+            Parts::Grouped {
+                cubic: c2,
+                bits: b2,
+                rows: r2,
+                cols: k2,
+                stride: s2,
+                bytes: y2,
+                group_size: g2,
+                p0: q0,
+                p1: q1,
+            },
         ) if cubic == c2 && bits == b2 && cols == k2 && stride == s2 && group_size == g2 => {
             bytes.extend(y2);
             p0.extend(q0);
             p1.extend(q1);
             Parts::Grouped { cubic, bits, rows: rows + r2, cols, stride, bytes, group_size, p0, p1 }
         }
-        (Parts::Mxfp4 { rows, cols, mut packed, mut scales }, Parts::Mxfp4 { rows: r2, cols: c2, packed: p2, scales: s2 }) if cols == c2 => {
+        (
+            Parts::Mxfp4 { rows, cols, mut packed, mut scales },
+            Parts::Mxfp4 { rows: r2, cols: c2, packed: p2, scales: s2 },
+        ) if cols == c2 => {
             packed.extend(p2);
             scales.extend(s2);
             Parts::Mxfp4 { rows: rows + r2, cols, packed, scales }
@@ -132,9 +176,15 @@ fn upload<R: Runtime>(gpu: &Kernels<R>, p: Parts) -> Result<DevLinear<R>, Forwar
         Parts::F32 { rows, cols, data } => DevLinear::F32 { w: gpu.upload(&data)?, rows, cols },
         Parts::Grouped { cubic, bits, rows, cols, stride, bytes, group_size, p0, p1 } => {
             let g = gpu.upload_grouped(gpu.upload_packed(bits, rows, cols, stride, &bytes)?, group_size, &p0, &p1)?;
-            if cubic { DevLinear::Cubic(g) } else { DevLinear::Int(g) }
+            if cubic {
+                DevLinear::Cubic(g)
+            } else {
+                DevLinear::Int(g)
+            }
         }
-        Parts::Mxfp4 { rows, cols, packed, scales } => DevLinear::Mxfp4(gpu.upload_mxfp4(rows, cols, &packed, &scales)?),
+        Parts::Mxfp4 { rows, cols, packed, scales } => {
+            DevLinear::Mxfp4(gpu.upload_mxfp4(rows, cols, &packed, &scales)?)
+        }
     })
 }
 
@@ -151,11 +201,21 @@ impl<R: Runtime> DevLinear<R> {
     /// A model's output projection: `lm_head` as stored, or, when it is tied to the embedding,
     /// nothing under bf16 (the caller's bf16 gather table doubles as the output weight) and an
     /// f32 copy of the embedding under f32.
-    pub fn output_head(gpu: &Kernels<R>, embed: &Tensor, lm_head: Option<&Linear>, dense: DenseWeights) -> Result<Option<Self>, ForwardError> {
+    pub fn output_head(
+        gpu: &Kernels<R>,
+        embed: &Tensor,
+        lm_head: Option<&Linear>,
+        dense: DenseWeights,
+    ) -> Result<Option<Self>, ForwardError> {
         Ok(match (lm_head, dense) {
             (Some(h), _) => Some(Self::upload_as(gpu, "lm_head", h, dense)?),
             (None, DenseWeights::Bf16) => None,
-            (None, DenseWeights::F32) => Some(Self::upload_as(gpu, "lm_head (tied)", &Linear::Dense(Tensor::owned(embed.shape.clone(), embed.as_slice().to_vec())), dense)?),
+            (None, DenseWeights::F32) => Some(Self::upload_as(
+                gpu,
+                "lm_head (tied)",
+                &Linear::Dense(Tensor::owned(embed.shape.clone(), embed.as_slice().to_vec())),
+                dense,
+            )?),
         })
     }
 
@@ -167,7 +227,12 @@ impl<R: Runtime> DevLinear<R> {
     /// Every weight of `list` stacked by rows, in order, into one device weight: a fused
     /// projection, or a layer's routed experts (expert `e`'s matrix is rows
     /// `e · rows_per_expert ..`), which must then share one storage format and layout.
-    pub fn upload_rows(gpu: &Kernels<R>, name: &str, list: &[&Linear], dense: DenseWeights) -> Result<Self, ForwardError> {
+    pub fn upload_rows(
+        gpu: &Kernels<R>,
+        name: &str,
+        list: &[&Linear],
+        dense: DenseWeights,
+    ) -> Result<Self, ForwardError> {
         let mut it = list.iter();
         let first = it.next().ok_or_else(|| ForwardError::Invalid(format!("{name}: nothing to upload")))?;
         let mut all = parts(name, first, dense)?;
@@ -209,7 +274,14 @@ impl<R: Runtime> DevLinear<R> {
     /// `out[n, rows] = x[n, cols] · Wᵀ`. `scratch.x` holds the bf16 copy of `x` (at least
     /// `n · cols`) for dense weights and the prefill GEMM; `scratch.weight` the dequantised
     /// weight (at least [`Self::dequant_elements`]) when `n` is above the GEMV range.
-    pub fn forward(&self, gpu: &Kernels<R>, x: &R::Buf<f32>, scratch: &mut GemmScratch<R>, out: &mut R::Buf<f32>, n: usize) -> Result<(), ForwardError> {
+    pub fn forward(
+        &self,
+        gpu: &Kernels<R>,
+        x: &R::Buf<f32>,
+        scratch: &mut GemmScratch<R>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+    ) -> Result<(), ForwardError> {
         match self {
             DevLinear::Bf16 { w, rows, cols } => {
                 gpu.narrow_bf16(x, &mut scratch.x, n * cols)?;

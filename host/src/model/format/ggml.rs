@@ -85,7 +85,13 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
     let (bs, bb) = ty.block();
     let n_blocks = out.len() / bs as usize;
     if out.len() % bs as usize != 0 || bytes.len() != n_blocks * bb {
-        return Err(format!("{} data is {} bytes, expected {} for {} elements", ty.name(), bytes.len(), n_blocks * bb, out.len()));
+        return Err(format!(
+            "{} data is {} bytes, expected {} for {} elements",
+            ty.name(),
+            bytes.len(),
+            n_blocks * bb,
+            out.len()
+        ));
     }
     let h = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]).to_f32();
     match ty {
@@ -133,7 +139,9 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
                 }
             }
         }
-        GgmlType::Unsupported(_, name, _, _) => return Err(format!("ggml type {name} is not supported yet (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")),
+        GgmlType::Unsupported(_, name, _, _) => {
+            return Err(format!("ggml type {name} is not supported yet (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"))
+        }
     }
     Ok(())
 }

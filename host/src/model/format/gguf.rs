@@ -138,7 +138,11 @@ impl<'a> Cursor<'a> {
             }
             None => Err(LoadError::Truncated {
                 file: self.path.to_path_buf(),
-                detail: format!("file ends while reading {what} at byte {} (file has {} bytes)", self.pos, self.bytes.len()),
+                detail: format!(
+                    "file ends while reading {what} at byte {} (file has {} bytes)",
+                    self.pos,
+                    self.bytes.len()
+                ),
             }),
         }
     }
@@ -204,7 +208,10 @@ impl GgufFile {
         let mut c = Cursor { bytes: &map[..], pos: 0, path };
         let magic = c.take(4, "magic")?;
         if magic != b"GGUF" {
-            return Err(LoadError::Corrupt { file: path.to_path_buf(), detail: "not a GGUF file (magic bytes are not 'GGUF')".into() });
+            return Err(LoadError::Corrupt {
+                file: path.to_path_buf(),
+                detail: "not a GGUF file (magic bytes are not 'GGUF')".into(),
+            });
         }
         let version = c.u32("version")?;
         if !(2..=3).contains(&version) {
@@ -248,14 +255,19 @@ impl GgufFile {
         for (name, dims, ty, offset) in raw {
             let bad = |detail: String| LoadError::BadTensor { file: path.to_path_buf(), tensor: name.clone(), detail };
             let ggml_type = GgmlType::from_id(ty).ok_or_else(|| bad(format!("unknown ggml type id {ty}")))?;
-            let n_el = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("element count overflows".into()))?;
+            let n_el = dims
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| bad("element count overflows".into()))?;
             let n_bytes = ggml_type.bytes_for(dims[0], n_el).map_err(bad)?;
             let start = (data_start as u64).checked_add(offset).ok_or_else(|| bad("offset overflows".into()))?;
             let end = start.checked_add(n_bytes as u64).ok_or_else(|| bad("size overflows".into()))?;
             if end > file_len as u64 {
                 return Err(LoadError::Truncated {
                     file: path.to_path_buf(),
-                    detail: format!("tensor '{name}' needs bytes {start}..{end} but the file has only {file_len} bytes"),
+                    detail: format!(
+                        "tensor '{name}' needs bytes {start}..{end} but the file has only {file_len} bytes"
+                    ),
                 });
             }
             by_name.insert(name.clone(), tensors.len());

@@ -32,7 +32,13 @@ pub fn packable(ty: GgmlType) -> bool {
 /// `r` being the file's row `source_row(r)` (llama.cpp's Q/K row permutation undone). `Ok(None)`
 /// when `ty` is not packable or a Q4_1 block cannot be written with a zero point; `Err` when the
 /// sizes disagree.
-pub fn int_matrix(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize, source_row: impl Fn(usize) -> usize) -> Result<Option<IntMatrix>, String> {
+pub fn int_matrix(
+    ty: GgmlType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+    source_row: impl Fn(usize) -> usize,
+) -> Result<Option<IntMatrix>, String> {
     if !packable(ty) {
         return Ok(None);
     }
@@ -43,7 +49,12 @@ pub fn int_matrix(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize, source_r
     let blocks = cols / BLOCK;
     let row_bytes = blocks * block_bytes;
     if bytes.len() != rows * row_bytes {
-        return Err(format!("{} data is {} bytes, expected {} for {rows}x{cols}", ty.name(), bytes.len(), rows * row_bytes));
+        return Err(format!(
+            "{} data is {} bytes, expected {} for {rows}x{cols}",
+            ty.name(),
+            bytes.len(),
+            rows * row_bytes
+        ));
     }
     let bits = if ty == GgmlType::Q8_0 { 8 } else { 4 };
     let mut codes = vec![0u8; rows * cols];

@@ -4,11 +4,11 @@ use std::path::PathBuf;
 
 use crate::model::error::LoadError;
 use crate::model::format::ggml::{dequantize, GgmlType};
-use crate::model::format::gguf::{GgufFile, MetaValue, GgufTensorInfo};
+use crate::model::format::gguf::{GgufFile, GgufTensorInfo, MetaValue};
 use crate::model::format::gguf_packed::{int_matrix, packable};
-use crate::model::layers::linear::Linear;
 use crate::model::format::quant::int_linear::IntLinear;
 use crate::model::format::source::{check_shape, WeightSource};
+use crate::model::layers::linear::Linear;
 use crate::model::tensor::Tensor;
 
 pub struct GgufSource {
@@ -67,8 +67,13 @@ fn unpermute_rows(data: &[f32], n_heads: usize, cols: usize) -> Vec<f32> {
 impl GgufSource {
     pub fn new(file: GgufFile) -> Self {
         let arch = file.meta("general.architecture").and_then(MetaValue::as_str).unwrap_or("llama").to_string();
-        let n_heads = file.meta(&format!("{arch}.attention.head_count")).and_then(MetaValue::as_u64).unwrap_or(1) as usize;
-        let n_kv_heads = file.meta(&format!("{arch}.attention.head_count_kv")).and_then(MetaValue::as_u64).map(|v| v as usize).unwrap_or(n_heads);
+        let n_heads =
+            file.meta(&format!("{arch}.attention.head_count")).and_then(MetaValue::as_u64).unwrap_or(1) as usize;
+        let n_kv_heads = file
+            .meta(&format!("{arch}.attention.head_count_kv"))
+            .and_then(MetaValue::as_u64)
+            .map(|v| v as usize)
+            .unwrap_or(n_heads);
         Self { file, n_heads, n_kv_heads }
     }
 
@@ -85,7 +90,10 @@ impl GgufSource {
 
     fn info(&self, name: &str) -> Result<(String, &GgufTensorInfo), LoadError> {
         let gname = gguf_name(name).unwrap_or_else(|| name.to_string());
-        let info = self.file.tensor(&gname).ok_or_else(|| LoadError::MissingTensor { file: self.file.path.clone(), tensor: gname.clone() })?;
+        let info = self
+            .file
+            .tensor(&gname)
+            .ok_or_else(|| LoadError::MissingTensor { file: self.file.path.clone(), tensor: gname.clone() })?;
         Ok((gname, info))
     }
 }
@@ -105,7 +113,11 @@ impl WeightSource for GgufSource {
             }
         }
         let mut data = vec![0.0f32; n];
-        dequantize(info.ggml_type, bytes, &mut data).map_err(|detail| LoadError::BadTensor { file: path.clone(), tensor: gname.clone(), detail })?;
+        dequantize(info.ggml_type, bytes, &mut data).map_err(|detail| LoadError::BadTensor {
+            file: path.clone(),
+            tensor: gname.clone(),
+            detail,
+        })?;
         if let Some(heads) = permute_heads {
             data = unpermute_rows(&data, heads, *tshape.last().unwrap_or(&1));
         }

@@ -89,13 +89,19 @@ impl SafetensorsSource {
             names
         };
         if shard_names.is_empty() {
-            return Err(LoadError::MissingTensor { file: dir.to_path_buf(), tensor: "*.safetensors (no weight files in directory)".into() });
+            return Err(LoadError::MissingTensor {
+                file: dir.to_path_buf(),
+                tensor: "*.safetensors (no weight files in directory)".into(),
+            });
         }
         let mut shards = Vec::new();
         let mut index = BTreeMap::new();
         for name in shard_names {
             if name.contains('/') || name.contains("..") {
-                return Err(LoadError::Corrupt { file: index_path.clone(), detail: format!("shard name '{name}' leaves the model directory") });
+                return Err(LoadError::Corrupt {
+                    file: index_path.clone(),
+                    detail: format!("shard name '{name}' leaves the model directory"),
+                });
             }
             let shard = open_shard(&dir.join(&name))?;
             for tensor in shard.meta.tensors().keys() {
@@ -182,12 +188,17 @@ impl WeightSource for SafetensorsSource {
         }
         let raw = self.raw(name)?;
         check_shape(raw.file, name, raw.shape, shape)?;
-        let bad = |detail: String| LoadError::BadTensor { file: raw.file.to_path_buf(), tensor: name.to_string(), detail };
+        let bad =
+            |detail: String| LoadError::BadTensor { file: raw.file.to_path_buf(), tensor: name.to_string(), detail };
         let part = split.shape(raw.shape).map_err(bad)?;
         let esize = match raw.dtype {
             Dtype::F32 => 4,
             Dtype::F16 | Dtype::BF16 => 2,
-            other => return Err(bad(format!("dtype {other:?} is not supported for this weight (expected F32, F16 or BF16)"))),
+            other => {
+                return Err(bad(format!(
+                    "dtype {other:?} is not supported for this weight (expected F32, F16 or BF16)"
+                )))
+            }
         };
         let width: usize = raw.shape[1..].iter().product();
         let mut bytes = Vec::with_capacity(part.iter().product::<usize>() * esize);
@@ -208,8 +219,15 @@ impl WeightSource for SafetensorsSource {
         Ok(Tensor::owned(part, data))
     }
 
-    fn linear_split(&self, module: &str, rows: usize, cols: usize, split: &Split) -> Result<crate::model::layers::linear::Linear, LoadError> {
-        self.load_split(&format!("{module}.weight"), &[rows, cols], split).map(crate::model::layers::linear::Linear::Dense)
+    fn linear_split(
+        &self,
+        module: &str,
+        rows: usize,
+        cols: usize,
+        split: &Split,
+    ) -> Result<crate::model::layers::linear::Linear, LoadError> {
+        self.load_split(&format!("{module}.weight"), &[rows, cols], split)
+            .map(crate::model::layers::linear::Linear::Dense)
     }
 
     fn shape_of(&self, name: &str) -> Option<Vec<usize>> {

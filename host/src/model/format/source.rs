@@ -38,7 +38,11 @@ pub trait WeightSource: Send + Sync {
     /// decode just the part overrides it.
     fn load_split(&self, name: &str, shape: &[usize], split: &Split) -> Result<Tensor, LoadError> {
         let t = self.load(name, shape)?;
-        slice_tensor(t, split).map_err(|detail| LoadError::BadTensor { file: self.file_of(name), tensor: name.to_string(), detail })
+        slice_tensor(t, split).map_err(|detail| LoadError::BadTensor {
+            file: self.file_of(name),
+            tensor: name.to_string(),
+            detail,
+        })
     }
     /// The part `split` of the Linear layer `module` of full shape `[rows, cols]`.
     fn linear_split(&self, module: &str, rows: usize, cols: usize, split: &Split) -> Result<Linear, LoadError> {
@@ -47,7 +51,11 @@ pub trait WeightSource: Send + Sync {
         }
         let l = self.linear(module, rows, cols)?;
         let name = format!("{module}.weight");
-        slice_linear(l, split).map_err(|detail| LoadError::BadTensor { file: self.file_of(&name), tensor: name, detail })
+        slice_linear(l, split).map_err(|detail| LoadError::BadTensor {
+            file: self.file_of(&name),
+            tensor: name,
+            detail,
+        })
     }
 }
 

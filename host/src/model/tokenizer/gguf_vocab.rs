@@ -17,7 +17,8 @@ const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 fn byte_level(use_regex: bool) -> Value {
     json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
@@ -105,14 +106,17 @@ pub(super) fn build(g: &GgufFile) -> Result<Tokenizer, LoadError> {
             "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
         },
     });
-    let inner = tokenizers::Tokenizer::from_str(&spec.to_string()).map_err(|e| err(format!("building BPE tokenizer: {e}")))?;
+    let inner =
+        tokenizers::Tokenizer::from_str(&spec.to_string()).map_err(|e| err(format!("building BPE tokenizer: {e}")))?;
 
-    let id = |key: &str| g.meta(key).and_then(MetaValue::as_u64).map(|v| v as u32).filter(|&v| (v as usize) < tokens.len());
+    let id =
+        |key: &str| g.meta(key).and_then(MetaValue::as_u64).map(|v| v as u32).filter(|&v| (v as usize) < tokens.len());
     let bos_token_id = id("tokenizer.ggml.bos_token_id");
-    let mut eos_token_ids: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
-        .iter()
-        .filter_map(|k| id(k))
-        .collect();
+    let mut eos_token_ids: Vec<u32> =
+        ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
+            .iter()
+            .filter_map(|k| id(k))
+            .collect();
     eos_token_ids.dedup();
     Ok(Tokenizer {
         inner,

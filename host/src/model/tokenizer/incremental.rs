@@ -28,7 +28,12 @@ impl IncrementalDecoder {
     /// Starts after `context` (e.g. the prompt) so the first token decodes with its left context.
     pub fn with_context(context: &[u32], skip_special_tokens: bool) -> Self {
         let start = context.len().saturating_sub(CONTEXT_TOKENS);
-        Self { ids: context[start..].to_vec(), prefix_offset: 0, read_offset: context.len() - start, skip_special_tokens }
+        Self {
+            ids: context[start..].to_vec(),
+            prefix_offset: 0,
+            read_offset: context.len() - start,
+            skip_special_tokens,
+        }
     }
 
     /// Adds one token; returns the text that became final (possibly empty).

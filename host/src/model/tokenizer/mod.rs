@@ -36,7 +36,8 @@ impl Tokenizer {
         let read_json = |name: &str| -> Result<Value, LoadError> {
             let p = dir.join(name);
             match std::fs::read_to_string(&p) {
-                Ok(s) => serde_json::from_str(&s).map_err(|e| LoadError::Corrupt { file: p, detail: format!("invalid JSON: {e}") }),
+                Ok(s) => serde_json::from_str(&s)
+                    .map_err(|e| LoadError::Corrupt { file: p, detail: format!("invalid JSON: {e}") }),
                 Err(_) => Ok(Value::Null),
             }
         };
@@ -87,7 +88,8 @@ impl Tokenizer {
             },
         };
         // tokenizer.json's post-processor decides about BOS; add it ourselves only when asked to.
-        let add_bos = tcfg.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false) && inner.get_post_processor().is_none();
+        let add_bos =
+            tcfg.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false) && inner.get_post_processor().is_none();
         Ok(Self { inner, bos_token_id, eos_token_ids, add_bos, chat_template, bos_token, eos_token })
     }
 

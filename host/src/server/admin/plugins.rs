@@ -18,8 +18,8 @@ use serde_json::{json, Value};
 use crate::plugins::registry::{DeploymentSpec, Registry};
 use crate::server::error::ApiError;
 use crate::server::routes::same_secret;
-use crate::server::tenancy::bearer;
 use crate::server::state::AppState;
+use crate::server::tenancy::bearer;
 
 /// Largest component accepted by upload.
 const MAX_COMPONENT_BYTES: usize = 32 << 20;
@@ -30,11 +30,16 @@ fn registry(state: &AppState) -> &Arc<Registry> {
 
 async fn require_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let Some(key) = registry(&state).admin_key() else {
-        return ApiError::new(StatusCode::FORBIDDEN, "permission_error", "The plugin admin API is disabled: start the server with --admin-key")
-            .into_response();
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "The plugin admin API is disabled: start the server with --admin-key",
+        )
+        .into_response();
     };
     if !bearer(&req).is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
-        return ApiError::new(StatusCode::FORBIDDEN, "permission_error", "The plugin admin API needs the admin key").into_response();
+        return ApiError::new(StatusCode::FORBIDDEN, "permission_error", "The plugin admin API needs the admin key")
+            .into_response();
     }
     next.run(req).await
 }
@@ -45,7 +50,10 @@ async fn list(State(state): State<AppState>) -> Json<Value> {
 }
 
 async fn get_one(State(state): State<AppState>, Path(name): Path<String>) -> Result<Json<Value>, ApiError> {
-    registry(&state).get(&name).map(|d| Json(d.to_json())).ok_or_else(|| ApiError::not_found(format!("No plugin deployment '{name}'")))
+    registry(&state)
+        .get(&name)
+        .map(|d| Json(d.to_json()))
+        .ok_or_else(|| ApiError::not_found(format!("No plugin deployment '{name}'")))
 }
 
 async fn remove(State(state): State<AppState>, Path(name): Path<String>) -> Result<Json<Value>, ApiError> {
@@ -57,12 +65,15 @@ async fn remove(State(state): State<AppState>, Path(name): Path<String>) -> Resu
 }
 
 async fn deploy(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    let spec = headers
-        .get("x-plugin-spec")
-        .ok_or_else(|| ApiError::bad_request("Send the deployment as JSON in the 'x-plugin-spec' header and the component as the body"))?;
-    let spec: DeploymentSpec = serde_json::from_slice(spec.as_bytes()).map_err(|e| ApiError::bad_request(format!("x-plugin-spec: {e}")))?;
+    let spec = headers.get("x-plugin-spec").ok_or_else(|| {
+        ApiError::bad_request("Send the deployment as JSON in the 'x-plugin-spec' header and the component as the body")
+    })?;
+    let spec: DeploymentSpec =
+        serde_json::from_slice(spec.as_bytes()).map_err(|e| ApiError::bad_request(format!("x-plugin-spec: {e}")))?;
     if spec.component.is_some() {
-        return Err(ApiError::bad_request("x-plugin-spec: 'component' is for config files; upload the bytes as the body"));
+        return Err(ApiError::bad_request(
+            "x-plugin-spec: 'component' is for config files; upload the bytes as the body",
+        ));
     }
     let reg = registry(&state).clone();
     // Compiling takes a CPU for a while: off the async workers.

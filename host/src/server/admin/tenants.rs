@@ -28,7 +28,9 @@ async fn require_admin(State(state): State<AppState>, req: Request, next: Next) 
     // A working tenant key is authenticated but not allowed here.
     match t.authenticate(key).await {
         Ok(Some(_)) => forbidden("The admin API needs the admin key").into_response(),
-        Ok(None) if !t.has_admin() => forbidden("The admin API is disabled: start the server with --admin-key").into_response(),
+        Ok(None) if !t.has_admin() => {
+            forbidden("The admin API is disabled: start the server with --admin-key").into_response()
+        }
         Ok(None) => ApiError::unauthorized().into_response(),
         Err(e) => ApiError::internal(format!("authentication failed: {e:#}")).into_response(),
     }

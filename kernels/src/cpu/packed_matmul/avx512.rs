@@ -133,7 +133,14 @@ macro_rules! avx512_kernels {
 
             /// Weights `lo..hi` (multiples of 16, inside one group with parameters `p`).
             #[target_feature(enable = $features)]
-            pub(in super::super) unsafe fn decode_range<C: Codec, const TABLE: bool>(row: &[u8], bits: u32, lo: usize, hi: usize, p: [f32; 2], dst: &mut [f32]) {
+            pub(in super::super) unsafe fn decode_range<C: Codec, const TABLE: bool>(
+                row: &[u8],
+                bits: u32,
+                lo: usize,
+                hi: usize,
+                p: [f32; 2],
+                dst: &mut [f32],
+            ) {
                 let s = spread(bits);
                 let g = group::<C, TABLE>(p, bits);
                 debug_assert!(hi * bits as usize / 8 + 16 <= row.len());
@@ -147,7 +154,11 @@ macro_rules! avx512_kernels {
             /// `R` activation rows × weight rows `o0..o0+CC`, each weight chunk decoded once in
             /// registers for all rows (canonical lane order: one accumulator per output).
             #[target_feature(enable = $features)]
-            pub(in super::super) unsafe fn direct<C: Codec, const TABLE: bool, const R: usize, const CC: usize>(w: &C, x: [&[f32]; R], o0: usize) -> [[f32; CC]; R] {
+            pub(in super::super) unsafe fn direct<C: Codec, const TABLE: bool, const R: usize, const CC: usize>(
+                w: &C,
+                x: [&[f32]; R],
+                o0: usize,
+            ) -> [[f32; CC]; R] {
                 let p = w.packed();
                 let (k, gs, bits) = (p.cols(), w.group_size(), p.bits());
                 let s = spread(bits);

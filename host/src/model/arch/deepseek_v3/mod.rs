@@ -11,22 +11,21 @@ pub mod parallel;
 
 use kernels::cpu::matmul::matmul_t;
 
-use crate::model::layers::decoder::final_norm_rows;
+use crate::model::arch::llama::SharedKv;
 use crate::model::config::{AttentionKind, FfnKind, LayerSpec, ModelConfig};
 use crate::model::error::LoadError;
+use crate::model::format::source::WeightSource;
 use crate::model::kv::{BatchRow, CacheLayout, KvCache};
+use crate::model::layers::decoder::final_norm_rows;
 use crate::model::layers::linear::Linear;
 use crate::model::layers::mla::{MlaConfig, MlaLayer};
+use crate::model::layers::moe::ffn::{decoder_layers, Ffn, PreNormLayer};
+use crate::model::layers::moe::ExpertParallelMoe;
 use crate::model::layers::moe::MoeConfig;
-use crate::model::format::source::WeightSource;
 use crate::model::tensor::Tensor;
 use crate::model::LanguageModel;
-use crate::model::layers::moe::ffn::{decoder_layers, Ffn, PreNormLayer};
-use crate::model::arch::llama::SharedKv;
 use crate::parallel::EpRank;
 use crate::parallel::{Collective, CollectiveError};
-use crate::model::layers::moe::ExpertParallelMoe;
-
 
 /// The registry's entry for DeepSeek-V3: whole, expert-parallel ([`parallel::ExpertParallelDeepseek`]) or with its
 /// attention heads split too (tensor-parallel); on devices through [`device`].
@@ -41,11 +40,21 @@ impl crate::model::registry::ArchitectureSpec for DeepseekV3 {
         Ok(Box::new(DeepseekV3Model::load(cfg, src)?))
     }
 
-    fn load_tensor_parallel(&self, cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
+    fn load_tensor_parallel(
+        &self,
+        cfg: ModelConfig,
+        src: &dyn WeightSource,
+        tp: usize,
+    ) -> Result<Box<dyn LanguageModel>, LoadError> {
         Ok(Box::new(parallel::ExpertParallelDeepseek::load_tensor_parallel(cfg, src, tp)?))
     }
 
-    fn load_expert_parallel(&self, cfg: ModelConfig, src: &dyn WeightSource, ep: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
+    fn load_expert_parallel(
+        &self,
+        cfg: ModelConfig,
+        src: &dyn WeightSource,
+        ep: usize,
+    ) -> Result<Box<dyn LanguageModel>, LoadError> {
         Ok(Box::new(parallel::ExpertParallelDeepseek::load(cfg, src, ep)?))
     }
 }
@@ -97,7 +106,12 @@ impl DeepseekV3Model {
         Self::load_ranked(cfg, src, ranks, true)
     }
 
-    fn load_ranked(mut cfg: ModelConfig, src: &dyn WeightSource, ep: EpRank, split_heads: bool) -> Result<Self, LoadError> {
+    fn load_ranked(
+        mut cfg: ModelConfig,
+        src: &dyn WeightSource,
+        ep: EpRank,
+        split_heads: bool,
+    ) -> Result<Self, LoadError> {
         let file = src.file_of("config.json").with_file_name("config.json");
         let raw = cfg.hf_config.clone().ok_or_else(|| LoadError::Config {
             file: file.clone(),
@@ -115,7 +129,10 @@ impl DeepseekV3Model {
         for i in 0..cfg.num_layers() {
             let p = format!("model.layers.{i}");
             let ffn = Ffn::load(moe.as_ref(), src, i, d, cfg.intermediate_size, ep)?;
-            specs.push(LayerSpec { attention: AttentionKind::Mla, ffn: if ffn.is_moe() { FfnKind::Moe } else { FfnKind::DenseSwiGlu } });
+            specs.push(LayerSpec {
+                attention: AttentionKind::Mla,
+                ffn: if ffn.is_moe() { FfnKind::Moe } else { FfnKind::DenseSwiGlu },
+            });
             layers.push(Layer {
                 attn_norm: src.load(&format!("{p}.input_layernorm.weight"), &[d])?,
                 attn: if split_heads {
@@ -130,9 +147,16 @@ impl DeepseekV3Model {
         }
         cfg.layers = specs;
         let norm = src.load("model.norm.weight", &[d])?;
-        let lm_head = if cfg.tie_word_embeddings && !src.contains("lm_head.weight") { None } else { Some(src.linear("lm_head", cfg.vocab_size, d)?) };
+        let lm_head = if cfg.tie_word_embeddings && !src.contains("lm_head.weight") {
+            None
+        } else {
+            Some(src.linear("lm_head", cfg.vocab_size, d)?)
+        };
         if ep.size > 1 && !split_heads && !layers.iter().any(|l| l.ffn.is_expert_parallel()) {
-            return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallelism needs a model with MoE layers".into() });
+            return Err(LoadError::Config {
+                file: src.file_of("model.embed_tokens.weight"),
+                detail: "expert parallelism needs a model with MoE layers".into(),
+            });
         }
         Ok(Self { cfg, embed, layers, norm, lm_head, ep, split_heads })
     }
@@ -143,7 +167,10 @@ impl DeepseekV3Model {
 
     /// The single-rank cache layout: one compressed-latent layer per decoder layer.
     fn rank_cache_layout(&self) -> CacheLayout {
-        CacheLayout { layers: self.layers.iter().map(|l| Some(l.attn.cache_shape())).collect(), recurrent_bytes_per_seq: 0 }
+        CacheLayout {
+            layers: self.layers.iter().map(|l| Some(l.attn.cache_shape())).collect(),
+            recurrent_bytes_per_seq: 0,
+        }
     }
 
     /// The cache of an expert-parallel group: attention is replicated, so every rank keeps its
@@ -186,11 +213,26 @@ impl DeepseekV3Model {
 
     /// The decoder with the two parts that differ between one device and an EP rank supplied by
     /// the caller: `attend(layer, attention, normed)` and `expert_parallel(moe, normed, n)`.
-    fn run<E>(&self, tokens: &[u32], rows: &[BatchRow], logit_rows: &[usize], mut attend: impl FnMut(usize, &MlaLayer, &[f32]) -> Result<Vec<f32>, E>, expert_parallel: impl FnMut(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>) -> Result<Vec<f32>, E> {
+    fn run<E>(
+        &self,
+        tokens: &[u32],
+        rows: &[BatchRow],
+        logit_rows: &[usize],
+        mut attend: impl FnMut(usize, &MlaLayer, &[f32]) -> Result<Vec<f32>, E>,
+        expert_parallel: impl FnMut(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>,
+    ) -> Result<Vec<f32>, E> {
         let (cfg, d) = (&self.cfg, self.cfg.hidden_size);
         assert_eq!(tokens.len(), rows.len(), "forward: one BatchRow per token");
         let embed = self.embed.as_slice();
-        let hidden = decoder_layers(embed, d, tokens, &self.layers, cfg.rms_norm_eps, |li, l, x| attend(li, &l.attn, x), expert_parallel)?;
+        let hidden = decoder_layers(
+            embed,
+            d,
+            tokens,
+            &self.layers,
+            cfg.rms_norm_eps,
+            |li, l, x| attend(li, &l.attn, x),
+            expert_parallel,
+        )?;
         let final_normed = final_norm_rows(&hidden, d, logit_rows, self.norm.as_slice(), cfg.rms_norm_eps);
         match &self.lm_head {
             Some(head) => Ok(head.forward(&final_normed, logit_rows.len())),
@@ -233,7 +275,9 @@ impl LanguageModel for DeepseekV3Model {
                 rows,
                 logit_rows,
                 |li, attn, normed| Ok(attn.forward(normed, rows, &mut *kv, li)),
-                |_, _, _| panic!("an expert-parallel DeepSeek rank runs through forward_rank with its group, not alone"),
+                |_, _, _| {
+                    panic!("an expert-parallel DeepSeek rank runs through forward_rank with its group, not alone")
+                },
             )
         });
         match out {

@@ -14,12 +14,12 @@
 
 use std::sync::RwLock;
 
-use crate::model::config::ModelConfig;
 use crate::model::arch::deepseek_v3::DeepseekV3Model;
-use crate::model::error::LoadError;
-use crate::model::kv::{BatchRow, CacheLayout, KvCache};
 use crate::model::arch::llama::SharedKv;
+use crate::model::config::ModelConfig;
+use crate::model::error::LoadError;
 use crate::model::format::source::WeightSource;
+use crate::model::kv::{BatchRow, CacheLayout, KvCache};
 use crate::model::LanguageModel;
 
 use crate::model::shard::load_on_threads;
@@ -49,7 +49,11 @@ impl ExpertParallelDeepseek {
 
     fn load_ranks(cfg: ModelConfig, src: &dyn WeightSource, ep: usize, split_heads: bool) -> Result<Self, LoadError> {
         let ranks = load_on_threads(&cfg, src, ep, |cfg, r| {
-            if split_heads { DeepseekV3Model::load_tp_rank(cfg, src, r) } else { DeepseekV3Model::load_ep_rank(cfg, src, r) }
+            if split_heads {
+                DeepseekV3Model::load_tp_rank(cfg, src, r)
+            } else {
+                DeepseekV3Model::load_ep_rank(cfg, src, r)
+            }
         })?;
         tracing::info!(ranks = ep, split_heads, "expert-parallel DeepSeek ranks loaded");
         Ok(Self { ranks })
@@ -89,4 +93,3 @@ impl LanguageModel for ExpertParallelDeepseek {
         run_on_ranks(&self.ranks, "ep", |model, comm| model.forward_rank(tokens, rows, &shared, logit_rows, comm))
     }
 }
-

@@ -16,7 +16,12 @@ impl DeviceForward for KimiLinearModel {
     fn device_ranks(&self) -> usize {
         1
     }
-    fn onto_devices<R: Runtime + 'static>(&self, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Box<dyn LanguageModel>, ForwardError> {
+    fn onto_devices<R: Runtime + 'static>(
+        &self,
+        gpus: Vec<Kernels<R>>,
+        group: Box<dyn DeviceGroup<R>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError> {
         Ok(Box::new(DeviceKimiLinear::from_kimi_ranks(std::slice::from_ref(self), gpus, group, dense)?))
     }
 }
@@ -26,7 +31,12 @@ impl DeviceForward for ExpertParallelKimiLinear {
     fn device_ranks(&self) -> usize {
         self.ranks().len()
     }
-    fn onto_devices<R: Runtime + 'static>(&self, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Box<dyn LanguageModel>, ForwardError> {
+    fn onto_devices<R: Runtime + 'static>(
+        &self,
+        gpus: Vec<Kernels<R>>,
+        group: Box<dyn DeviceGroup<R>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError> {
         Ok(Box::new(DeviceKimiLinear::from_kimi_ranks(self.ranks(), gpus, group, dense)?))
     }
 }

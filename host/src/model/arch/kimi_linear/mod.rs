@@ -15,32 +15,34 @@
 pub mod device;
 pub mod parallel;
 
+use crate::model::arch::llama::SharedKv;
 use crate::model::config::ModelConfig;
-use crate::model::layers::decoder::final_norm_rows;
 use crate::model::error::LoadError;
+use crate::model::format::source::WeightSource;
+use crate::model::kv::{BatchRow, CacheLayout, KvCache};
+use crate::model::layers::decoder::final_norm_rows;
 use crate::model::layers::kda::plan::{layer_plan, MixerKind};
 use crate::model::layers::kda::state::SequenceState;
 use crate::model::layers::kda::{KdaConfig, KdaLayer};
-use crate::model::kv::{BatchRow, CacheLayout, KvCache};
 use crate::model::layers::linear::Linear;
 use crate::model::layers::mla::{MlaConfig, MlaLayer};
-use crate::model::layers::moe::MoeConfig;
-use crate::model::format::source::WeightSource;
-use crate::model::tensor::Tensor;
-use crate::parallel::EpRank;
-use crate::model::arch::llama::SharedKv;
-use crate::model::LanguageModel;
 use crate::model::layers::moe::ffn::{decoder_layers, Ffn, PreNormLayer};
-use crate::parallel::{Collective, CollectiveError};
 use crate::model::layers::moe::ExpertParallelMoe;
+use crate::model::layers::moe::MoeConfig;
+use crate::model::tensor::Tensor;
+use crate::model::LanguageModel;
+use crate::parallel::EpRank;
+use crate::parallel::{Collective, CollectiveError};
 
 // Crate-visible: the device forward (model/device/decoder) uploads them.
 pub(crate) enum Mixer {
     /// `ordinal`: index among the KDA layers, which is where its state lives.
-    Kda { layer: KdaLayer, ordinal: usize },
+    Kda {
+        layer: KdaLayer,
+        ordinal: usize,
+    },
     Latent(MlaLayer),
 }
-
 
 /// The registry's entry for Kimi-Linear: whole, expert-parallel ([`parallel::ExpertParallelKimiLinear`]) or with its
 /// attention heads split too (tensor-parallel); on devices through [`device`].
@@ -55,11 +57,21 @@ impl crate::model::registry::ArchitectureSpec for KimiLinear {
         Ok(Box::new(KimiLinearModel::load(cfg, src)?))
     }
 
-    fn load_tensor_parallel(&self, cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
+    fn load_tensor_parallel(
+        &self,
+        cfg: ModelConfig,
+        src: &dyn WeightSource,
+        tp: usize,
+    ) -> Result<Box<dyn LanguageModel>, LoadError> {
         Ok(Box::new(parallel::ExpertParallelKimiLinear::load_tensor_parallel(cfg, src, tp)?))
     }
 
-    fn load_expert_parallel(&self, cfg: ModelConfig, src: &dyn WeightSource, ep: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
+    fn load_expert_parallel(
+        &self,
+        cfg: ModelConfig,
+        src: &dyn WeightSource,
+        ep: usize,
+    ) -> Result<Box<dyn LanguageModel>, LoadError> {
         Ok(Box::new(parallel::ExpertParallelKimiLinear::load(cfg, src, ep)?))
     }
 }
@@ -119,14 +131,21 @@ impl KimiLinearModel {
         let d = cfg.hidden_size;
         let (rank, size) = if split_heads { (ep.rank, ep.size) } else { (0, 1) };
         let file = src.file_of("config.json").with_file_name("config.json");
-        let raw = cfg.hf_config.clone().ok_or_else(|| LoadError::Config { file: file.clone(), detail: "Kimi-Linear is loaded from a Hugging Face config.json".into() })?;
+        let raw = cfg.hf_config.clone().ok_or_else(|| LoadError::Config {
+            file: file.clone(),
+            detail: "Kimi-Linear is loaded from a Hugging Face config.json".into(),
+        })?;
         let (file, raw) = (file.as_path(), raw.as_ref());
         let plan = layer_plan(file, raw, cfg.num_layers())?;
         let kda_cfg = KdaConfig::from_hf_config(file, raw)?;
-        let latent_cfg = if plan.contains(&MixerKind::FullAttention) { Some(MlaConfig::from_hf_config(file, raw)?) } else { None };
+        let latent_cfg =
+            if plan.contains(&MixerKind::FullAttention) { Some(MlaConfig::from_hf_config(file, raw)?) } else { None };
         if latent_cfg.as_ref().is_some_and(|m| m.rope.is_some()) {
             // Kimi-Linear's full-attention layers are NoPE; a config asking for RoPE is not one.
-            return Err(LoadError::Config { file: file.to_path_buf(), detail: "Kimi-Linear MLA layers with RoPE (mla_use_nope: false) are not supported".into() });
+            return Err(LoadError::Config {
+                file: file.to_path_buf(),
+                detail: "Kimi-Linear MLA layers with RoPE (mla_use_nope: false) are not supported".into(),
+            });
         }
         let moe = MoeConfig::from_hf_config(file, raw)?;
         let mut layers = Vec::with_capacity(plan.len());
@@ -148,7 +167,9 @@ impl KimiLinearModel {
                     cache_layers.push(Some(mla.cache_shape()));
                     Mixer::Latent(mla)
                 }
-                (MixerKind::FullAttention, None) => unreachable!("latent config is read when the plan has full attention"),
+                (MixerKind::FullAttention, None) => {
+                    unreachable!("latent config is read when the plan has full attention")
+                }
             };
             let ffn = Ffn::load(moe.as_ref(), src, i, d, cfg.intermediate_size, ep)?;
             layers.push(Layer {
@@ -166,10 +187,23 @@ impl KimiLinearModel {
             src.linear("model.embed_tokens", cfg.vocab_size, d)?
         };
         if ep.size > 1 && !split_heads && !layers.iter().any(|l| l.ffn.is_expert_parallel()) {
-            return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "expert parallelism needs a model with MoE layers".into() });
+            return Err(LoadError::Config {
+                file: src.file_of("model.embed_tokens.weight"),
+                detail: "expert parallelism needs a model with MoE layers".into(),
+            });
         }
         let cache = CacheLayout { layers: cache_layers, recurrent_bytes_per_seq: SequenceState::bytes(&kda) };
-        Ok(Self { norm: src.load("model.norm.weight", &[d])?, cfg, embed, layers, lm_head, kda, cache, ep, split_heads })
+        Ok(Self {
+            norm: src.load("model.norm.weight", &[d])?,
+            cfg,
+            embed,
+            layers,
+            lm_head,
+            kda,
+            cache,
+            ep,
+            split_heads,
+        })
     }
 
     /// The cache of an expert- or tensor-parallel group: every rank keeps its own copy of each
@@ -192,7 +226,14 @@ impl KimiLinearModel {
     /// the same batch and its own handle on the group's communicator. The mixers, dense layers
     /// and the head run replicated (over this rank's copies of the cache); each MoE layer runs
     /// `ExpertParallelMoe::forward_replicated`. All ranks return the same logits.
-    pub fn forward_rank<C: Collective>(&self, tokens: &[u32], rows: &[BatchRow], kv: &SharedKv<'_>, logit_rows: &[usize], comm: &C) -> Result<Vec<f32>, CollectiveError> {
+    pub fn forward_rank<C: Collective>(
+        &self,
+        tokens: &[u32],
+        rows: &[BatchRow],
+        kv: &SharedKv<'_>,
+        logit_rows: &[usize],
+        comm: &C,
+    ) -> Result<Vec<f32>, CollectiveError> {
         let EpRank { rank, size } = self.ep;
         self.run(
             tokens,
@@ -214,10 +255,25 @@ impl KimiLinearModel {
 
     /// The decoder with the two parts that differ between one device and an EP rank supplied by
     /// the caller: `mixer(layer, mixer, normed)` and `expert_parallel(moe, normed, n)`.
-    fn run<E>(&self, tokens: &[u32], rows: &[BatchRow], logit_rows: &[usize], mut mixer: impl FnMut(usize, &Mixer, &[f32]) -> Result<Vec<f32>, E>, expert_parallel: impl FnMut(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>) -> Result<Vec<f32>, E> {
+    fn run<E>(
+        &self,
+        tokens: &[u32],
+        rows: &[BatchRow],
+        logit_rows: &[usize],
+        mut mixer: impl FnMut(usize, &Mixer, &[f32]) -> Result<Vec<f32>, E>,
+        expert_parallel: impl FnMut(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>,
+    ) -> Result<Vec<f32>, E> {
         let (cfg, d) = (&self.cfg, self.cfg.hidden_size);
         assert_eq!(tokens.len(), rows.len(), "forward: one BatchRow per token");
-        let hidden = decoder_layers(self.embed.as_slice(), d, tokens, &self.layers, cfg.rms_norm_eps, |li, l, x| mixer(li, &l.mixer, x), expert_parallel)?;
+        let hidden = decoder_layers(
+            self.embed.as_slice(),
+            d,
+            tokens,
+            &self.layers,
+            cfg.rms_norm_eps,
+            |li, l, x| mixer(li, &l.mixer, x),
+            expert_parallel,
+        )?;
         let final_normed = final_norm_rows(&hidden, d, logit_rows, self.norm.as_slice(), cfg.rms_norm_eps);
         Ok(self.lm_head.forward(&final_normed, logit_rows.len()))
     }
@@ -225,10 +281,19 @@ impl KimiLinearModel {
 
 /// One layer's token mixer over `kv`: a KDA layer advances the batch's states of state ordinal
 /// `state(ordinal)`, a latent layer reads and writes cache layer `cache_layer`.
-fn mix(mixer: &Mixer, normed: &[f32], rows: &[BatchRow], kv: &mut dyn KvCache, cache_layer: usize, state: impl Fn(usize) -> usize) -> Vec<f32> {
+fn mix(
+    mixer: &Mixer,
+    normed: &[f32],
+    rows: &[BatchRow],
+    kv: &mut dyn KvCache,
+    cache_layer: usize,
+    state: impl Fn(usize) -> usize,
+) -> Vec<f32> {
     match mixer {
         Mixer::Kda { layer: kda, ordinal } => {
-            let states = kv.recurrent().expect("Kimi-Linear needs a cache with recurrent state (LanguageModel::new_recurrent_state)");
+            let states = kv
+                .recurrent()
+                .expect("Kimi-Linear needs a cache with recurrent state (LanguageModel::new_recurrent_state)");
             let mut view = states.layer(state(*ordinal));
             kda.forward(normed, rows, &mut view)
         }
@@ -262,14 +327,19 @@ impl LanguageModel for KimiLinearModel {
     /// One device. An expert-parallel rank cannot run alone: its MoE layers need the other ranks,
     /// so it is only driven through `forward_rank`.
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
-        assert_eq!(self.ep.size, 1, "an expert-parallel Kimi-Linear rank runs through forward_rank with its group, not alone");
+        assert_eq!(
+            self.ep.size, 1,
+            "an expert-parallel Kimi-Linear rank runs through forward_rank with its group, not alone"
+        );
         let out: Result<Vec<f32>, std::convert::Infallible> = crate::model::on_compute_pool(|| {
             self.run(
                 tokens,
                 rows,
                 logit_rows,
                 |li, mixer, normed| Ok(mix(mixer, normed, rows, &mut *kv, li, |ordinal| ordinal)),
-                |_, _, _| panic!("an expert-parallel Kimi-Linear rank runs through forward_rank with its group, not alone"),
+                |_, _, _| {
+                    panic!("an expert-parallel Kimi-Linear rank runs through forward_rank with its group, not alone")
+                },
             )
         });
         match out {

@@ -40,9 +40,18 @@ impl ExpertParallelKimiLinear {
         Self::load_ranks(cfg, src, tp, true)
     }
 
-    fn load_ranks(cfg: ModelConfig, src: &dyn WeightSource, ranks: usize, split_heads: bool) -> Result<Self, LoadError> {
+    fn load_ranks(
+        cfg: ModelConfig,
+        src: &dyn WeightSource,
+        ranks: usize,
+        split_heads: bool,
+    ) -> Result<Self, LoadError> {
         let ranks = load_on_threads(&cfg, src, ranks, |cfg, r| {
-            if split_heads { KimiLinearModel::load_tp_rank(cfg, src, r) } else { KimiLinearModel::load_ep_rank(cfg, src, r) }
+            if split_heads {
+                KimiLinearModel::load_tp_rank(cfg, src, r)
+            } else {
+                KimiLinearModel::load_ep_rank(cfg, src, r)
+            }
         })?;
         tracing::info!(ranks = ranks.len(), split_heads, "sharded Kimi-Linear ranks loaded");
         Ok(Self { ranks })

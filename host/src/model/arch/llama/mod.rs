@@ -18,20 +18,20 @@ use kernels::cpu::softmax::softmax_in_place;
 use rayon::prelude::*;
 use std::sync::RwLock;
 
-use crate::model::shard::Split;
 use crate::model::shard::even_range;
+use crate::model::shard::Split;
 use crate::parallel::{Collective, CollectiveError, LocalCollective};
 
 use crate::model::config::ModelConfig;
-use crate::model::layers::decoder::{add_residual, final_norm_rows};
-use crate::model::error::LoadError;
-use crate::model::kv::{BatchRow, CacheLayout, KvCache, LayerKvShape};
-use crate::model::LanguageModel;
-use crate::model::layers::linear::Linear;
-use crate::model::format::source::WeightSource;
-use crate::model::tensor::Tensor;
 use crate::model::device::placement::Placeable;
+use crate::model::error::LoadError;
+use crate::model::format::source::WeightSource;
+use crate::model::kv::{BatchRow, CacheLayout, KvCache, LayerKvShape};
+use crate::model::layers::decoder::{add_residual, final_norm_rows};
+use crate::model::layers::linear::Linear;
 use crate::model::registry::ArchitectureSpec;
+use crate::model::tensor::Tensor;
+use crate::model::LanguageModel;
 use crate::parallel::TpRank;
 
 /// The registry's entry for Llama-family models (Llama 2/3, Mistral, SmolLM): whole or
@@ -47,7 +47,12 @@ impl ArchitectureSpec for Llama {
         Ok(Box::new(LlamaModel::load(cfg, src)?))
     }
 
-    fn load_tensor_parallel(&self, cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Box<dyn LanguageModel>, LoadError> {
+    fn load_tensor_parallel(
+        &self,
+        cfg: ModelConfig,
+        src: &dyn WeightSource,
+        tp: usize,
+    ) -> Result<Box<dyn LanguageModel>, LoadError> {
         Ok(Box::new(parallel::TensorParallel::load(cfg, src, tp)?))
     }
 }
@@ -99,12 +104,18 @@ impl LlamaModel {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);
         let main_file = src.file_of("model.embed_tokens.weight");
         if tp.size == 0 || tp.rank >= tp.size {
-            return Err(LoadError::Config { file: main_file, detail: format!("tensor-parallel rank {} of {}", tp.rank, tp.size) });
+            return Err(LoadError::Config {
+                file: main_file,
+                detail: format!("tensor-parallel rank {} of {}", tp.rank, tp.size),
+            });
         }
         if cfg.num_heads % tp.size != 0 {
             return Err(LoadError::Config {
                 file: main_file,
-                detail: format!("tensor parallel size {} does not divide the {} attention heads", tp.size, cfg.num_heads),
+                detail: format!(
+                    "tensor parallel size {} does not divide the {} attention heads",
+                    tp.size, cfg.num_heads
+                ),
             });
         }
         let heads = cfg.num_heads / tp.size;
@@ -178,7 +189,6 @@ impl LlamaModel {
     pub fn cache_width(&self) -> usize {
         self.kv_heads * self.cfg.head_dim
     }
-
 }
 
 impl LanguageModel for LlamaModel {
@@ -191,7 +201,10 @@ impl LanguageModel for LlamaModel {
     /// has `tp` times the layers, each as wide as this rank's KV heads (all ranks hold the same
     /// number). With one rank this is the plain per-layer layout.
     fn cache_layout(&self) -> CacheLayout {
-        CacheLayout::uniform(self.cfg.num_layers() * self.tp.size, LayerKvShape::heads(self.kv_heads, self.cfg.head_dim))
+        CacheLayout::uniform(
+            self.cfg.num_layers() * self.tp.size,
+            LayerKvShape::heads(self.kv_heads, self.cfg.head_dim),
+        )
     }
 
     /// A rank of a tensor-parallel group moves too: the device forward runs it with its peers.
@@ -204,10 +217,14 @@ impl LanguageModel for LlamaModel {
     /// needs its peers to produce anything.
 
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
-        assert_eq!(self.tp.size, 1, "LlamaModel::forward on one tensor-parallel rank; use arch::llama::parallel::TensorParallel");
+        assert_eq!(
+            self.tp.size, 1,
+            "LlamaModel::forward on one tensor-parallel rank; use arch::llama::parallel::TensorParallel"
+        );
         crate::model::on_compute_pool(|| {
             let comm = LocalCollective::group(1).pop().expect("one rank");
-            self.forward_rank(tokens, rows, &RwLock::new(kv), logit_rows, &comm).expect("a one-rank group has no peer to fail")
+            self.forward_rank(tokens, rows, &RwLock::new(kv), logit_rows, &comm)
+                .expect("a one-rank group has no peer to fail")
         })
     }
 }
@@ -312,7 +329,6 @@ impl LlamaModel {
         }
         Ok(logits)
     }
-
 }
 
 impl LlamaModel {

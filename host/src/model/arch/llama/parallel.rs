@@ -5,13 +5,13 @@
 
 use std::sync::RwLock;
 
+use crate::model::arch::llama::{LlamaModel, SharedKv};
 use crate::model::config::ModelConfig;
 use crate::model::error::LoadError;
-use crate::model::kv::{BatchRow, CacheLayout, KvCache};
-use crate::model::arch::llama::{LlamaModel, SharedKv};
-use crate::parallel::TpRank;
 use crate::model::format::source::WeightSource;
+use crate::model::kv::{BatchRow, CacheLayout, KvCache};
 use crate::model::LanguageModel;
+use crate::parallel::TpRank;
 
 use crate::parallel::group::run_on_ranks;
 
@@ -28,7 +28,10 @@ impl TensorParallel {
     /// Loads `tp` ranks, each on its own thread reading only its slice from `src`.
     pub fn load(cfg: ModelConfig, src: &dyn WeightSource, tp: usize) -> Result<Self, LoadError> {
         if tp == 0 {
-            return Err(LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail: "tensor parallel size must be at least 1".into() });
+            return Err(LoadError::Config {
+                file: src.file_of("model.embed_tokens.weight"),
+                detail: "tensor parallel size must be at least 1".into(),
+            });
         }
         let ranks = std::thread::scope(|s| {
             let handles: Vec<_> = (0..tp)
@@ -37,7 +40,10 @@ impl TensorParallel {
                     s.spawn(move || LlamaModel::load_rank(cfg, src, TpRank { rank, size: tp }))
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect::<Result<Vec<_>, _>>()
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect::<Result<Vec<_>, _>>()
         })?;
         tracing::info!(tp, "tensor-parallel ranks loaded");
         Ok(Self { ranks })
@@ -57,7 +63,6 @@ impl TensorParallel {
     pub fn cache_width(&self) -> usize {
         self.ranks[0].cache_width()
     }
-
 }
 
 /// The engine serves a `TensorParallel` like any model: one forward call runs every rank and

@@ -50,9 +50,17 @@ pub(super) struct SeqRows<R: Runtime> {
 }
 
 impl<R: Runtime> DevKda<R> {
-    pub fn upload(gpu: &Kernels<R>, name: &str, l: &KdaLayer, ordinal: usize, dense: DenseWeights) -> Result<Self, ForwardError> {
+    pub fn upload(
+        gpu: &Kernels<R>,
+        name: &str,
+        l: &KdaLayer,
+        ordinal: usize,
+        dense: DenseWeights,
+    ) -> Result<Self, ForwardError> {
         let cfg = &l.cfg;
-        let lin = |leaf: &str, w: &crate::model::layers::linear::Linear| DevLinear::upload_as(gpu, &format!("{name}.{leaf}"), w, dense);
+        let lin = |leaf: &str, w: &crate::model::layers::linear::Linear| {
+            DevLinear::upload_as(gpu, &format!("{name}.{leaf}"), w, dense)
+        };
         let gate = match &l.out_gate {
             OutputGate::LowRank { a, b } => DevGate::LowRank { a: lin("g_a_proj", a)?, b: lin("g_b_proj", b)? },
             OutputGate::FullRank(g) => DevGate::FullRank(lin("g_proj", g)?),
@@ -89,13 +97,34 @@ impl<R: Runtime> DevKda<R> {
     /// `x` normed hidden states `[n, hidden]` in, the `o_proj` output `[n, hidden]` out; the
     /// sequences of `seqs` advance their states in `pool`.
     #[allow(clippy::too_many_arguments)]
-    pub fn forward(&self, gpu: &Kernels<R>, pool: &mut DeviceRecurrentPool<R>, x: &R::Buf<f32>, n: usize, seqs: &SeqRows<R>, scratch: &mut GemmScratch<R>, out: &mut R::Buf<f32>) -> Result<(), ForwardError> {
+    pub fn forward(
+        &self,
+        gpu: &Kernels<R>,
+        pool: &mut DeviceRecurrentPool<R>,
+        x: &R::Buf<f32>,
+        n: usize,
+        seqs: &SeqRows<R>,
+        scratch: &mut GemmScratch<R>,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), ForwardError> {
         let (h, hd) = (self.heads, self.head_dim);
         let p = h * hd;
         let mut mixed = gpu.zeros::<f32>(n * 3 * p)?;
         self.qkv.forward(gpu, x, scratch, &mut mixed, n)?;
         let mut conv = gpu.zeros::<f32>(n * 3 * p)?;
-        gpu.kda_conv_silu(&mixed, &self.conv, pool.conv_state(self.ordinal), &seqs.rows, &seqs.start, &seqs.slot, seqs.seqs, n, 3 * p, self.kernel, &mut conv)?;
+        gpu.kda_conv_silu(
+            &mixed,
+            &self.conv,
+            pool.conv_state(self.ordinal),
+            &seqs.rows,
+            &seqs.start,
+            &seqs.slot,
+            seqs.seqs,
+            n,
+            3 * p,
+            self.kernel,
+            &mut conv,
+        )?;
         let rank = self.f_a.shape().0;
         let (mut fa, mut f) = (gpu.zeros::<f32>(n * rank)?, gpu.zeros::<f32>(n * p)?);
         self.f_a.forward(gpu, x, scratch, &mut fa, n)?;
@@ -111,9 +140,31 @@ impl<R: Runtime> DevKda<R> {
             }
             DevGate::FullRank(g) => g.forward(gpu, x, scratch, &mut gate, n)?,
         }
-        let geometry = KdaGeometry { seqs: seqs.seqs, n, heads: h, head_dim: hd, slots: pool.slots, eps: self.eps, lower_bound: self.lower_bound };
+        let geometry = KdaGeometry {
+            seqs: seqs.seqs,
+            n,
+            heads: h,
+            head_dim: hd,
+            slots: pool.slots,
+            eps: self.eps,
+            lower_bound: self.lower_bound,
+        };
         let mut heads_out = gpu.zeros::<f32>(n * p)?;
-        gpu.kda_recurrent(&conv, &f, &beta, &gate, &self.dt_bias, &self.decay_rate, &self.o_norm, pool.recurrent_state(self.ordinal), &seqs.rows, &seqs.start, &seqs.slot, &geometry, &mut heads_out)?;
+        gpu.kda_recurrent(
+            &conv,
+            &f,
+            &beta,
+            &gate,
+            &self.dt_bias,
+            &self.decay_rate,
+            &self.o_norm,
+            pool.recurrent_state(self.ordinal),
+            &seqs.rows,
+            &seqs.start,
+            &seqs.slot,
+            &geometry,
+            &mut heads_out,
+        )?;
         self.o.forward(gpu, &heads_out, scratch, out, n)
     }
 }

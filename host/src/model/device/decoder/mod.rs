@@ -20,20 +20,20 @@
 //! `DeepseekV3Model::forward` and transformers.
 
 mod kda;
-mod upload;
 #[cfg(test)]
 mod tests;
+mod upload;
 
 use kernels::gpu::kernels::GemmScratch;
+use kernels::gpu::kv_pool::KvStorage;
 use kernels::gpu::latent_pool::DeviceLatentPool;
 use kernels::gpu::mla::mla_flash_rows_per_tile;
 use kernels::gpu::recurrent_pool::DeviceRecurrentPool;
-use kernels::gpu::kv_pool::KvStorage;
 use kernels::gpu::{Kernels, Runtime};
 
-use crate::model::config::ModelConfig;
 use crate::model::arch::deepseek_v3::DeepseekV3Model;
 use crate::model::arch::kimi_linear::KimiLinearModel;
+use crate::model::config::ModelConfig;
 use crate::model::device::attention_split::AttentionSplit;
 use crate::model::device::model::{check_ranks, DeviceModel, DeviceRank, Logits};
 use crate::model::device::step::StepInputs;
@@ -83,22 +83,36 @@ pub type DeviceDeepseek<R> = DeviceModel<DecoderRank<R>>;
 impl<R: Runtime> DeviceModel<DecoderRank<R>> {
     /// Uploads rank `r` (`ranks[r]`, from `ExpertParallelDeepseek`) to `gpus[r]`; the ranks sum
     /// their partial outputs through `group`. Dense weights in bf16 (serving).
-    pub fn from_ranks(ranks: &[DeepseekV3Model], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<Self, ForwardError> {
+    pub fn from_ranks(
+        ranks: &[DeepseekV3Model],
+        gpus: Vec<Kernels<R>>,
+        group: Box<dyn DeviceGroup<R>>,
+    ) -> Result<Self, ForwardError> {
         Self::from_ranks_with(ranks, gpus, group, DenseWeights::Bf16)
     }
 
     /// As [`Self::from_ranks`] with dense weights held as `dense` says.
-    pub fn from_ranks_with(ranks: &[DeepseekV3Model], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Self, ForwardError> {
+    pub fn from_ranks_with(
+        ranks: &[DeepseekV3Model],
+        gpus: Vec<Kernels<R>>,
+        group: Box<dyn DeviceGroup<R>>,
+        dense: DenseWeights,
+    ) -> Result<Self, ForwardError> {
         let positions: Vec<(usize, usize)> = ranks.iter().map(|m| (m.ep.rank, m.ep.size)).collect();
         check_ranks("expert-parallel", &positions, gpus.len())?;
         let size = ranks.len();
         let first = ranks[0].layers.first().ok_or_else(|| invalid("a DeepSeek model without layers".into()))?;
         // One latent layer per (layer, rank): each device keeps its own copy of the latent rows,
         // as the CPU expert-parallel model does, and the engine sizes its block budget from it.
-        let shape = LayerKvShape { key_width: first.attn.cfg.kv_lora_rank, value_width: first.attn.cfg.qk_rope_head_dim, groups: 1 };
+        let shape = LayerKvShape {
+            key_width: first.attn.cfg.kv_lora_rank,
+            value_width: first.attn.cfg.qk_rope_head_dim,
+            groups: 1,
+        };
         let cfg = ranks[0].cfg.clone();
         let layout = CacheLayout::uniform(cfg.num_layers() * size, shape);
-        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DecoderRank::upload(m, gpu, dense)).collect::<Result<Vec<_>, _>>()?;
+        let states =
+            ranks.iter().zip(gpus).map(|(m, gpu)| DecoderRank::upload(m, gpu, dense)).collect::<Result<Vec<_>, _>>()?;
         DeviceModel::new("DeviceDeepseek", cfg, states, group, layout, Logits::FirstRank)
     }
 }
@@ -119,11 +133,20 @@ impl<R: Runtime> DeviceModel<DecoderRank<R>> {
     /// pool and KDA state slots (of its heads), and its experts; the ranks sum their partial MoE
     /// (and split mixer) outputs through `group`. The engine sizes its budgets from the CPU
     /// group's layout (every rank's part counted, as for DeepSeek).
-    pub fn from_kimi_ranks(ranks: &[KimiLinearModel], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Self, ForwardError> {
+    pub fn from_kimi_ranks(
+        ranks: &[KimiLinearModel],
+        gpus: Vec<Kernels<R>>,
+        group: Box<dyn DeviceGroup<R>>,
+        dense: DenseWeights,
+    ) -> Result<Self, ForwardError> {
         let positions: Vec<(usize, usize)> = ranks.iter().map(|m| (m.ep.rank, m.ep.size)).collect();
         check_ranks("expert-parallel", &positions, gpus.len())?;
         let layout = ranks[0].ep_cache_layout();
-        let states = ranks.iter().zip(gpus).map(|(m, gpu)| DecoderRank::upload_kimi(m, gpu, dense)).collect::<Result<Vec<_>, _>>()?;
+        let states = ranks
+            .iter()
+            .zip(gpus)
+            .map(|(m, gpu)| DecoderRank::upload_kimi(m, gpu, dense))
+            .collect::<Result<Vec<_>, _>>()?;
         DeviceModel::new("DeviceKimiLinear", ranks[0].cfg.clone(), states, group, layout, Logits::FirstRank)
     }
 }
@@ -141,8 +164,22 @@ impl<R: Runtime> DeviceRank for DecoderRank<R> {
 
     /// The full latent rows of every MLA layer (attention is replicated or head-split, and every
     /// head reads the same latent).
-    fn allocate(&mut self, _cfg: &ModelConfig, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
-        let pool = DeviceLatentPool::new(&self.gpu, self.latent_layers, num_blocks, block_size, self.latent.0, self.latent.1, storage)?;
+    fn allocate(
+        &mut self,
+        _cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+        storage: KvStorage,
+    ) -> Result<(), ForwardError> {
+        let pool = DeviceLatentPool::new(
+            &self.gpu,
+            self.latent_layers,
+            num_blocks,
+            block_size,
+            self.latent.0,
+            self.latent.1,
+            storage,
+        )?;
         self.gpu.synchronize()?;
         self.pool = Some(pool);
         Ok(())
@@ -165,10 +202,17 @@ impl<R: Runtime> DeviceRank for DecoderRank<R> {
     /// This rank's part of one step. Returns the logits on rank 0 and nothing on the others.
     /// `inp` and `copies` were checked against the pool by `step::checked_step`, so an error
     /// here is this device's failure, never ranks disagreeing about the batch.
-    fn forward(&mut self, cfg: &ModelConfig, copies: &[BlockCopy], inp: &StepInputs, comm: &dyn DeviceCollective<R>) -> Result<Vec<f32>, ForwardError> {
+    fn forward(
+        &mut self,
+        cfg: &ModelConfig,
+        copies: &[BlockCopy],
+        inp: &StepInputs,
+        comm: &dyn DeviceCollective<R>,
+    ) -> Result<Vec<f32>, ForwardError> {
         let parallel = comm.world_size() > 1;
         let Self { gpu, rank, split_heads, embed, layers, norm, lm_head, pool, scratch, max_in, recurrent, .. } = self;
-        let pool = pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
+        let pool =
+            pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
         for c in copies {
             pool.copy_block(gpu, c.src as usize, c.dst as usize, c.slots)?;
         }
@@ -181,7 +225,12 @@ impl<R: Runtime> DeviceRank for DecoderRank<R> {
                         SlotOp::Fork { from, to } => states.fork(gpu, from, to)?,
                     }
                 }
-                Some(SeqRows { rows: gpu.upload(&grouped.rows)?, start: gpu.upload(&grouped.start)?, slot: gpu.upload(&grouped.slot)?, seqs: grouped.seqs() })
+                Some(SeqRows {
+                    rows: gpu.upload(&grouped.rows)?,
+                    start: gpu.upload(&grouped.start)?,
+                    slot: gpu.upload(&grouped.slot)?,
+                    seqs: grouped.seqs(),
+                })
             }
             _ => None,
         };
@@ -211,10 +260,14 @@ impl<R: Runtime> DeviceRank for DecoderRank<R> {
         let last = layers.len() - 1;
         for (li, l) in layers.iter().enumerate() {
             match &l.mixer {
-                DevMixer::Mla { attn, latent } => attn.forward(gpu, pool, *latent, &normed, &step, scratch, &mut delta)?,
+                DevMixer::Mla { attn, latent } => {
+                    attn.forward(gpu, pool, *latent, &normed, &step, scratch, &mut delta)?
+                }
                 DevMixer::Kda(attn) => {
                     let (Some(states), Some(seqs)) = (recurrent.as_mut(), seqs.as_ref()) else {
-                        return Err(invalid("the device recurrent state is not allocated (DeviceKv::allocate_recurrent)".into()));
+                        return Err(invalid(
+                            "the device recurrent state is not allocated (DeviceKv::allocate_recurrent)".into(),
+                        ));
                     };
                     attn.forward(gpu, states, &normed, n, seqs, scratch, &mut delta)?;
                 }
@@ -280,13 +333,20 @@ struct Step<R: Runtime> {
 
 /// The step's [`AttentionSplit`] for the MLA layers, tiled for their head count (every MLA layer
 /// of a rank has the same heads), when the latent pool can run the prefill kernel.
-fn mla_prefill_split<R: Runtime>(gpu: &Kernels<R>, pool: &DeviceLatentPool<R>, layers: &[DevLayer<R>], inp: &StepInputs) -> Result<Option<AttentionSplit<R>>, ForwardError> {
+fn mla_prefill_split<R: Runtime>(
+    gpu: &Kernels<R>,
+    pool: &DeviceLatentPool<R>,
+    layers: &[DevLayer<R>],
+    inp: &StepInputs,
+) -> Result<Option<AttentionSplit<R>>, ForwardError> {
     let heads = layers.iter().find_map(|l| match &l.mixer {
         DevMixer::Mla { attn, .. } => Some(attn.heads),
         DevMixer::Kda(_) => None,
     });
     match heads {
-        Some(h) if pool.has_prefill_kernel(gpu) && !inp.prompt_runs.is_empty() => Ok(Some(AttentionSplit::new(gpu, inp, mla_flash_rows_per_tile(h))?)),
+        Some(h) if pool.has_prefill_kernel(gpu) && !inp.prompt_runs.is_empty() => {
+            Ok(Some(AttentionSplit::new(gpu, inp, mla_flash_rows_per_tile(h))?))
+        }
         _ => Ok(None),
     }
 }
@@ -295,7 +355,16 @@ impl<R: Runtime> DevMla<R> {
     /// `x` normed hidden states `[n, hidden]` in, this rank's `o_proj` output `[n, hidden]` out
     /// (a partial sum when the heads are split). Writes the step's latent rows into `pool`.
     #[allow(clippy::too_many_arguments)]
-    fn forward(&self, gpu: &Kernels<R>, pool: &mut DeviceLatentPool<R>, layer: usize, x: &R::Buf<f32>, step: &Step<R>, scratch: &mut GemmScratch<R>, out: &mut R::Buf<f32>) -> Result<(), ForwardError> {
+    fn forward(
+        &self,
+        gpu: &Kernels<R>,
+        pool: &mut DeviceLatentPool<R>,
+        layer: usize,
+        x: &R::Buf<f32>,
+        step: &Step<R>,
+        scratch: &mut GemmScratch<R>,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), ForwardError> {
         let n = step.n;
         let (h, nope, rope, v, lora) = (self.heads, self.nope, self.rope, self.v, self.lora);
         let qk = nope + rope;
@@ -313,7 +382,8 @@ impl<R: Runtime> DevMla<R> {
         // The shared latent: [c_kv | k_rope] per token; c_kv normed into the cache's key row.
         let mut ckv = gpu.zeros::<f32>(n * (lora + rope))?;
         self.kv_a.forward(gpu, x, scratch, &mut ckv, n)?;
-        let (mut raw, mut latent, mut k_rope) = (gpu.zeros::<f32>(n * lora)?, gpu.zeros::<f32>(n * lora)?, gpu.zeros::<f32>(n * rope)?);
+        let (mut raw, mut latent, mut k_rope) =
+            (gpu.zeros::<f32>(n * lora)?, gpu.zeros::<f32>(n * lora)?, gpu.zeros::<f32>(n * rope)?);
         gpu.copy_cols(&ckv, &mut raw, n, lora + rope, 0, lora)?;
         gpu.rms_norm(&raw, &self.kv_a_norm, &mut latent, n, self.eps)?;
         let (mut q_nope, mut q_rope) = (gpu.zeros::<f32>(n * h * nope)?, gpu.zeros::<f32>(n * h * rope)?);
@@ -337,11 +407,46 @@ impl<R: Runtime> DevMla<R> {
             // Decode rows by the decode kernel, prompt chunks on the tensor cores.
             Some(split) => {
                 if split.decode_rows {
-                    pool.attention(gpu, layer, h, step.max_blocks, &q_lat, &q_rope, &step.tables, split.decode_lens.as_ref().unwrap_or(&step.lens), self.scale, &mut ctx)?;
+                    pool.attention(
+                        gpu,
+                        layer,
+                        h,
+                        step.max_blocks,
+                        &q_lat,
+                        &q_rope,
+                        &step.tables,
+                        split.decode_lens.as_ref().unwrap_or(&step.lens),
+                        self.scale,
+                        &mut ctx,
+                    )?;
                 }
-                pool.prefill_attention(gpu, layer, h, step.max_blocks, &q_lat, &q_rope, &step.tables, &step.lens, &split.tiles, split.num_tiles, self.scale, &mut ctx)?;
+                pool.prefill_attention(
+                    gpu,
+                    layer,
+                    h,
+                    step.max_blocks,
+                    &q_lat,
+                    &q_rope,
+                    &step.tables,
+                    &step.lens,
+                    &split.tiles,
+                    split.num_tiles,
+                    self.scale,
+                    &mut ctx,
+                )?;
             }
-            None => pool.attention(gpu, layer, h, step.max_blocks, &q_lat, &q_rope, &step.tables, &step.lens, self.scale, &mut ctx)?,
+            None => pool.attention(
+                gpu,
+                layer,
+                h,
+                step.max_blocks,
+                &q_lat,
+                &q_rope,
+                &step.tables,
+                &step.lens,
+                self.scale,
+                &mut ctx,
+            )?,
         }
         let mut o = gpu.zeros::<f32>(n * h * v)?;
         self.w_uv.matvec(gpu, &ctx, &mut o, n, h, v, lora)?;
@@ -357,7 +462,15 @@ impl<R: Runtime> DevMla<R> {
 impl<R: Runtime> DevMoe<R> {
     /// The routed experts this rank holds (weighted) plus, on rank 0, the shared experts:
     /// `out[n, hidden]` is overwritten with this rank's partial sum.
-    fn forward(&self, gpu: &Kernels<R>, rank: usize, x: &R::Buf<f32>, n: usize, scratch: &mut GemmScratch<R>, out: &mut R::Buf<f32>) -> Result<(), ForwardError> {
+    fn forward(
+        &self,
+        gpu: &Kernels<R>,
+        rank: usize,
+        x: &R::Buf<f32>,
+        n: usize,
+        scratch: &mut GemmScratch<R>,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), ForwardError> {
         use kernels::gpu::moe::Routed;
         let (e, k, d, inter) = (self.spec.num_experts, self.spec.top_k, self.hidden, self.inter);
         let held = self.held.len();

@@ -14,18 +14,17 @@ use kernels::gpu::kv_pool::KvStorage;
 use kernels::gpu::{Kernels, Runtime};
 use kernels::sim::SimGpu;
 
-use crate::model::device::decoder::DeviceDeepseek;
-use crate::parallel::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
 use crate::model::arch::deepseek_v3::DeepseekV3Model;
+use crate::model::device::decoder::DeviceDeepseek;
 use crate::model::device::step::BlockTables;
 use crate::model::device::test_util::{self, ids, sim};
 use crate::model::device::weights::DenseWeights;
 use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache};
 use crate::model::{DeviceKv as _, LanguageModel, LoadedModel};
+use crate::parallel::device_collective::{DeviceGroup, LocalDeviceGroup, SoleRank};
 
 const BS: usize = 4;
 const BLOCKS: usize = 64;
-
 
 fn fixture() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/deepseek_v3/model")
@@ -35,7 +34,6 @@ fn reference() -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap()).unwrap()
 }
 
-
 fn floats(v: &serde_json::Value) -> Vec<f32> {
     v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
 }
@@ -44,7 +42,10 @@ fn deepseek(m: &LoadedModel) -> &[DeepseekV3Model] {
     let any = m.model.as_any().expect("a CPU model");
     match any.downcast_ref::<DeepseekV3Model>() {
         Some(one) => std::slice::from_ref(one),
-        None => any.downcast_ref::<crate::model::arch::deepseek_v3::parallel::ExpertParallelDeepseek>().expect("a DeepSeek-V3 model").ranks(),
+        None => any
+            .downcast_ref::<crate::model::arch::deepseek_v3::parallel::ExpertParallelDeepseek>()
+            .expect("a DeepSeek-V3 model")
+            .ranks(),
     }
 }
 
@@ -60,29 +61,38 @@ fn kimi_linear(m: &LoadedModel) -> &[crate::model::arch::kimi_linear::KimiLinear
 /// The fixture (or a quantized copy of it) on `ranks` devices from `gpu`: one whole model, or
 /// expert-parallel ranks (`split_heads`: the MLA heads split over the ranks too), their
 /// all-reduces staged through the host.
-fn placed<R: Runtime>(dir: &std::path::Path, ranks: usize, split_heads: bool, dense: DenseWeights, gpu: impl Fn() -> Kernels<R>) -> (LoadedModel, DeviceDeepseek<R>) {
+fn placed<R: Runtime>(
+    dir: &std::path::Path,
+    ranks: usize,
+    split_heads: bool,
+    dense: DenseWeights,
+    gpu: impl Fn() -> Kernels<R>,
+) -> (LoadedModel, DeviceDeepseek<R>) {
     let m = match (ranks, split_heads) {
         (1, _) => crate::model::load(dir).unwrap(),
         (r, false) => crate::model::load_ep(dir, r).unwrap(),
         (r, true) => crate::model::load_tp(dir, r).unwrap(),
     };
     let gpus = (0..ranks).map(|_| gpu()).collect();
-    let group: Box<dyn DeviceGroup<R>> = if ranks == 1 { Box::new(SoleRank) } else { Box::new(LocalDeviceGroup { world: ranks }) };
+    let group: Box<dyn DeviceGroup<R>> =
+        if ranks == 1 { Box::new(SoleRank) } else { Box::new(LocalDeviceGroup { world: ranks }) };
     let dev = DeviceDeepseek::from_ranks_with(deepseek(&m), gpus, group, dense).unwrap();
     (m, dev)
 }
 
-fn on_sim(dir: &std::path::Path, ranks: usize, split_heads: bool, dense: DenseWeights) -> (LoadedModel, DeviceDeepseek<kernels::sim::SimRuntime>) {
+fn on_sim(
+    dir: &std::path::Path,
+    ranks: usize,
+    split_heads: bool,
+    dense: DenseWeights,
+) -> (LoadedModel, DeviceDeepseek<kernels::sim::SimRuntime>) {
     placed(dir, ranks, split_heads, dense, || SimGpu::sim().unwrap())
 }
 
 /// Max |difference| of each logit row relative to that row's largest reference logit.
 fn row_errors(got: &[f32], want: &[f32], vocab: usize) -> Vec<f32> {
     assert_eq!(got.len(), want.len());
-    got.chunks(vocab)
-        .zip(want.chunks(vocab))
-        .map(|(g, w)| kernels::compare::max_rel_error(g, w, 1e-3))
-        .collect()
+    got.chunks(vocab).zip(want.chunks(vocab)).map(|(g, w)| kernels::compare::max_rel_error(g, w, 1e-3)).collect()
 }
 
 /// Mixed prefill + decode batches of 4 sequences in scattered blocks, with sequence 3 forking
@@ -100,7 +110,8 @@ fn mixed_batch_errors<R: Runtime>(cpu: &dyn LanguageModel, dev: &DeviceDeepseek<
         seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (seed >> 33) as u32
     };
-    let mut prompts: Vec<Vec<u32>> = (0..4).map(|_| (0..16).map(|_| 3 + rand() % (vocab as u32 - 3)).collect()).collect();
+    let mut prompts: Vec<Vec<u32>> =
+        (0..4).map(|_| (0..16).map(|_| 3 + rand() % (vocab as u32 - 3)).collect()).collect();
     let shared: Vec<u32> = prompts[0][..6].to_vec();
     prompts[3][..6].copy_from_slice(&shared);
     let mut free: Vec<u32> = (0..BLOCKS as u32).map(|b| (b * 37 + 11) % BLOCKS as u32).collect();
@@ -135,9 +146,16 @@ fn mixed_batch_errors<R: Runtime>(cpu: &dyn LanguageModel, dev: &DeviceDeepseek<
         for c in &copies {
             host.copy_block(c.src, c.dst, c.slots);
         }
-        let mut paged = PagedKv { pool: &mut host, tables: tables.clone(), slots: vec![None; tables.len()], copies: Vec::new(), slot_ops: Vec::new() };
+        let mut paged = PagedKv {
+            pool: &mut host,
+            tables: tables.clone(),
+            slots: vec![None; tables.len()],
+            copies: Vec::new(),
+            slot_ops: Vec::new(),
+        };
         let want = cpu.forward(&tokens, &rows, &mut paged, &logit_rows);
-        let got = dev.try_forward(&tokens, &rows, &mut BlockTables::new(BS, tables.clone(), copies), &logit_rows).unwrap();
+        let got =
+            dev.try_forward(&tokens, &rows, &mut BlockTables::new(BS, tables.clone(), copies), &logit_rows).unwrap();
         errors.extend(row_errors(&got, &want, vocab));
     }
     errors
@@ -161,11 +179,18 @@ fn long_prefill_errors<R: Runtime>(cpu: &dyn LanguageModel, dev: &DeviceDeepseek
     let vocab = cpu.config().vocab_size;
     dev.allocate(BLOCKS, BS, KvStorage::F32).unwrap();
     let mut host = host_pool(cpu, KvStorage::F32);
-    let tokens: Vec<u32> = (0..len as u32).map(|i| 3 + (i.wrapping_mul(2654435761) >> 7) % (vocab as u32 - 3)).collect();
+    let tokens: Vec<u32> =
+        (0..len as u32).map(|i| 3 + (i.wrapping_mul(2654435761) >> 7) % (vocab as u32 - 3)).collect();
     let rows: Vec<BatchRow> = (0..len).map(|pos| BatchRow { seq: 0, pos }).collect();
     let tables = vec![(0..len.div_ceil(BS) as u32).collect::<Vec<u32>>()];
     let all: Vec<usize> = (0..len).collect();
-    let mut paged = PagedKv { pool: &mut host, tables: tables.clone(), slots: vec![None], copies: Vec::new(), slot_ops: Vec::new() };
+    let mut paged = PagedKv {
+        pool: &mut host,
+        tables: tables.clone(),
+        slots: vec![None],
+        copies: Vec::new(),
+        slot_ops: Vec::new(),
+    };
     let want = cpu.forward(&tokens, &rows, &mut paged, &all);
     let got = dev.try_forward(&tokens, &rows, &mut BlockTables::new(BS, tables, vec![]), &all).unwrap();
     row_errors(&got, &want, vocab)
@@ -184,7 +209,9 @@ fn worst(errors: &[f32]) -> f32 {
 fn sim_matches_the_cpu_model_on_mixed_batches_with_a_fork() {
     let Some(_) = sim("sim_matches_the_cpu_model_on_mixed_batches_with_a_fork") else { return };
     for (storage, tol) in [(KvStorage::F32, 1e-4), (KvStorage::Bf16, 5e-3), (KvStorage::Fp8, 5e-3)] {
-        let (m, dev) = placed(&fixture(), 1, false, DenseWeights::F32, || Kernels::new(kernels::sim::SimRuntime::new().unwrap().without_bf16_mma()));
+        let (m, dev) = placed(&fixture(), 1, false, DenseWeights::F32, || {
+            Kernels::new(kernels::sim::SimRuntime::new().unwrap().without_bf16_mma())
+        });
         let e = mixed_batch_errors(m.model.as_ref(), &dev, storage);
         eprintln!("sim, f32 dense weights, {storage:?} latent cache: worst relative logit error vs the CPU model {:.2e} over {} rows", worst(&e), e.len());
         assert!(worst(&e) < tol, "{storage:?}: {}", worst(&e));
@@ -245,7 +272,8 @@ fn prefill_error_vs<R: Runtime>(dev: &DeviceDeepseek<R>, reference: &serde_json:
         let toks = ids(&case["ids"]);
         let rows: Vec<BatchRow> = (0..toks.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
         let all: Vec<usize> = (0..toks.len()).collect();
-        let mut view = BlockTables::new(BS, vec![(0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 8 + b).collect()], vec![]);
+        let mut view =
+            BlockTables::new(BS, vec![(0..toks.len().div_ceil(BS) as u32).map(|b| c as u32 * 8 + b).collect()], vec![]);
         view.slots = vec![Some(c)];
         let got = dev.try_forward(&toks, &rows, &mut view, &all).unwrap();
         for (p, want) in case["prefill_logits"].as_array().unwrap().iter().enumerate() {
@@ -286,7 +314,12 @@ fn sim_engine_greedy_matches_transformers_on_one_and_two_devices() {
 
 fn engine_greedy_matches_transformers<R: Runtime + 'static>(m: LoadedModel, dev: DeviceDeepseek<R>, ranks: usize) {
     let m = LoadedModel { model: Box::new(dev), ..m };
-    test_util::engine_greedy_matches_transformers(m, &reference(), BS, &format!("tiny DeepSeek-V3 on {ranks} device(s)"));
+    test_util::engine_greedy_matches_transformers(
+        m,
+        &reference(),
+        BS,
+        &format!("tiny DeepSeek-V3 on {ranks} device(s)"),
+    );
 }
 
 /// The fixture with its routed experts quantized by `wasmserve quantize` (`format` at `bits`,
@@ -297,7 +330,16 @@ fn quantized_experts(format: &str, bits: u32, group: usize, tag: &str) -> (std::
     let _ = std::fs::remove_dir_all(&out);
     let policy = out.with_extension("policy.json");
     std::fs::write(&policy, format!(r#"{{"format": "{format}", "bits": {bits}, "group_size": {group}, "rules": [{{"match": "re:.*mlp\\.experts\\."}}, {{"match": "re:.*", "skip": true}}]}}"#)).unwrap();
-    crate::quantize::quantize(&crate::quantize::QuantizeArgs { input: fixture(), output: out.clone(), format: None, bits: None, group_size: None, policy: Some(policy.clone()), quiet: true }).unwrap();
+    crate::quantize::quantize(&crate::quantize::QuantizeArgs {
+        input: fixture(),
+        output: out.clone(),
+        format: None,
+        bits: None,
+        group_size: None,
+        policy: Some(policy.clone()),
+        quiet: true,
+    })
+    .unwrap();
     (out, policy)
 }
 
@@ -315,7 +357,10 @@ fn sim_quantized_experts_match_the_cpu_model_whole_and_expert_parallel() {
             let (m, dev) = on_sim(&out, ranks, false, DenseWeights::F32);
             let cpu = crate::model::load(&out).unwrap();
             let e = mixed_batch_errors(cpu.model.as_ref(), &dev, KvStorage::F32);
-            eprintln!("sim, {format}{bits} experts on {ranks} device(s): worst relative logit error vs the CPU model {:.2e}", worst(&e));
+            eprintln!(
+                "sim, {format}{bits} experts on {ranks} device(s): worst relative logit error vs the CPU model {:.2e}",
+                worst(&e)
+            );
             assert!(worst(&e) < 1e-4, "{format}{bits} ranks={ranks}: {}", worst(&e));
             drop(m);
         }
@@ -388,7 +433,14 @@ fn a_contiguous_cache_a_missing_pool_or_mismatched_ranks_are_errors() {
     let ep = crate::model::load_ep(&fixture(), 2).unwrap();
     let e = DeviceDeepseek::from_ranks(deepseek(&ep), vec![SimGpu::sim().unwrap()], Box::new(SoleRank)).err().unwrap();
     assert!(e.to_string().contains("one device per rank"), "{e}");
-    let e = crate::model::device::place_on_devices(ep, vec![Kernels::new(kernels::sim::SimRuntime::new().unwrap())], Box::new(SoleRank), DenseWeights::Bf16).err().unwrap();
+    let e = crate::model::device::place_on_devices(
+        ep,
+        vec![Kernels::new(kernels::sim::SimRuntime::new().unwrap())],
+        Box::new(SoleRank),
+        DenseWeights::Bf16,
+    )
+    .err()
+    .unwrap();
     assert!(e.to_string().contains("2 rank(s) but 1 device(s)"), "{e}");
 }
 
@@ -425,13 +477,19 @@ mod cuda {
         for (ranks, split_heads) in [(1, false), (2, false), (2, true)] {
             let (_, dev) = placed(&fixture(), ranks, split_heads, DenseWeights::F32, open);
             let e = prefill_error_vs_transformers(&dev);
-            eprintln!("CUDA, {ranks} rank(s), split heads {split_heads}: max |logit difference| vs transformers {e:.2e}");
+            eprintln!(
+                "CUDA, {ranks} rank(s), split heads {split_heads}: max |logit difference| vs transformers {e:.2e}"
+            );
             assert!(e < 1e-3, "ranks={ranks} split_heads={split_heads}: {e}");
         }
         let (m, dev) = placed(&fixture(), 1, false, DenseWeights::Bf16, open);
         let mut e = mixed_batch_errors(m.model.as_ref(), &dev, KvStorage::Bf16);
         e.sort_by(f32::total_cmp);
-        eprintln!("CUDA, bf16 dense weights and latent cache vs the CPU model: median {:.2e}, p90 {:.2e}", e[e.len() / 2], e[e.len() * 9 / 10]);
+        eprintln!(
+            "CUDA, bf16 dense weights and latent cache vs the CPU model: median {:.2e}, p90 {:.2e}",
+            e[e.len() / 2],
+            e[e.len() * 9 / 10]
+        );
         assert!(e[e.len() / 2] < 1e-2 && e[e.len() * 9 / 10] < 3e-2);
     }
 
@@ -480,19 +538,32 @@ mod kimi {
     /// model, or its expert-parallel ranks (`ExpertParallelKimiLinear`: KDA and latent layers
     /// replicated, every device with its own state slots and latent pool), their MoE all-reduces
     /// staged through the host.
-    fn on_sim(dense: DenseWeights, ranks: usize) -> (LoadedModel, super::super::DeviceKimiLinear<kernels::sim::SimRuntime>) {
+    fn on_sim(
+        dense: DenseWeights,
+        ranks: usize,
+    ) -> (LoadedModel, super::super::DeviceKimiLinear<kernels::sim::SimRuntime>) {
         placed_kimi(ranks, dense, || SimGpu::sim().unwrap())
     }
 
     /// As [`on_sim`] on devices from `gpu`.
-    pub(super) fn placed_kimi<R: Runtime>(ranks: usize, dense: DenseWeights, gpu: impl Fn() -> Kernels<R>) -> (LoadedModel, super::super::DeviceKimiLinear<R>) {
+    pub(super) fn placed_kimi<R: Runtime>(
+        ranks: usize,
+        dense: DenseWeights,
+        gpu: impl Fn() -> Kernels<R>,
+    ) -> (LoadedModel, super::super::DeviceKimiLinear<R>) {
         let m = crate::model::load(&kimi_fixture()).unwrap();
         let dev = if ranks == 1 {
             super::super::DeviceKimiLinear::from_kimi_linear(&super::kimi_linear(&m)[0], gpu(), dense).unwrap()
         } else {
             let ep = crate::model::load_ep(&kimi_fixture(), ranks).unwrap();
             let gpus = (0..ranks).map(|_| gpu()).collect();
-            super::super::DeviceKimiLinear::from_kimi_ranks(super::kimi_linear(&ep), gpus, Box::new(LocalDeviceGroup { world: ranks }), dense).unwrap()
+            super::super::DeviceKimiLinear::from_kimi_ranks(
+                super::kimi_linear(&ep),
+                gpus,
+                Box::new(LocalDeviceGroup { world: ranks }),
+                dense,
+            )
+            .unwrap()
         };
         (m, dev)
     }
@@ -519,8 +590,10 @@ mod kimi {
         dev.allocate_recurrent(SLOTS).unwrap();
         let layout = cpu.cache_layout();
         let fresh = cpu.new_recurrent_state().unwrap();
-        let mut host = BlockPool::new(PoolShape::new(&layout, BS), BLOCKS, KvDtype::F32).with_recurrent(RecurrentSlots::new(fresh, SLOTS, layout.recurrent_bytes_per_seq));
-        let prompts: Vec<Vec<u32>> = (0..3u32).map(|s| (0..12).map(|i| 3 + (s * 37 + i * 11) % (vocab as u32 - 3)).collect()).collect();
+        let mut host = BlockPool::new(PoolShape::new(&layout, BS), BLOCKS, KvDtype::F32)
+            .with_recurrent(RecurrentSlots::new(fresh, SLOTS, layout.recurrent_bytes_per_seq));
+        let prompts: Vec<Vec<u32>> =
+            (0..3u32).map(|s| (0..12).map(|i| 3 + (s * 37 + i * 11) % (vocab as u32 - 3)).collect()).collect();
         let mut free: Vec<u32> = (0..BLOCKS as u32).rev().map(|b| (b * 7 + 5) % BLOCKS as u32).collect();
         let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 3];
         let mut slots: Vec<Option<usize>> = vec![None; 3];
@@ -529,7 +602,12 @@ mod kimi {
         let placeholder = host.recurrent.allocate().unwrap();
         let mut forked = false;
         // (sequence, first position, tokens); rows of a step are interleaved across sequences.
-        let steps: Vec<Vec<(usize, usize, usize)>> = vec![vec![(0, 0, 5), (1, 0, 3)], vec![(1, 3, 4), (0, 5, 1)], vec![(2, 6, 1), (0, 6, 1), (1, 7, 2)], vec![(0, 7, 1), (2, 7, 1), (1, 9, 1)]];
+        let steps: Vec<Vec<(usize, usize, usize)>> = vec![
+            vec![(0, 0, 5), (1, 0, 3)],
+            vec![(1, 3, 4), (0, 5, 1)],
+            vec![(2, 6, 1), (0, 6, 1), (1, 7, 2)],
+            vec![(0, 7, 1), (2, 7, 1), (1, 9, 1)],
+        ];
         let mut errors = Vec::new();
         for step in steps {
             let (mut copies, mut ops) = (Vec::new(), Vec::new());
@@ -565,7 +643,13 @@ mod kimi {
             let (tokens, rows): (Vec<u32>, Vec<BatchRow>) = order.iter().map(|&i| (tokens[i], rows[i])).unzip();
             let logit_rows: Vec<usize> = (0..rows.len()).collect();
             let cpu_slots: Vec<Option<usize>> = slots.iter().map(|s| Some(s.unwrap_or(placeholder))).collect();
-            let mut paged = PagedKv { pool: &mut host, tables: tables.clone(), slots: cpu_slots, copies: Vec::new(), slot_ops: Vec::new() };
+            let mut paged = PagedKv {
+                pool: &mut host,
+                tables: tables.clone(),
+                slots: cpu_slots,
+                copies: Vec::new(),
+                slot_ops: Vec::new(),
+            };
             let want = cpu.forward(&tokens, &rows, &mut paged, &logit_rows);
             let mut view = BlockTables::new(BS, tables.clone(), copies);
             view.slots = slots.clone();
@@ -625,7 +709,12 @@ mod kimi {
         for ranks in [1, 2] {
             let (m, dev) = on_sim(DenseWeights::F32, ranks);
             let m = LoadedModel { model: Box::new(dev), ..m };
-            test_util::engine_greedy_matches_transformers(m, &kimi_reference(), BS, &format!("tiny Kimi-Linear on {ranks} simulated device(s)"));
+            test_util::engine_greedy_matches_transformers(
+                m,
+                &kimi_reference(),
+                BS,
+                &format!("tiny Kimi-Linear on {ranks} simulated device(s)"),
+            );
         }
     }
 }

@@ -13,18 +13,18 @@ use kernels::gpu::kernels::GemmScratch;
 use kernels::gpu::moe::ExpertWeight;
 use kernels::gpu::{Kernels, Runtime};
 
-use crate::model::device::decoder::kda::DevKda;
-use crate::model::device::decoder::{invalid, DecoderRank};
 use crate::model::arch::deepseek_v3::DeepseekV3Model;
 use crate::model::arch::kimi_linear::{KimiLinearModel, Mixer};
-use crate::model::layers::moe::ffn::Ffn;
-use crate::model::layers::linear::Linear;
-use crate::model::tensor::Tensor;
+use crate::model::device::decoder::kda::DevKda;
+use crate::model::device::decoder::{invalid, DecoderRank};
 use crate::model::device::weights::{DenseWeights, DevLinear};
+use crate::model::layers::linear::Linear;
 use crate::model::layers::mla::layer::QPath;
 use crate::model::layers::mla::MlaLayer;
+use crate::model::layers::moe::ffn::Ffn;
 use crate::model::layers::moe::mlp::{Activation, GatedMlp};
 use crate::model::layers::moe::MoeLayer;
+use crate::model::tensor::Tensor;
 use crate::model::ForwardError;
 
 /// A layer's token mixer: MLA attention over the latent pool (`latent`: its layer there), or a
@@ -92,7 +92,16 @@ impl<R: Runtime> HeadWeights<R> {
 
     /// `out[t, h, :] = W[h] · x[t, h, :]` for `[heads][rows][cols]` matrices.
     #[allow(clippy::too_many_arguments)]
-    pub fn matvec(&self, gpu: &Kernels<R>, x: &R::Buf<f32>, out: &mut R::Buf<f32>, tokens: usize, heads: usize, rows: usize, cols: usize) -> Result<(), ForwardError> {
+    pub fn matvec(
+        &self,
+        gpu: &Kernels<R>,
+        x: &R::Buf<f32>,
+        out: &mut R::Buf<f32>,
+        tokens: usize,
+        heads: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(), ForwardError> {
         match self {
             HeadWeights::Bf16(w) => gpu.head_matvec_bf16(w, x, out, tokens, heads, rows, cols)?,
             HeadWeights::F32(w) => gpu.head_matvec_f32(w, x, out, tokens, heads, rows, cols)?,
@@ -117,7 +126,14 @@ impl<R: Runtime> Embedding<R> {
     }
 
     /// `out[i] = table[ids[i]]` for `n` rows of `d`.
-    pub fn gather(&self, gpu: &Kernels<R>, ids: &R::Buf<i32>, out: &mut R::Buf<f32>, n: usize, d: usize) -> Result<(), ForwardError> {
+    pub fn gather(
+        &self,
+        gpu: &Kernels<R>,
+        ids: &R::Buf<i32>,
+        out: &mut R::Buf<f32>,
+        n: usize,
+        d: usize,
+    ) -> Result<(), ForwardError> {
         match self {
             Embedding::Bf16(t) => gpu.gather_rows_bf16(t, ids, out, n, d)?,
             Embedding::F32(t) => gpu.gather_rows_f32(t, ids, out, n, d)?,
@@ -158,7 +174,12 @@ pub(super) enum DevFfn<R: Runtime> {
 }
 
 impl<R: Runtime> ExpertStack<R> {
-    fn upload(gpu: &Kernels<R>, name: &str, list: &[&crate::model::layers::linear::Linear], dense: DenseWeights) -> Result<Self, ForwardError> {
+    fn upload(
+        gpu: &Kernels<R>,
+        name: &str,
+        list: &[&crate::model::layers::linear::Linear],
+        dense: DenseWeights,
+    ) -> Result<Self, ForwardError> {
         Ok(Self(DevLinear::upload_rows(gpu, name, list, dense)?))
     }
 
@@ -199,7 +220,10 @@ impl<R: Runtime> DevMoe<R> {
 impl<R: Runtime> DevMlp<R> {
     fn upload(gpu: &Kernels<R>, name: &str, m: &GatedMlp, dense: DenseWeights) -> Result<Self, ForwardError> {
         if m.activation != Activation::Silu {
-            return Err(invalid(format!("{name}: the device forward runs SwiGLU MLPs only ({:?} is not)", m.activation)));
+            return Err(invalid(format!(
+                "{name}: the device forward runs SwiGLU MLPs only ({:?} is not)",
+                m.activation
+            )));
         }
         Ok(Self {
             gate_up: DevLinear::upload_rows(gpu, &format!("{name}.gate_proj+up_proj"), &[&m.gate, &m.up], dense)?,
@@ -209,7 +233,14 @@ impl<R: Runtime> DevMlp<R> {
     }
 
     /// `out[n, hidden] = down(silu(gate x) · up x)`.
-    pub fn forward(&self, gpu: &Kernels<R>, x: &R::Buf<f32>, n: usize, scratch: &mut GemmScratch<R>, out: &mut R::Buf<f32>) -> Result<(), ForwardError> {
+    pub fn forward(
+        &self,
+        gpu: &Kernels<R>,
+        x: &R::Buf<f32>,
+        n: usize,
+        scratch: &mut GemmScratch<R>,
+        out: &mut R::Buf<f32>,
+    ) -> Result<(), ForwardError> {
         let mut gate_up = gpu.zeros::<f32>(n * 2 * self.inter)?;
         self.gate_up.forward(gpu, x, scratch, &mut gate_up, n)?;
         let mut act = gpu.zeros::<f32>(n * self.inter)?;
@@ -225,13 +256,18 @@ impl<R: Runtime> DevMlp<R> {
 impl<R: Runtime> DevMoe<R> {
     fn upload(gpu: &Kernels<R>, name: &str, moe: &MoeLayer, dense: DenseWeights) -> Result<Self, ForwardError> {
         if moe.latent.is_some() {
-            return Err(invalid(format!("{name}: latent MoE (routed experts in a narrower width) has no device forward yet")));
+            return Err(invalid(format!(
+                "{name}: latent MoE (routed experts in a narrower width) has no device forward yet"
+            )));
         }
         let experts = &moe.experts;
         let held = experts.held();
         let list: Vec<&GatedMlp> = held.clone().map(|e| experts.get(e)).collect();
         if let Some(m) = list.iter().find(|m| m.activation != Activation::Silu) {
-            return Err(invalid(format!("{name}: the device forward runs SwiGLU experts only ({:?} is not)", m.activation)));
+            return Err(invalid(format!(
+                "{name}: the device forward runs SwiGLU experts only ({:?} is not)",
+                m.activation
+            )));
         }
         let inter = list.first().map_or(0, |m| m.gate.out_features());
         let gate_up: Vec<_> = list.iter().flat_map(|m| [&m.gate, &m.up]).collect();
@@ -245,7 +281,11 @@ impl<R: Runtime> DevMoe<R> {
             inter,
             gate_up: ExpertStack::upload(gpu, &format!("{name}.experts[{held:?}].gate_proj+up_proj"), &gate_up, dense)?,
             down: ExpertStack::upload(gpu, &format!("{name}.experts[{held:?}].down_proj"), &down, dense)?,
-            shared: moe.shared.as_ref().map(|s| DevMlp::upload(gpu, &format!("{name}.shared_experts"), s, dense)).transpose()?,
+            shared: moe
+                .shared
+                .as_ref()
+                .map(|s| DevMlp::upload(gpu, &format!("{name}.shared_experts"), s, dense))
+                .transpose()?,
             held,
         })
     }
@@ -253,25 +293,41 @@ impl<R: Runtime> DevMoe<R> {
 
 impl<R: Runtime> DevMla<R> {
     fn upload(gpu: &Kernels<R>, name: &str, l: &MlaLayer, dense: DenseWeights) -> Result<Self, ForwardError> {
-        let lin = |leaf: &str, w: &crate::model::layers::linear::Linear| DevLinear::upload_as(gpu, &format!("{name}.{leaf}"), w, dense);
+        let lin = |leaf: &str, w: &crate::model::layers::linear::Linear| {
+            DevLinear::upload_as(gpu, &format!("{name}.{leaf}"), w, dense)
+        };
         let cfg = &l.cfg;
-        let (h, nope, rope, v, lora) = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+        let (h, nope, rope, v, lora) =
+            (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
         let q = match &l.q {
             QPath::Plain(p) => DevQ::Plain(lin("q_proj", p)?),
-            QPath::LowRank { a, norm, b } => DevQ::LowRank { a: lin("q_a_proj", a)?, norm: gpu.upload(norm.as_slice())?, b: lin("q_b_proj", b)? },
+            QPath::LowRank { a, norm, b } => {
+                DevQ::LowRank { a: lin("q_a_proj", a)?, norm: gpu.upload(norm.as_slice())?, b: lin("q_b_proj", b)? }
+            }
         };
         // W_uk is [heads][nope][lora]; the device wants each head's transpose [lora][nope].
         let uk = &l.absorbed.w_uk;
         let mut uk_t = vec![0.0f32; uk.len()];
         for hh in 0..h {
-            let (src, dst) = (&uk[hh * nope * lora..(hh + 1) * nope * lora], &mut uk_t[hh * nope * lora..(hh + 1) * nope * lora]);
+            let (src, dst) =
+                (&uk[hh * nope * lora..(hh + 1) * nope * lora], &mut uk_t[hh * nope * lora..(hh + 1) * nope * lora]);
             for i in 0..nope {
                 for c in 0..lora {
                     dst[c * nope + i] = src[i * lora + c];
                 }
             }
         }
-        let rotary = l.rotary.as_ref().map(|r| Ok::<_, ForwardError>(DevRotary { inv_freq: gpu.upload(r.rope.inv_freq())?, interleave: r.interleave, attention_factor: r.attention_factor })).transpose()?;
+        let rotary = l
+            .rotary
+            .as_ref()
+            .map(|r| {
+                Ok::<_, ForwardError>(DevRotary {
+                    inv_freq: gpu.upload(r.rope.inv_freq())?,
+                    interleave: r.interleave,
+                    attention_factor: r.attention_factor,
+                })
+            })
+            .transpose()?;
         Ok(Self {
             q,
             kv_a: lin("kv_a_proj_with_mqa", &l.kv_a)?,
@@ -303,7 +359,12 @@ impl<R: Runtime> DevMla<R> {
 }
 
 /// The embedding table and the output weight (`DevLinear::output_head`).
-fn output_weights<R: Runtime>(gpu: &Kernels<R>, embed: &Tensor, lm_head: Option<&Linear>, dense: DenseWeights) -> Result<(Embedding<R>, Option<DevLinear<R>>), ForwardError> {
+fn output_weights<R: Runtime>(
+    gpu: &Kernels<R>,
+    embed: &Tensor,
+    lm_head: Option<&Linear>,
+    dense: DenseWeights,
+) -> Result<(Embedding<R>, Option<DevLinear<R>>), ForwardError> {
     Ok((Embedding::upload(gpu, embed.as_slice(), dense)?, DevLinear::output_head(gpu, embed, lm_head, dense)?))
 }
 
@@ -336,7 +397,10 @@ impl<R: Runtime> DecoderRank<R> {
             let name = format!("model.layers.{i}");
             layers.push(DevLayer {
                 attn_norm: gpu.upload(l.attn_norm.as_slice())?,
-                mixer: DevMixer::Mla { attn: DevMla::upload(&gpu, &format!("{name}.self_attn"), &l.attn, dense)?, latent: i },
+                mixer: DevMixer::Mla {
+                    attn: DevMla::upload(&gpu, &format!("{name}.self_attn"), &l.attn, dense)?,
+                    latent: i,
+                },
                 ffn_norm: gpu.upload(l.ffn_norm.as_slice())?,
                 ffn: ffn(&gpu, &format!("{name}.mlp"), &l.ffn, dense)?,
             });
@@ -346,7 +410,11 @@ impl<R: Runtime> DecoderRank<R> {
         let latent = m.layers.first().map_or((0, 0), |l| (l.attn.cfg.kv_lora_rank, l.attn.cfg.qk_rope_head_dim));
         tracing::info!(device = %gpu.describe(), ep_rank = m.ep.rank, ep_size = m.ep.size, split_heads = m.split_heads, layers = layers.len(), "DeepSeek-V3 weights uploaded to the device");
         let norm = gpu.upload(m.norm.as_slice())?;
-        Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, m.split_heads), latent, kda: None })
+        Self::assemble(
+            gpu,
+            m.cfg.hidden_size,
+            Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, m.split_heads), latent, kda: None },
+        )
     }
 
     /// Uploads a Kimi-Linear model (or one expert-parallel rank of it): KDA layers with their recurrent kernels, NoPE MLA
@@ -360,18 +428,30 @@ impl<R: Runtime> DecoderRank<R> {
             let mixer = match &l.mixer {
                 Mixer::Kda { layer, ordinal } => {
                     if layer.cfg.head_dim > kernels::gpu::kda::KDA_MAX_HEAD_DIM {
-                        return Err(invalid(format!("{name}: KDA head_dim {} above the device kernels' {}", layer.cfg.head_dim, kernels::gpu::kda::KDA_MAX_HEAD_DIM)));
+                        return Err(invalid(format!(
+                            "{name}: KDA head_dim {} above the device kernels' {}",
+                            layer.cfg.head_dim,
+                            kernels::gpu::kda::KDA_MAX_HEAD_DIM
+                        )));
                     }
                     DevMixer::Kda(DevKda::upload(&gpu, &format!("{name}.self_attn"), layer, *ordinal, dense)?)
                 }
                 Mixer::Latent(attn) => {
                     latent = (attn.cfg.kv_lora_rank, attn.cfg.qk_rope_head_dim);
                     latent_layers += 1;
-                    DevMixer::Mla { attn: DevMla::upload(&gpu, &format!("{name}.self_attn"), attn, dense)?, latent: latent_layers - 1 }
+                    DevMixer::Mla {
+                        attn: DevMla::upload(&gpu, &format!("{name}.self_attn"), attn, dense)?,
+                        latent: latent_layers - 1,
+                    }
                 }
             };
             let module = if l.ffn.is_moe() { "block_sparse_moe" } else { "mlp" };
-            layers.push(DevLayer { attn_norm: gpu.upload(l.attn_norm.as_slice())?, mixer, ffn_norm: gpu.upload(l.ffn_norm.as_slice())?, ffn: ffn(&gpu, &format!("{name}.{module}"), &l.ffn, dense)? });
+            layers.push(DevLayer {
+                attn_norm: gpu.upload(l.attn_norm.as_slice())?,
+                mixer,
+                ffn_norm: gpu.upload(l.ffn_norm.as_slice())?,
+                ffn: ffn(&gpu, &format!("{name}.{module}"), &l.ffn, dense)?,
+            });
         }
         let kda = m.kda.first().map(|c| (m.kda.len(), c.num_heads, c.head_dim, c.conv_kernel));
         if m.kda.iter().any(|c| Some((m.kda.len(), c.num_heads, c.head_dim, c.conv_kernel)) != kda) {
@@ -380,7 +460,11 @@ impl<R: Runtime> DecoderRank<R> {
         let (embed, lm_head) = output_weights(&gpu, &m.embed, Some(&m.lm_head), dense)?;
         tracing::info!(device = %gpu.describe(), ep_rank = m.ep.rank, ep_size = m.ep.size, split_heads = m.split_heads, layers = layers.len(), kda_layers = m.kda.len(), latent_layers, "Kimi-Linear weights uploaded to the device");
         let norm = gpu.upload(m.norm.as_slice())?;
-        Self::assemble(gpu, m.cfg.hidden_size, Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, m.split_heads), latent, kda })
+        Self::assemble(
+            gpu,
+            m.cfg.hidden_size,
+            Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, m.split_heads), latent, kda },
+        )
     }
 
     /// The scratch sized for every dense projection a step may run and every routed expert on the

@@ -55,7 +55,8 @@ impl Target {
         match s.strip_prefix("re:") {
             Some(re) => {
                 // Python's re.match anchors at the start only.
-                let r = fancy_regex::Regex::new(&format!(r"\A(?:{re})")).map_err(|e| format!("target '{s}': invalid regex: {e}"))?;
+                let r = fancy_regex::Regex::new(&format!(r"\A(?:{re})"))
+                    .map_err(|e| format!("target '{s}': invalid regex: {e}"))?;
                 Ok(Target::Regex(r, s.to_string()))
             }
             None => Ok(Target::Plain(s.to_string())),
@@ -98,7 +99,9 @@ fn parse_format(s: &str) -> Result<CtFormat, String> {
     match s {
         "pack-quantized" => Ok(CtFormat::PackQuantized),
         "mxfp4-pack-quantized" => Ok(CtFormat::Mxfp4PackQuantized),
-        other => Err(format!("compressed-tensors format '{other}' is not supported (supported: pack-quantized, mxfp4-pack-quantized)")),
+        other => Err(format!(
+            "compressed-tensors format '{other}' is not supported (supported: pack-quantized, mxfp4-pack-quantized)"
+        )),
     }
 }
 
@@ -168,7 +171,9 @@ impl CtConfig {
         for (name, g) in groups {
             for key in ["input_activations", "output_activations"] {
                 if g.get(key).is_some_and(|v| !v.is_null()) {
-                    return Err(format!("config group '{name}': {key} quantization is not supported (weight-only schemes only)"));
+                    return Err(format!(
+                        "config group '{name}': {key} quantization is not supported (weight-only schemes only)"
+                    ));
                 }
             }
             let Some(w) = g.get("weights").filter(|w| !w.is_null()) else { continue };
@@ -178,14 +183,22 @@ impl CtConfig {
                 CtFormat::PackQuantized if weights.float => {
                     return Err(format!("config group '{name}': pack-quantized holds integer weights, not type float"))
                 }
-                CtFormat::Mxfp4PackQuantized if !(weights.float && weights.num_bits == 4 && weights.group_size == Some(32)) => {
-                    return Err(format!("config group '{name}': mxfp4-pack-quantized needs type float, num_bits 4, group_size 32"))
+                CtFormat::Mxfp4PackQuantized
+                    if !(weights.float && weights.num_bits == 4 && weights.group_size == Some(32)) =>
+                {
+                    return Err(format!(
+                        "config group '{name}': mxfp4-pack-quantized needs type float, num_bits 4, group_size 32"
+                    ))
                 }
                 _ => {}
             }
             let idx = schemes.len();
             schemes.push(Scheme { group: name.clone(), format, weights });
-            for t in g.get("targets").and_then(Value::as_array).ok_or_else(|| format!("config group '{name}': targets missing"))? {
+            for t in g
+                .get("targets")
+                .and_then(Value::as_array)
+                .ok_or_else(|| format!("config group '{name}': targets missing"))?
+            {
                 let t = t.as_str().ok_or_else(|| format!("config group '{name}': target {t} is not a string"))?;
                 targets.push((Target::parse(t)?, idx));
             }
@@ -237,9 +250,11 @@ mod tests {
 
     #[test]
     fn linear_targets_and_regex_ignores() {
-        let c = cfg(json!({"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        let c = cfg(
+            json!({"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"g": {"targets": ["Linear"], "weights": w4(32)}},
-            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}));
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}),
+        );
         assert!(c.scheme_for("lm_head").is_none());
         assert!(c.scheme_for("model.layers.0.self_attn.q_proj").is_none());
         assert!(c.scheme_for("model.layers.3.mlp.down_proj").is_none());

@@ -11,10 +11,10 @@ use kernels::cpu::packed_matmul::LANES;
 use kernels::cpu::quant_int::IntMatrix;
 use safetensors::Dtype;
 
-use crate::model::format::quant::ct_config::{Strategy, WeightArgs};
-use crate::model::format::quant::int_linear::IntLinear;
 use crate::model::error::LoadError;
 use crate::model::format::hf_source::{RawTensor, SafetensorsSource};
+use crate::model::format::quant::ct_config::{Strategy, WeightArgs};
+use crate::model::format::quant::int_linear::IntLinear;
 use crate::model::format::source::WeightSource;
 
 fn bad(t: &RawTensor, name: &str, detail: String) -> LoadError {
@@ -48,7 +48,13 @@ fn ints(t: &RawTensor) -> Vec<i64> {
 }
 
 /// Loads `module` (e.g. `model.layers.0.mlp.down_proj`) of `[rows, cols]` quantized per `args`.
-pub fn load_int_linear(src: &SafetensorsSource, module: &str, rows: usize, cols: usize, args: &WeightArgs) -> Result<IntLinear, LoadError> {
+pub fn load_int_linear(
+    src: &SafetensorsSource,
+    module: &str,
+    rows: usize,
+    cols: usize,
+    args: &WeightArgs,
+) -> Result<IntLinear, LoadError> {
     let b = args.num_bits;
     let name = |leaf: &str| format!("{module}.{leaf}");
 
@@ -74,7 +80,11 @@ pub fn load_int_linear(src: &SafetensorsSource, module: &str, rows: usize, cols:
         Strategy::Channel | Strategy::Tensor => (cols, 1),
     };
     if group_size % LANES != 0 && group_size < cols {
-        return Err(bad(&packed, &packed_name, format!("group_size {group_size} is not supported (a multiple of {LANES}, or the whole row)")));
+        return Err(bad(
+            &packed,
+            &packed_name,
+            format!("group_size {group_size} is not supported (a multiple of {LANES}, or the whole row)"),
+        ));
     }
 
     let scale_name = name("weight_scale");
@@ -85,7 +95,14 @@ pub fn load_int_linear(src: &SafetensorsSource, module: &str, rows: usize, cols:
         Strategy::Tensor => st.shape.iter().product::<usize>() == 1,
     };
     if !scale_shape_ok {
-        return Err(bad(&st, &scale_name, format!("shape {:?} does not fit {:?} quantization (group size {group_size}) of [{rows}, {cols}]", st.shape, args.strategy)));
+        return Err(bad(
+            &st,
+            &scale_name,
+            format!(
+                "shape {:?} does not fit {:?} quantization (group size {group_size}) of [{rows}, {cols}]",
+                st.shape, args.strategy
+            ),
+        ));
     }
     let mut scale = floats(&st, &scale_name)?;
     if args.strategy == Strategy::Tensor {
@@ -135,7 +152,11 @@ pub fn load_int_linear(src: &SafetensorsSource, module: &str, rows: usize, cols:
             order.sort_by_key(|&i| g_idx[i as usize]);
             for (j, &i) in order.iter().enumerate() {
                 if g_idx[i as usize] as usize != j / group_size {
-                    return Err(bad(&gt, &gi_name, format!("groups are not all {group_size} columns; irregular g_idx is not supported")));
+                    return Err(bad(
+                        &gt,
+                        &gi_name,
+                        format!("groups are not all {group_size} columns; irregular g_idx is not supported"),
+                    ));
                 }
             }
             let mut row_codes = vec![0u8; cols];

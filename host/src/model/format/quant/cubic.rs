@@ -10,9 +10,9 @@ use kernels::cpu::packed_matmul::LANES;
 use safetensors::Dtype;
 use serde_json::Value;
 
-use crate::model::format::quant::ct_linear::floats;
 use crate::model::error::LoadError;
 use crate::model::format::hf_source::SafetensorsSource;
+use crate::model::format::quant::ct_linear::floats;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CubicLayer {
@@ -43,7 +43,9 @@ impl CubicConfig {
                 return Err(format!("cubic module '{name}': bits {bits} outside 1..=8"));
             }
             if !(32..=1024).contains(&group_size) || group_size % LANES != 0 {
-                return Err(format!("cubic module '{name}': group_size {group_size} must be a multiple of {LANES} in 32..=1024"));
+                return Err(format!(
+                    "cubic module '{name}': group_size {group_size} must be a multiple of {LANES} in 32..=1024"
+                ));
             }
             modules.insert(name.clone(), CubicLayer { bits, group_size });
         }
@@ -51,14 +53,31 @@ impl CubicConfig {
     }
 }
 
-pub fn load_cubic(src: &SafetensorsSource, module: &str, rows: usize, cols: usize, layer: CubicLayer) -> Result<AnyCubic, LoadError> {
+pub fn load_cubic(
+    src: &SafetensorsSource,
+    module: &str,
+    rows: usize,
+    cols: usize,
+    layer: CubicLayer,
+) -> Result<AnyCubic, LoadError> {
     let groups = cols.div_ceil(layer.group_size);
     let codes_name = format!("{module}.cubic_codes");
     let codes = src.raw(&codes_name)?;
     let stride = row_bytes(cols, layer.bits);
-    let bad = |t: &str, file: &std::path::Path, detail: String| LoadError::BadTensor { file: file.to_path_buf(), tensor: t.to_string(), detail };
+    let bad = |t: &str, file: &std::path::Path, detail: String| LoadError::BadTensor {
+        file: file.to_path_buf(),
+        tensor: t.to_string(),
+        detail,
+    };
     if codes.dtype != Dtype::U8 || codes.shape != [rows, stride] {
-        return Err(bad(&codes_name, codes.file, format!("{:?} {:?}, expected U8 [{rows}, {stride}] for {}-bit codes of {cols} inputs", codes.dtype, codes.shape, layer.bits)));
+        return Err(bad(
+            &codes_name,
+            codes.file,
+            format!(
+                "{:?} {:?}, expected U8 [{rows}, {stride}] for {}-bit codes of {cols} inputs",
+                codes.dtype, codes.shape, layer.bits
+            ),
+        ));
     }
     let mut params = Vec::new();
     for leaf in ["cubic_scale", "cubic_shape"] {
@@ -69,5 +88,10 @@ pub fn load_cubic(src: &SafetensorsSource, module: &str, rows: usize, cols: usiz
         }
         params.push(floats(&t, &n)?);
     }
-    Ok(AnyCubic::new(PackedRows::new(layer.bits, rows, cols, stride, codes.bytes), layer.group_size, &params[0], &params[1]))
+    Ok(AnyCubic::new(
+        PackedRows::new(layer.bits, rows, cols, stride, codes.bytes),
+        layer.group_size,
+        &params[0],
+        &params[1],
+    ))
 }

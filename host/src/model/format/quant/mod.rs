@@ -2,8 +2,8 @@
 //! layers that multiply straight from the packed form.
 
 pub mod ct_config;
-pub mod cubic;
 pub mod ct_linear;
+pub mod cubic;
 pub mod int_linear;
 pub mod mxfp4_linear;
 pub mod source;

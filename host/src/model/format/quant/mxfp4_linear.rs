@@ -21,11 +21,20 @@ fn check(t: &RawTensor, name: &str, shape: &[usize]) -> Result<(), LoadError> {
 }
 
 /// compressed-tensors `mxfp4-pack-quantized` Linear `module` of `[rows, cols]`.
-pub fn load_ct_mxfp4(src: &SafetensorsSource, module: &str, rows: usize, cols: usize) -> Result<Mxfp4Matrix, LoadError> {
+pub fn load_ct_mxfp4(
+    src: &SafetensorsSource,
+    module: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Mxfp4Matrix, LoadError> {
     let (pn, sn) = (format!("{module}.weight_packed"), format!("{module}.weight_scale"));
     let (p, s) = (src.raw(&pn)?, src.raw(&sn)?);
     if cols % BLOCK != 0 {
-        return Err(LoadError::BadTensor { file: p.file.to_path_buf(), tensor: pn, detail: format!("{cols} input features is not a multiple of {BLOCK}") });
+        return Err(LoadError::BadTensor {
+            file: p.file.to_path_buf(),
+            tensor: pn,
+            detail: format!("{cols} input features is not a multiple of {BLOCK}"),
+        });
     }
     check(&p, &pn, &[rows, cols / 2])?;
     check(&s, &sn, &[rows, cols / BLOCK])?;
@@ -39,13 +48,26 @@ pub fn load_gpt_oss_expert(src: &SafetensorsSource, prefix: &str, expert: usize)
     let (bn, sn) = (format!("{prefix}_blocks"), format!("{prefix}_scales"));
     let (b, s) = (src.raw(&bn)?, src.raw(&sn)?);
     let [e, rows, groups, 16] = b.shape[..] else {
-        return Err(LoadError::BadTensor { file: b.file.to_path_buf(), tensor: bn, detail: format!("shape {:?}, expected [E, out, in/32, 16]", b.shape) });
+        return Err(LoadError::BadTensor {
+            file: b.file.to_path_buf(),
+            tensor: bn,
+            detail: format!("shape {:?}, expected [E, out, in/32, 16]", b.shape),
+        });
     };
     check(&b, &bn, &[e, rows, groups, 16])?;
     check(&s, &sn, &[e, rows, groups])?;
     if expert >= e {
-        return Err(LoadError::BadTensor { file: b.file.to_path_buf(), tensor: bn, detail: format!("expert {expert} of {e}") });
+        return Err(LoadError::BadTensor {
+            file: b.file.to_path_buf(),
+            tensor: bn,
+            detail: format!("expert {expert} of {e}"),
+        });
     }
     let (pb, sb) = (rows * groups * 16, rows * groups);
-    Ok(Mxfp4Matrix::new(rows, groups * BLOCK, &b.bytes[expert * pb..(expert + 1) * pb], &s.bytes[expert * sb..(expert + 1) * sb]))
+    Ok(Mxfp4Matrix::new(
+        rows,
+        groups * BLOCK,
+        &b.bytes[expert * pb..(expert + 1) * pb],
+        &s.bytes[expert * sb..(expert + 1) * sb],
+    ))
 }

@@ -6,14 +6,14 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use crate::model::error::LoadError;
+use crate::model::format::hf_source::SafetensorsSource;
 use crate::model::format::quant::ct_config::{CtConfig, CtFormat};
 use crate::model::format::quant::ct_linear::load_int_linear;
 use crate::model::format::quant::cubic::{load_cubic, CubicConfig};
 use crate::model::format::quant::mxfp4_linear::load_ct_mxfp4;
-use crate::model::error::LoadError;
-use crate::model::format::hf_source::SafetensorsSource;
-use crate::model::layers::linear::Linear;
 use crate::model::format::source::WeightSource;
+use crate::model::layers::linear::Linear;
 use crate::model::tensor::Tensor;
 
 enum Config {
@@ -34,14 +34,19 @@ impl QuantizedSource {
         let Some(q) = cfg.get("quantization_config").filter(|q| !q.is_null()) else {
             return Ok(Box::new(inner));
         };
-        let err = |detail: String| LoadError::Config { file: config_file.to_path_buf(), detail: format!("quantization_config: {detail}") };
+        let err = |detail: String| LoadError::Config {
+            file: config_file.to_path_buf(),
+            detail: format!("quantization_config: {detail}"),
+        };
         let config = if let Some(ct) = CtConfig::parse(q).map_err(err)? {
             Config::CompressedTensors(ct)
         } else if let Some(c) = CubicConfig::parse(q).map_err(err)? {
             Config::Cubic(c)
         } else {
             let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
-            return Err(err(format!("quant_method '{method}' is not supported (supported: compressed-tensors, cubic)")));
+            return Err(err(format!(
+                "quant_method '{method}' is not supported (supported: compressed-tensors, cubic)"
+            )));
         };
         Ok(Box::new(Self { inner, config, config_file: config_file.to_path_buf() }))
     }
@@ -50,7 +55,9 @@ impl QuantizedSource {
 impl WeightSource for QuantizedSource {
     fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError> {
         if let Some(module) = name.strip_suffix(".weight") {
-            if self.inner.contains(&format!("{module}.weight_packed")) || self.inner.contains(&format!("{module}.cubic_codes")) {
+            if self.inner.contains(&format!("{module}.weight_packed"))
+                || self.inner.contains(&format!("{module}.cubic_codes"))
+            {
                 return Err(LoadError::BadTensor {
                     file: self.inner.file_of(name),
                     tensor: name.to_string(),
@@ -63,9 +70,9 @@ impl WeightSource for QuantizedSource {
 
     fn contains(&self, name: &str) -> bool {
         self.inner.contains(name)
-            || name
-                .strip_suffix(".weight")
-                .is_some_and(|m| self.inner.contains(&format!("{m}.weight_packed")) || self.inner.contains(&format!("{m}.cubic_codes")))
+            || name.strip_suffix(".weight").is_some_and(|m| {
+                self.inner.contains(&format!("{m}.weight_packed")) || self.inner.contains(&format!("{m}.cubic_codes"))
+            })
     }
 
     fn file_of(&self, name: &str) -> PathBuf {
@@ -92,11 +99,16 @@ impl WeightSource for QuantizedSource {
         if !self.inner.contains(&format!("{module}.weight_packed")) {
             return Err(LoadError::Config {
                 file: self.config_file.clone(),
-                detail: format!("'{module}' is quantized by config group '{}' but the checkpoint has no {module}.weight_packed", scheme.group),
+                detail: format!(
+                    "'{module}' is quantized by config group '{}' but the checkpoint has no {module}.weight_packed",
+                    scheme.group
+                ),
             });
         }
         match scheme.format {
-            CtFormat::PackQuantized => load_int_linear(&self.inner, module, rows, cols, &scheme.weights).map(Linear::Int),
+            CtFormat::PackQuantized => {
+                load_int_linear(&self.inner, module, rows, cols, &scheme.weights).map(Linear::Int)
+            }
             CtFormat::Mxfp4PackQuantized => load_ct_mxfp4(&self.inner, module, rows, cols).map(Linear::Mxfp4),
         }
     }

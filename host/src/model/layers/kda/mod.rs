@@ -19,11 +19,11 @@ use serde_json::Value;
 use std::path::Path;
 
 use crate::model::error::LoadError;
+use crate::model::format::source::WeightSource;
 use crate::model::kv::BatchRow;
 use crate::model::layers::linear::Linear;
-use crate::model::format::source::WeightSource;
-use crate::model::tensor::Tensor;
 use crate::model::shard::Split;
+use crate::model::tensor::Tensor;
 use state::KdaState;
 
 /// Shape and variant of a model's KDA layers (`linear_attn_config` of a Kimi-Linear config).
@@ -53,14 +53,24 @@ impl KdaConfig {
     pub fn from_hf_config(file: &Path, raw: &Value) -> Result<Self, LoadError> {
         let err = |detail: String| LoadError::Config { file: file.to_path_buf(), detail };
         let lac = raw.get("linear_attn_config").filter(|v| !v.is_null());
-        let pick = |nested: &str, flat: &str| lac.and_then(|l| l.get(nested)).or_else(|| raw.get(flat)).filter(|v| !v.is_null());
+        let pick = |nested: &str, flat: &str| {
+            lac.and_then(|l| l.get(nested)).or_else(|| raw.get(flat)).filter(|v| !v.is_null())
+        };
         let uint = |nested: &str, flat: &str, default: Option<u64>| -> Result<usize, LoadError> {
             match pick(nested, flat) {
-                Some(v) => v.as_u64().filter(|&n| n > 0).map(|n| n as usize).ok_or_else(|| err(format!("linear_attn_config.{nested} must be a positive integer, got {v}"))),
-                None => default.map(|d| d as usize).ok_or_else(|| err(format!("linear_attn_config.{nested} is missing"))),
+                Some(v) => v
+                    .as_u64()
+                    .filter(|&n| n > 0)
+                    .map(|n| n as usize)
+                    .ok_or_else(|| err(format!("linear_attn_config.{nested} must be a positive integer, got {v}"))),
+                None => {
+                    default.map(|d| d as usize).ok_or_else(|| err(format!("linear_attn_config.{nested} is missing")))
+                }
             }
         };
-        let hidden_size = raw.get("hidden_size").and_then(Value::as_u64).ok_or_else(|| err("hidden_size is missing".into()))? as usize;
+        let hidden_size =
+            raw.get("hidden_size").and_then(Value::as_u64).ok_or_else(|| err("hidden_size is missing".into()))?
+                as usize;
         let num_heads = uint("num_heads", "linear_num_heads", None)?;
         let head_dim = uint("head_dim", "linear_head_dim", None)?;
         let conv_kernel = uint("short_conv_kernel_size", "linear_conv_kernel_dim", Some(4))?;
@@ -69,13 +79,17 @@ impl KdaConfig {
         }
         if let Some(v) = pick("num_v_heads", "linear_num_v_heads") {
             if v.as_u64() != Some(num_heads as u64) {
-                return Err(err(format!("KDA with num_v_heads {v} != num_heads {num_heads} (grouped value heads) is not supported")));
+                return Err(err(format!(
+                    "KDA with num_v_heads {v} != num_heads {num_heads} (grouped value heads) is not supported"
+                )));
             }
         }
         for (nested, what) in [("head_k_dim", "head_k_dim"), ("head_v_dim", "head_v_dim")] {
             if let Some(v) = pick(nested, nested) {
                 if v.as_u64() != Some(head_dim as u64) {
-                    return Err(err(format!("KDA {what} {v} differs from head_dim {head_dim}, which is not supported")));
+                    return Err(err(format!(
+                        "KDA {what} {v} differs from head_dim {head_dim}, which is not supported"
+                    )));
                 }
             }
         }
@@ -132,11 +146,20 @@ impl KdaLayer {
     /// projections, their convolution channels, `dt_bias` and `A_log`, and their columns of
     /// `o_proj` (row-parallel: the ranks' outputs are partial sums). The low-rank `f_a` / `g_a`
     /// inputs and the per-head-dim `o_norm` are whole on every rank. `size == 1` is the layer.
-    pub fn load_heads(full: KdaConfig, src: &dyn WeightSource, prefix: &str, rank: usize, size: usize) -> Result<Self, LoadError> {
+    pub fn load_heads(
+        full: KdaConfig,
+        src: &dyn WeightSource,
+        prefix: &str,
+        rank: usize,
+        size: usize,
+    ) -> Result<Self, LoadError> {
         if size == 0 || rank >= size || !full.num_heads.is_multiple_of(size) {
             return Err(LoadError::Config {
                 file: src.file_of(&format!("{prefix}.q_proj.weight")),
-                detail: format!("tensor-parallel rank {rank} of {size} over {} KDA heads (the size must divide the heads)", full.num_heads),
+                detail: format!(
+                    "tensor-parallel rank {rank} of {size} over {} KDA heads (the size must divide the heads)",
+                    full.num_heads
+                ),
             });
         }
         let cfg = KdaConfig { num_heads: full.num_heads / size, ..full.clone() };
@@ -146,12 +169,17 @@ impl KdaLayer {
         // This rank's features of a per-head tensor with `per_head` features per head.
         let part = |per_head: usize| heads.start * per_head..heads.end * per_head;
         let rows = |per_head: usize| if size == 1 { Split::Full } else { Split::Rows(part(per_head)) };
-        let lin = |name: &str, rows_split: &Split, full_rows, cols| src.linear_split(&format!("{prefix}.{name}"), full_rows, cols, rows_split);
+        let lin = |name: &str, rows_split: &Split, full_rows, cols| {
+            src.linear_split(&format!("{prefix}.{name}"), full_rows, cols, rows_split)
+        };
         // Forget-gate tensors: at the attention module (checkpoints) or under `forget_gate.`.
         let fg = |name: &str| {
             let direct = format!("{prefix}.{name}");
             let nested = format!("{prefix}.forget_gate.{name}");
-            if !src.contains(&direct) && !src.contains(&format!("{direct}.weight")) && (src.contains(&nested) || src.contains(&format!("{nested}.weight"))) {
+            if !src.contains(&direct)
+                && !src.contains(&format!("{direct}.weight"))
+                && (src.contains(&nested) || src.contains(&format!("{nested}.weight")))
+            {
                 nested
             } else {
                 direct
@@ -168,14 +196,19 @@ impl KdaLayer {
         } else {
             let taps = src.load(&format!("{prefix}.conv1d.weight"), &[3 * fp, 1, kk])?;
             for which in 0..3 {
-                conv.extend_from_slice(&taps.as_slice()[(which * fp + channels.start) * kk..(which * fp + channels.end) * kk]);
+                conv.extend_from_slice(
+                    &taps.as_slice()[(which * fp + channels.start) * kk..(which * fp + channels.end) * kk],
+                );
             }
         }
         let a_log = load_a_log(src, &fg("A_log"), full.num_heads)?;
         let out_gate = if cfg.full_rank_gate {
             OutputGate::FullRank(lin("g_proj", &rows(hd), fp, d)?)
         } else {
-            OutputGate::LowRank { a: src.linear(&format!("{prefix}.g_a_proj"), hd, d)?, b: lin("g_b_proj", &rows(hd), fp, hd)? }
+            OutputGate::LowRank {
+                a: src.linear(&format!("{prefix}.g_a_proj"), hd, d)?,
+                b: lin("g_b_proj", &rows(hd), fp, hd)?,
+            }
         };
         Ok(Self {
             q: lin("q_proj", &rows(hd), fp, d)?,
@@ -189,7 +222,12 @@ impl KdaLayer {
             b: lin("b_proj", &rows(1), full.num_heads, d)?,
             out_gate,
             o_norm: src.load(&format!("{prefix}.o_norm.weight"), &[hd])?,
-            o: src.linear_split(&format!("{prefix}.o_proj"), d, fp, &if size == 1 { Split::Full } else { Split::Cols(part(hd)) })?,
+            o: src.linear_split(
+                &format!("{prefix}.o_proj"),
+                d,
+                fp,
+                &if size == 1 { Split::Full } else { Split::Cols(part(hd)) },
+            )?,
             cfg,
         })
     }
@@ -277,7 +315,13 @@ impl KdaLayer {
                     math::l2_normalize(&mut qh);
                     qh.iter_mut().for_each(|x| *x *= scale);
                     math::l2_normalize(&mut kh);
-                    math::forget_gate(&inp.f[i * p + c.start..i * p + c.end], &dt_bias[c.clone()], self.decay_rate[head], cfg.gate_lower_bound, &mut g);
+                    math::forget_gate(
+                        &inp.f[i * p + c.start..i * p + c.end],
+                        &dt_bias[c.clone()],
+                        self.decay_rate[head],
+                        cfg.gate_lower_bound,
+                        &mut g,
+                    );
                     let beta = math::sigmoid(inp.beta[i * nh + head]);
                     let o = &mut out[j * hd..(j + 1) * hd];
                     math::delta_rule_step(s, &qh, &kh, vh, &g, beta, &mut scratch, o);

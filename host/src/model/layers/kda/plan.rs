@@ -22,12 +22,16 @@ pub fn layer_plan(file: &Path, raw: &Value, num_layers: usize) -> Result<Vec<Mix
     let lac = raw.get("linear_attn_config").filter(|v| !v.is_null());
     let list = |key: &str| -> Result<Option<Vec<usize>>, LoadError> {
         let Some(v) = lac.and_then(|l| l.get(key)).filter(|v| !v.is_null()) else { return Ok(None) };
-        let arr = v.as_array().ok_or_else(|| err(format!("linear_attn_config.{key} must be a list of layer numbers")))?;
+        let arr =
+            v.as_array().ok_or_else(|| err(format!("linear_attn_config.{key} must be a list of layer numbers")))?;
         arr.iter()
             .map(|x| {
-                let n = x.as_u64().ok_or_else(|| err(format!("linear_attn_config.{key}: {x} is not a layer number")))? as usize;
+                let n = x.as_u64().ok_or_else(|| err(format!("linear_attn_config.{key}: {x} is not a layer number")))?
+                    as usize;
                 if n == 0 || n > num_layers {
-                    return Err(err(format!("linear_attn_config.{key}: layer {n} is outside 1..={num_layers} (the lists are 1-based)")));
+                    return Err(err(format!(
+                        "linear_attn_config.{key}: layer {n} is outside 1..={num_layers} (the lists are 1-based)"
+                    )));
                 }
                 Ok(n - 1)
             })
@@ -55,7 +59,9 @@ pub fn layer_plan(file: &Path, raw: &Value, num_layers: usize) -> Result<Vec<Mix
             .map(|t| match t.as_str() {
                 Some("linear_attention") => Ok(MixerKind::Kda),
                 Some("full_attention") => Ok(MixerKind::FullAttention),
-                _ => Err(err(format!("layer_types: unknown layer type {t} (expected linear_attention or full_attention)"))),
+                _ => Err(err(format!(
+                    "layer_types: unknown layer type {t} (expected linear_attention or full_attention)"
+                ))),
             })
             .collect();
     }
@@ -92,7 +98,9 @@ mod tests {
         assert!(e.contains("1-based"), "{e}");
         let e = plan(json!({"linear_attn_config": {"kda_layers": [5]}}), 4).unwrap_err().to_string();
         assert!(e.contains("outside 1..=4"), "{e}");
-        let e = plan(json!({"linear_attn_config": {"kda_layers": [2], "full_attn_layers": [2]}}), 4).unwrap_err().to_string();
+        let e = plan(json!({"linear_attn_config": {"kda_layers": [2], "full_attn_layers": [2]}}), 4)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("both"), "{e}");
         let e = plan(json!({"layer_types": ["linear_attention", "sliding"]}), 2).unwrap_err().to_string();
         assert!(e.contains("unknown layer type"), "{e}");

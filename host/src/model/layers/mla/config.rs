@@ -92,10 +92,15 @@ impl MlaConfig {
         let usize_of = |key: &str| -> Result<Option<usize>, LoadError> {
             match first(raw, &[key]) {
                 None => Ok(None),
-                Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| bad(format!("{key} must be a non-negative integer, got {v}"))),
+                Some(v) => v
+                    .as_u64()
+                    .map(|x| Some(x as usize))
+                    .ok_or_else(|| bad(format!("{key} must be a non-negative integer, got {v}"))),
             }
         };
-        let need = |key: &str| -> Result<usize, LoadError> { usize_of(key)?.ok_or_else(|| bad(format!("MLA config without {key}"))) };
+        let need = |key: &str| -> Result<usize, LoadError> {
+            usize_of(key)?.ok_or_else(|| bad(format!("MLA config without {key}")))
+        };
         let bool_of = |key: &str, default: bool| -> Result<bool, LoadError> {
             match first(raw, &[key]) {
                 None => Ok(default),
@@ -126,7 +131,12 @@ impl MlaConfig {
     }
 
     pub fn validate(&self) -> Result<(), String> {
-        if self.hidden_size == 0 || self.num_heads == 0 || self.kv_lora_rank == 0 || self.v_head_dim == 0 || self.qk_head_dim() == 0 {
+        if self.hidden_size == 0
+            || self.num_heads == 0
+            || self.kv_lora_rank == 0
+            || self.v_head_dim == 0
+            || self.qk_head_dim() == 0
+        {
             return Err(format!("zero-sized MLA dimension in {self:?}"));
         }
         if self.q_lora_rank == Some(0) {
@@ -169,7 +179,8 @@ fn parse_rope(raw: &Value, max_pos: usize) -> Result<MlaRope, String> {
         None => true,
         Some(v) => v.as_bool().ok_or_else(|| format!("rope_interleave must be true or false, got {v}"))?,
     };
-    let kind = scaling.and_then(|s| s.get("rope_type").or_else(|| s.get("type"))).and_then(Value::as_str).unwrap_or("default");
+    let kind =
+        scaling.and_then(|s| s.get("rope_type").or_else(|| s.get("type"))).and_then(Value::as_str).unwrap_or("default");
     let yarn = match kind {
         "default" => None,
         "yarn" => {

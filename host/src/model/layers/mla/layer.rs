@@ -14,14 +14,14 @@
 use kernels::cpu::norm::rms_norm;
 use rayon::prelude::*;
 
+use crate::model::error::LoadError;
+use crate::model::format::source::WeightSource;
+use crate::model::kv::{BatchRow, KvCache, LayerKvShape};
+use crate::model::layers::linear::Linear;
 use crate::model::layers::mla::absorb::Absorbed;
 use crate::model::layers::mla::config::MlaConfig;
 use crate::model::layers::mla::rope::MlaRotary;
 use crate::model::shard::Split;
-use crate::model::error::LoadError;
-use crate::model::kv::{BatchRow, KvCache, LayerKvShape};
-use crate::model::layers::linear::Linear;
-use crate::model::format::source::WeightSource;
 use crate::model::tensor::Tensor;
 
 pub(crate) enum QPath {
@@ -57,11 +57,20 @@ impl MlaLayer {
     /// `o_proj` output, to be summed over the ranks. The latent path (`q_a_proj`,
     /// `kv_a_proj_with_mqa`, norms) is shared by all heads and loaded whole: every rank caches
     /// the same latent rows.
-    pub fn load_heads(cfg: &MlaConfig, src: &dyn WeightSource, prefix: &str, rank: usize, size: usize) -> Result<Self, LoadError> {
+    pub fn load_heads(
+        cfg: &MlaConfig,
+        src: &dyn WeightSource,
+        prefix: &str,
+        rank: usize,
+        size: usize,
+    ) -> Result<Self, LoadError> {
         if size == 0 || rank >= size || cfg.num_heads % size != 0 {
             return Err(LoadError::Config {
                 file: src.file_of(&format!("{prefix}.kv_b_proj.weight")),
-                detail: format!("tensor-parallel rank {rank} of {size} over {} MLA heads (the size must divide the heads)", cfg.num_heads),
+                detail: format!(
+                    "tensor-parallel rank {rank} of {size} over {} MLA heads (the size must divide the heads)",
+                    cfg.num_heads
+                ),
             });
         }
         let full = cfg;
@@ -72,28 +81,54 @@ impl MlaLayer {
         let part = |per_head: usize| heads.start * per_head..heads.end * per_head;
         let rows = |per_head: usize| if size == 1 { Split::Full } else { Split::Rows(part(per_head)) };
         let d = cfg.hidden_size;
-        let (h, lora, nope, rope, v) = (cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
+        let (h, lora, nope, rope, v) =
+            (cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
         let q = match cfg.q_lora_rank {
-            None => QPath::Plain(src.linear_split(&format!("{prefix}.q_proj"), full.q_width(), d, &rows(cfg.qk_head_dim()))?),
+            None => QPath::Plain(src.linear_split(
+                &format!("{prefix}.q_proj"),
+                full.q_width(),
+                d,
+                &rows(cfg.qk_head_dim()),
+            )?),
             Some(r) => QPath::LowRank {
                 a: src.linear(&format!("{prefix}.q_a_proj"), r, d)?,
                 norm: src.load(&format!("{prefix}.q_a_layernorm.weight"), &[r])?,
                 b: src.linear_split(&format!("{prefix}.q_b_proj"), full.q_width(), r, &rows(cfg.qk_head_dim()))?,
             },
         };
-        let kv_b = src.load_split(&format!("{prefix}.kv_b_proj.weight"), &[full.num_heads * (nope + v), lora], &rows(nope + v))?;
+        let kv_b = src.load_split(
+            &format!("{prefix}.kv_b_proj.weight"),
+            &[full.num_heads * (nope + v), lora],
+            &rows(nope + v),
+        )?;
         let layer = Self {
             q,
             kv_a: src.linear(&format!("{prefix}.kv_a_proj_with_mqa"), lora + rope, d)?,
             kv_a_norm: src.load(&format!("{prefix}.kv_a_layernorm.weight"), &[lora])?,
             absorbed: Absorbed::new(kv_b.as_slice(), h, nope, rope, v, lora),
-            gate: if cfg.output_gate { Some(src.linear_split(&format!("{prefix}.g_proj"), full.num_heads * v, d, &rows(v))?) } else { None },
-            o: src.linear_split(&format!("{prefix}.o_proj"), d, full.num_heads * v, &if size == 1 { Split::Full } else { Split::Cols(part(v)) })?,
+            gate: if cfg.output_gate {
+                Some(src.linear_split(&format!("{prefix}.g_proj"), full.num_heads * v, d, &rows(v))?)
+            } else {
+                None
+            },
+            o: src.linear_split(
+                &format!("{prefix}.o_proj"),
+                d,
+                full.num_heads * v,
+                &if size == 1 { Split::Full } else { Split::Cols(part(v)) },
+            )?,
             rotary: cfg.rope.as_ref().map(|r| MlaRotary::new(r, rope)),
             scale: cfg.softmax_scale(),
             cfg: cfg.clone(),
         };
-        tracing::debug!(prefix, heads = h, kv_lora = lora, rope = layer.rotary.is_some(), gated = cfg.output_gate, "loaded MLA layer");
+        tracing::debug!(
+            prefix,
+            heads = h,
+            kv_lora = lora,
+            rope = layer.rotary.is_some(),
+            gated = cfg.output_gate,
+            "loaded MLA layer"
+        );
         Ok(layer)
     }
 
@@ -125,17 +160,19 @@ impl MlaLayer {
         };
         let mut ckv = self.kv_a.forward(x, n);
         let qk = nope + rope;
-        q.par_chunks_mut(cfg.q_width()).zip(ckv.par_chunks_mut(lora + rope)).zip(rows.par_iter()).for_each(|((qr, cr), row)| {
-            let (c, k_rope) = cr.split_at_mut(lora);
-            let raw = c.to_vec();
-            rms_norm(&raw, self.kv_a_norm.as_slice(), cfg.lora_norm_eps, c);
-            if let Some(rot) = &self.rotary {
-                rot.apply(k_rope, row.pos);
-                for head in qr.chunks_exact_mut(qk) {
-                    rot.apply(&mut head[nope..], row.pos);
+        q.par_chunks_mut(cfg.q_width()).zip(ckv.par_chunks_mut(lora + rope)).zip(rows.par_iter()).for_each(
+            |((qr, cr), row)| {
+                let (c, k_rope) = cr.split_at_mut(lora);
+                let raw = c.to_vec();
+                rms_norm(&raw, self.kv_a_norm.as_slice(), cfg.lora_norm_eps, c);
+                if let Some(rot) = &self.rotary {
+                    rot.apply(k_rope, row.pos);
+                    for head in qr.chunks_exact_mut(qk) {
+                        rot.apply(&mut head[nope..], row.pos);
+                    }
                 }
-            }
-        });
+            },
+        );
         for (cr, row) in ckv.chunks_exact(lora + rope).zip(rows) {
             let (c, k_rope) = cr.split_at(lora);
             kv.write(layer_index, row.seq, row.pos, c, k_rope);

@@ -42,7 +42,9 @@ fn yarn_inv_freq(y: &Yarn, theta: f32, dim: usize) -> (Vec<f32>, f32) {
     let attention_factor = match y.attention_factor {
         Some(a) => a,
         None => match (y.mscale, y.mscale_all_dim) {
-            (Some(m), Some(ma)) if m != 0.0 && ma != 0.0 => (yarn_get_mscale(factor, m as f64) / yarn_get_mscale(factor, ma as f64)) as f32,
+            (Some(m), Some(ma)) if m != 0.0 && ma != 0.0 => {
+                (yarn_get_mscale(factor, m as f64) / yarn_get_mscale(factor, ma as f64)) as f32
+            }
             _ => yarn_get_mscale(factor, 1.0) as f32,
         },
     };
@@ -92,7 +94,16 @@ mod tests {
 
     #[test]
     fn yarn_keeps_high_frequencies_and_interpolates_low_ones() {
-        let y = Yarn { factor: 4.0, original_max_position_embeddings: 128, beta_fast: 32.0, beta_slow: 1.0, mscale: None, mscale_all_dim: None, attention_factor: None, truncate: true };
+        let y = Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 128,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: None,
+            mscale_all_dim: None,
+            attention_factor: None,
+            truncate: true,
+        };
         let (inv, af) = yarn_inv_freq(&y, 10000.0, 16);
         assert_eq!(inv[0], 1.0);
         let last = 1.0 / 10000f32.powf(14.0 / 16.0);

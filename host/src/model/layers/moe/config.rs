@@ -9,8 +9,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::model::layers::moe::mlp::Activation;
 use crate::model::error::LoadError;
+use crate::model::layers::moe::mlp::Activation;
 
 /// How router logits become per-expert scores, and how the top-k experts are chosen from them
 /// (greedy; DeepSeek-V2's group-limited greedy; DeepSeek-V3 / Kimi noaux_tc): the routing code
@@ -115,14 +115,21 @@ impl MoeConfig {
         let usize_of = |keys: &[&str]| -> Result<Option<usize>, LoadError> {
             match first(raw, keys) {
                 None => Ok(None),
-                Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| bad(format!("{} must be a non-negative integer, got {v}", keys[0]))),
+                Some(v) => v
+                    .as_u64()
+                    .map(|x| Some(x as usize))
+                    .ok_or_else(|| bad(format!("{} must be a non-negative integer, got {v}", keys[0]))),
             }
         };
-        let need = |keys: &[&str]| -> Result<usize, LoadError> { usize_of(keys)?.ok_or_else(|| bad(format!("MoE config without {}", keys[0]))) };
+        let need = |keys: &[&str]| -> Result<usize, LoadError> {
+            usize_of(keys)?.ok_or_else(|| bad(format!("MoE config without {}", keys[0])))
+        };
         let f32_of = |keys: &[&str], default: f32| -> Result<f32, LoadError> {
             match first(raw, keys) {
                 None => Ok(default),
-                Some(v) => v.as_f64().map(|x| x as f32).ok_or_else(|| bad(format!("{} must be a number, got {v}", keys[0]))),
+                Some(v) => {
+                    v.as_f64().map(|x| x as f32).ok_or_else(|| bad(format!("{} must be a number, got {v}", keys[0])))
+                }
             }
         };
         let bool_of = |keys: &[&str], default: bool| -> Result<bool, LoadError> {
@@ -133,7 +140,9 @@ impl MoeConfig {
         };
         let str_of = |keys: &[&str]| first(raw, keys).and_then(Value::as_str);
 
-        let Some(num_experts) = usize_of(&["n_routed_experts", "num_experts", "num_local_experts"])? else { return Ok(None) };
+        let Some(num_experts) = usize_of(&["n_routed_experts", "num_experts", "num_local_experts"])? else {
+            return Ok(None);
+        };
         if num_experts == 0 {
             return Ok(None);
         }
@@ -144,7 +153,9 @@ impl MoeConfig {
         let scoring = match str_of(&["scoring_func", "moe_router_activation_func"]) {
             Some("softmax") => Scoring::Softmax,
             Some("sigmoid") => Scoring::Sigmoid,
-            Some(other) => return Err(bad(format!("router scoring function '{other}' is not supported (softmax, sigmoid)"))),
+            Some(other) => {
+                return Err(bad(format!("router scoring function '{other}' is not supported (softmax, sigmoid)")))
+            }
             // DeepSeek-V2 scores with softmax; V3 and Kimi with sigmoid.
             None if deepseek_v2 => Scoring::Softmax,
             None => Scoring::Sigmoid,
@@ -155,7 +166,11 @@ impl MoeConfig {
             Some("greedy") => TopkMethod::Greedy,
             Some("group_limited_greedy") => TopkMethod::GroupLimitedGreedy,
             Some("noaux_tc") => TopkMethod::NoauxTc,
-            Some(other) => return Err(bad(format!("topk_method '{other}' is not supported (greedy, group_limited_greedy, noaux_tc)"))),
+            Some(other) => {
+                return Err(bad(format!(
+                    "topk_method '{other}' is not supported (greedy, group_limited_greedy, noaux_tc)"
+                )))
+            }
             // Kimi routers always carry `e_score_correction_bias` (grouped or not: one group is plain
             // top-k); DeepSeek-V2 defaults to greedy, V3 to noaux_tc.
             None if deepseek_v2 => TopkMethod::Greedy,
@@ -225,7 +240,10 @@ impl MoeConfig {
     pub fn validate(&self) -> Result<(), String> {
         let (e, k, g, tg) = (self.num_experts, self.top_k, self.n_group, self.topk_group);
         if self.hidden_size == 0 || self.moe_intermediate_size == 0 {
-            return Err(format!("zero-sized MoE dimension (hidden {}, moe_intermediate {})", self.hidden_size, self.moe_intermediate_size));
+            return Err(format!(
+                "zero-sized MoE dimension (hidden {}, moe_intermediate {})",
+                self.hidden_size, self.moe_intermediate_size
+            ));
         }
         if k == 0 || k > e {
             return Err(format!("num_experts_per_tok {k} must be in 1..={e} (the number of routed experts)"));
@@ -292,36 +310,48 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!((c.num_experts, c.top_k, c.n_group, c.topk_group, c.num_shared_experts), (16, 4, 4, 2, 2));
-        assert_eq!((c.scoring, c.topk_method, c.naming, c.module), (Scoring::Sigmoid, TopkMethod::NoauxTc, ExpertNaming::GateUpDown, "mlp"));
+        assert_eq!(
+            (c.scoring, c.topk_method, c.naming, c.module),
+            (Scoring::Sigmoid, TopkMethod::NoauxTc, ExpertNaming::GateUpDown, "mlp")
+        );
         assert_eq!(c.routed_scaling_factor, 2.5);
         assert_eq!((0..5).map(|i| c.is_moe_layer(i)).collect::<Vec<_>>(), [false, false, false, true, true]);
     }
 
     #[test]
     fn kimi_names_and_layer_types() {
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/reference/kimi_linear/model/config.json")).unwrap();
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/reference/kimi_linear/model/config.json"
+        ))
+        .unwrap();
         let c = parse(serde_json::from_str(&text).unwrap()).unwrap().unwrap();
         assert_eq!((c.num_experts, c.top_k, c.num_shared_experts, c.moe_intermediate_size), (4, 2, 1, 32));
-        assert_eq!((c.scoring, c.topk_method, c.naming, c.module), (Scoring::Sigmoid, TopkMethod::NoauxTc, ExpertNaming::W1W3W2, "block_sparse_moe"));
+        assert_eq!(
+            (c.scoring, c.topk_method, c.naming, c.module),
+            (Scoring::Sigmoid, TopkMethod::NoauxTc, ExpertNaming::W1W3W2, "block_sparse_moe")
+        );
         assert!(c.norm_topk_prob);
         assert_eq!(c.routed_scaling_factor, 1.7);
         assert_eq!((0..4).map(|i| c.is_moe_layer(i)).collect::<Vec<_>>(), [false, true, true, true]);
-        let typed = parse(json!({"model_type": "kimi_linear", "hidden_size": 8, "moe_intermediate_size": 4, "num_experts": 4,
+        let typed =
+            parse(json!({"model_type": "kimi_linear", "hidden_size": 8, "moe_intermediate_size": 4, "num_experts": 4,
             "num_experts_per_token": 2, "mlp_layer_types": ["dense", "sparse", "dense"]}))
-        .unwrap()
-        .unwrap();
+            .unwrap()
+            .unwrap();
         assert_eq!((0..4).map(|i| typed.is_moe_layer(i)).collect::<Vec<_>>(), [false, true, false, false]);
     }
 
     #[test]
     fn k3_latent_and_situ_from_text_config() {
-        let c = parse(json!({"model_type": "kimi_k3", "text_config": {"model_type": "kimi_linear", "hidden_size": 7168,
+        let c =
+            parse(json!({"model_type": "kimi_k3", "text_config": {"model_type": "kimi_linear", "hidden_size": 7168,
             "moe_intermediate_size": 3072, "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2,
             "routed_expert_hidden_size": 3584, "latent_moe_use_norm": true, "moe_router_activation_func": "sigmoid",
             "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
             "use_grouped_topk": true, "num_expert_group": 1, "topk_group": 1}}))
-        .unwrap()
-        .unwrap();
+            .unwrap()
+            .unwrap();
         assert_eq!(c.latent, Some(LatentConfig { hidden_size: 3584, use_norm: true }));
         assert_eq!(c.activation, Activation::Situ { beta: 4.0, linear_beta: Some(25.0) });
         assert_eq!(c.expert_hidden_size(), 3584);

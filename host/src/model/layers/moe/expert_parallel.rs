@@ -18,11 +18,11 @@
 use std::ops::Range;
 
 use crate::model::error::LoadError;
-use crate::model::layers::moe::{MoeConfig, MoeLayer, Routing};
 use crate::model::format::source::WeightSource;
+use crate::model::layers::moe::{MoeConfig, MoeLayer, Routing};
 
-use crate::parallel::collective::{Collective, CollectiveError};
 use crate::model::shard::even_range;
+use crate::parallel::collective::{Collective, CollectiveError};
 
 /// What crossed the links in one [`ExpertParallelMoe::forward_tokens`] call, for tests and logs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -52,7 +52,13 @@ impl ExpertParallelMoe {
     /// Loads rank `rank`'s share of the block under `prefix`: its experts only, plus the router,
     /// latent projections and shared experts. Refuses more ranks than experts (a rank without
     /// experts would only forward traffic).
-    pub fn load(cfg: &MoeConfig, src: &dyn WeightSource, prefix: &str, rank: usize, size: usize) -> Result<Self, LoadError> {
+    pub fn load(
+        cfg: &MoeConfig,
+        src: &dyn WeightSource,
+        prefix: &str,
+        rank: usize,
+        size: usize,
+    ) -> Result<Self, LoadError> {
         let file = || src.file_of(&format!("{prefix}.gate.weight"));
         if size == 0 || rank >= size {
             return Err(LoadError::Config { file: file(), detail: format!("expert-parallel rank {rank} of {size}") });
@@ -86,19 +92,33 @@ impl ExpertParallelMoe {
     /// The block's output for this rank's `n` token rows `x` (`n × hidden`, `n` may be 0 and may
     /// differ between ranks). Every rank of `comm` (the EP group, `comm.rank()` = this rank) must
     /// call it in the same step.
-    pub fn forward_tokens<C: Collective>(&self, x: &[f32], n: usize, comm: &C) -> Result<(Vec<f32>, DispatchStats), CollectiveError> {
+    pub fn forward_tokens<C: Collective>(
+        &self,
+        x: &[f32],
+        n: usize,
+        comm: &C,
+    ) -> Result<(Vec<f32>, DispatchStats), CollectiveError> {
         let (h, k, size) = (self.layer.hidden_size(), self.top_k, self.size);
         if comm.world_size() != size || comm.rank() != self.rank {
             return Err(CollectiveError::BadArgument {
                 op: "expert-parallel MoE",
-                detail: format!("communicator is rank {} of {}, the layer rank {} of {size}", comm.rank(), comm.world_size(), self.rank),
+                detail: format!(
+                    "communicator is rank {} of {}, the layer rank {} of {size}",
+                    comm.rank(),
+                    comm.world_size(),
+                    self.rank
+                ),
             });
         }
         if x.len() != n * h {
-            return Err(CollectiveError::BadArgument { op: "expert-parallel MoE", detail: format!("input has {} values, not {n} rows of {h}", x.len()) });
+            return Err(CollectiveError::BadArgument {
+                op: "expert-parallel MoE",
+                detail: format!("input has {} values, not {n} rows of {h}", x.len()),
+            });
         }
         let dim = self.layer.experts().dim();
-        let routing = if n == 0 { Routing { top_k: k, experts: vec![], weights: vec![] } } else { self.layer.route(x, n) };
+        let routing =
+            if n == 0 { Routing { top_k: k, experts: vec![], weights: vec![] } } else { self.layer.route(x, n) };
         let latent = if n == 0 { None } else { self.layer.expert_input(x, n) };
         let xe: &[f32] = latent.as_deref().unwrap_or(x);
 
@@ -166,10 +186,18 @@ impl ExpertParallelMoe {
     /// The block's output for `n` rows held identically by every rank (tensor-parallel style
     /// callers): rank r takes token slice `even_range(n, size, r)`, runs [`Self::forward_tokens`],
     /// and the slices are all-gathered so every rank returns all `n` rows.
-    pub fn forward_replicated<C: Collective>(&self, x: &[f32], n: usize, comm: &C) -> Result<Vec<f32>, CollectiveError> {
+    pub fn forward_replicated<C: Collective>(
+        &self,
+        x: &[f32],
+        n: usize,
+        comm: &C,
+    ) -> Result<Vec<f32>, CollectiveError> {
         let h = self.layer.hidden_size();
         if x.len() != n * h {
-            return Err(CollectiveError::BadArgument { op: "expert-parallel MoE", detail: format!("input has {} values, not {n} rows of {h}", x.len()) });
+            return Err(CollectiveError::BadArgument {
+                op: "expert-parallel MoE",
+                detail: format!("input has {} values, not {n} rows of {h}", x.len()),
+            });
         }
         let mine = even_range(n, self.size, self.rank);
         let (local, _) = self.forward_tokens(&x[mine.start * h..mine.end * h], mine.len(), comm)?;

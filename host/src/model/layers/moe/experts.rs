@@ -6,11 +6,11 @@
 
 use rayon::prelude::*;
 
+use crate::model::error::LoadError;
+use crate::model::format::source::WeightSource;
 use crate::model::layers::moe::config::MoeConfig;
 use crate::model::layers::moe::mlp::GatedMlp;
 use crate::model::layers::moe::router::Routing;
-use crate::model::error::LoadError;
-use crate::model::format::source::WeightSource;
 
 pub struct Experts {
     /// The experts this instance holds: `held.start + i` is `list[i]` (all of them, except on an
@@ -30,7 +30,12 @@ impl Experts {
     }
 
     /// Loads only experts `held` (an expert-parallel rank's share); the others are never read.
-    pub fn load_range(cfg: &MoeConfig, src: &dyn WeightSource, prefix: &str, held: std::ops::Range<usize>) -> Result<Self, LoadError> {
+    pub fn load_range(
+        cfg: &MoeConfig,
+        src: &dyn WeightSource,
+        prefix: &str,
+        held: std::ops::Range<usize>,
+    ) -> Result<Self, LoadError> {
         let dim = cfg.expert_hidden_size();
         if held.start > held.end || held.end > cfg.num_experts {
             return Err(LoadError::Config {
@@ -40,7 +45,16 @@ impl Experts {
         }
         let list = held
             .clone()
-            .map(|e| GatedMlp::load(src, &format!("{prefix}.experts.{e}"), cfg.naming.leaves(), dim, cfg.moe_intermediate_size, cfg.activation))
+            .map(|e| {
+                GatedMlp::load(
+                    src,
+                    &format!("{prefix}.experts.{e}"),
+                    cfg.naming.leaves(),
+                    dim,
+                    cfg.moe_intermediate_size,
+                    cfg.activation,
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self { list, held, total: cfg.num_experts, dim })
     }
@@ -102,7 +116,8 @@ impl Experts {
         assert_eq!(x.len(), n * d, "experts: input is not {n} rows of {d}");
         assert_eq!(routing.tokens(), n, "experts: routing is for {} tokens, input has {n}", routing.tokens());
         let groups = routing.by_expert(self.total);
-        let active: Vec<usize> = self.held.clone().filter(|&e| groups.offsets[e + 1] > groups.offsets[e] && owns(e)).collect();
+        let active: Vec<usize> =
+            self.held.clone().filter(|&e| groups.offsets[e + 1] > groups.offsets[e] && owns(e)).collect();
         let outputs: Vec<Vec<f32>> = active
             .par_iter()
             .map(|&e| {
@@ -145,13 +160,17 @@ mod tests {
         Linear::Dense(Tensor::owned(vec![rows, cols], (0..rows * cols).map(|_| rng.random_range(-0.5..0.5)).collect()))
     }
 
-
     #[test]
     fn grouped_equals_per_token_and_partials_add_up() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         let (d, inter, e, k, n) = (24, 16, 6, 2, 11);
         let list = (0..e)
-            .map(|_| GatedMlp { gate: random(&mut rng, inter, d), up: random(&mut rng, inter, d), down: random(&mut rng, d, inter), activation: Activation::Silu })
+            .map(|_| GatedMlp {
+                gate: random(&mut rng, inter, d),
+                up: random(&mut rng, inter, d),
+                down: random(&mut rng, d, inter),
+                activation: Activation::Silu,
+            })
             .collect();
         let experts = Experts::new(list);
         let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -161,7 +180,8 @@ mod tests {
             ids.push(if t % 4 == 3 { 2 } else { 0 });
             ids.push(1 + (t % 4) as u32);
         }
-        let routing = Routing { top_k: k, weights: (0..n * k).map(|_| rng.random_range(0.0..1.0)).collect(), experts: ids };
+        let routing =
+            Routing { top_k: k, weights: (0..n * k).map(|_| rng.random_range(0.0..1.0)).collect(), experts: ids };
         let grouped = experts.forward(&x, n, &routing, &|_| true);
         let want = experts.forward_per_token(&x, n, &routing);
         for (a, b) in grouped.iter().zip(&want) {

@@ -5,14 +5,14 @@
 
 use kernels::cpu::norm::rms_norm;
 
-use crate::model::layers::moe::mlp::{Activation, GatedMlp};
-use crate::model::layers::moe::{MoeConfig, MoeLayer};
-use crate::model::layers::moe::expert_parallel::ExpertParallelMoe;
-use crate::model::layers::decoder::{add_residual, embed_tokens};
-use crate::parallel::EpRank;
 use crate::model::error::LoadError;
 use crate::model::format::source::WeightSource;
+use crate::model::layers::decoder::{add_residual, embed_tokens};
+use crate::model::layers::moe::expert_parallel::ExpertParallelMoe;
+use crate::model::layers::moe::mlp::{Activation, GatedMlp};
+use crate::model::layers::moe::{MoeConfig, MoeLayer};
 use crate::model::tensor::Tensor;
+use crate::parallel::EpRank;
 
 pub(crate) enum Ffn {
     Dense(GatedMlp),
@@ -24,11 +24,27 @@ pub(crate) enum Ffn {
 impl Ffn {
     /// Layer `layer`'s block: an MoE block where `moe` makes it one (whole for `ep.size == 1`,
     /// else rank `ep.rank`'s experts), else the dense MLP (`hidden` → `inter`).
-    pub fn load(moe: Option<&MoeConfig>, src: &dyn WeightSource, layer: usize, hidden: usize, inter: usize, ep: EpRank) -> Result<Self, LoadError> {
+    pub fn load(
+        moe: Option<&MoeConfig>,
+        src: &dyn WeightSource,
+        layer: usize,
+        hidden: usize,
+        inter: usize,
+        ep: EpRank,
+    ) -> Result<Self, LoadError> {
         Ok(match moe {
             Some(m) if m.is_moe_layer(layer) && ep.size == 1 => Ffn::Moe(MoeLayer::load(m, src, &m.prefix(layer))?),
-            Some(m) if m.is_moe_layer(layer) => Ffn::ExpertParallel(ExpertParallelMoe::load(m, src, &m.prefix(layer), ep.rank, ep.size)?),
-            _ => Ffn::Dense(GatedMlp::load(src, &format!("model.layers.{layer}.mlp"), ["gate_proj", "up_proj", "down_proj"], hidden, inter, Activation::Silu)?),
+            Some(m) if m.is_moe_layer(layer) => {
+                Ffn::ExpertParallel(ExpertParallelMoe::load(m, src, &m.prefix(layer), ep.rank, ep.size)?)
+            }
+            _ => Ffn::Dense(GatedMlp::load(
+                src,
+                &format!("model.layers.{layer}.mlp"),
+                ["gate_proj", "up_proj", "down_proj"],
+                hidden,
+                inter,
+                Activation::Silu,
+            )?),
         })
     }
 
@@ -51,7 +67,12 @@ impl Ffn {
 
     /// The block's output for `n` rows `x`; an expert-parallel block runs through
     /// `expert_parallel(block, x, n)`, which meets the other ranks.
-    pub fn forward<E>(&self, x: &[f32], n: usize, expert_parallel: impl FnOnce(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>) -> Result<Vec<f32>, E> {
+    pub fn forward<E>(
+        &self,
+        x: &[f32],
+        n: usize,
+        expert_parallel: impl FnOnce(&ExpertParallelMoe, &[f32], usize) -> Result<Vec<f32>, E>,
+    ) -> Result<Vec<f32>, E> {
         match self {
             Ffn::Dense(mlp) => Ok(mlp.forward(x, n)),
             Ffn::Moe(moe) => Ok(moe.forward(x, n)),

@@ -7,10 +7,10 @@
 
 use kernels::cpu::norm::rms_norm;
 
-use crate::model::layers::moe::config::MoeConfig;
 use crate::model::error::LoadError;
-use crate::model::layers::linear::Linear;
 use crate::model::format::source::WeightSource;
+use crate::model::layers::linear::Linear;
+use crate::model::layers::moe::config::MoeConfig;
 
 pub struct Latent {
     down: Linear,
@@ -23,7 +23,11 @@ impl Latent {
     pub fn load(cfg: &MoeConfig, src: &dyn WeightSource, prefix: &str) -> Result<Option<Self>, LoadError> {
         let Some(l) = cfg.latent else { return Ok(None) };
         let (h, r) = (cfg.hidden_size, l.hidden_size);
-        let norm = if l.use_norm { Some(src.load(&format!("{prefix}.routed_expert_norm.weight"), &[r])?.as_slice().to_vec()) } else { None };
+        let norm = if l.use_norm {
+            Some(src.load(&format!("{prefix}.routed_expert_norm.weight"), &[r])?.as_slice().to_vec())
+        } else {
+            None
+        };
         Ok(Some(Self {
             down: src.linear(&format!("{prefix}.routed_expert_down_proj"), r, h)?,
             norm,

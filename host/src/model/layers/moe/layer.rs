@@ -2,13 +2,13 @@
 //! shared experts, `out = routed(x) + shared(x)`. The pieces are public so expert parallelism can
 //! route once, have each device run only the experts it owns, add the partial sums and finish.
 
+use crate::model::error::LoadError;
+use crate::model::format::source::WeightSource;
 use crate::model::layers::moe::config::MoeConfig;
 use crate::model::layers::moe::experts::Experts;
 use crate::model::layers::moe::latent::Latent;
 use crate::model::layers::moe::mlp::GatedMlp;
 use crate::model::layers::moe::router::{Router, Routing};
-use crate::model::error::LoadError;
-use crate::model::format::source::WeightSource;
 
 pub struct MoeLayer {
     hidden: usize,
@@ -31,7 +31,12 @@ impl MoeLayer {
     /// As [`Self::load`] but holding only routed experts `held` (an expert-parallel rank): the
     /// router, latent projections and shared experts are loaded whole (every rank routes and
     /// finishes its own tokens).
-    pub fn load_experts(cfg: &MoeConfig, src: &dyn WeightSource, prefix: &str, held: std::ops::Range<usize>) -> Result<Self, LoadError> {
+    pub fn load_experts(
+        cfg: &MoeConfig,
+        src: &dyn WeightSource,
+        prefix: &str,
+        held: std::ops::Range<usize>,
+    ) -> Result<Self, LoadError> {
         let router = Router::load(cfg, src, prefix)?;
         let experts = Experts::load_range(cfg, src, prefix, held)?;
         let latent = Latent::load(cfg, src, prefix)?;
@@ -46,12 +51,25 @@ impl MoeLayer {
                 cfg.activation,
             )?),
         };
-        tracing::debug!(prefix, experts = cfg.num_experts, top_k = cfg.top_k, latent = latent.is_some(), shared = cfg.num_shared_experts, "loaded MoE block");
+        tracing::debug!(
+            prefix,
+            experts = cfg.num_experts,
+            top_k = cfg.top_k,
+            latent = latent.is_some(),
+            shared = cfg.num_shared_experts,
+            "loaded MoE block"
+        );
         Ok(Self { hidden: cfg.hidden_size, router, experts, latent, shared })
     }
 
     /// A block from in-memory parts (benchmarks, tests).
-    pub fn from_parts(hidden: usize, router: Router, experts: Experts, latent: Option<Latent>, shared: Option<GatedMlp>) -> Self {
+    pub fn from_parts(
+        hidden: usize,
+        router: Router,
+        experts: Experts,
+        latent: Option<Latent>,
+        shared: Option<GatedMlp>,
+    ) -> Self {
         Self { hidden, router, experts, latent, shared }
     }
 
@@ -94,7 +112,13 @@ impl MoeLayer {
     /// Weighted sum over the experts `owns` accepts, in the experts' width; partial sums of
     /// disjoint expert sets add up to the full sum, which [`Self::finish_routed`] turns into the
     /// routed output.
-    pub fn forward_experts(&self, expert_input: &[f32], n: usize, routing: &Routing, owns: &(dyn Fn(usize) -> bool + Sync)) -> Vec<f32> {
+    pub fn forward_experts(
+        &self,
+        expert_input: &[f32],
+        n: usize,
+        routing: &Routing,
+        owns: &(dyn Fn(usize) -> bool + Sync),
+    ) -> Vec<f32> {
         self.experts.forward(expert_input, n, routing, owns)
     }
 
@@ -114,6 +138,8 @@ impl MoeLayer {
     /// Bytes of weights one token reads outside the routed experts: router, shared experts and
     /// latent projections.
     pub fn fixed_bytes(&self) -> usize {
-        self.router.weight_bytes() + self.shared.as_ref().map_or(0, GatedMlp::weight_bytes) + self.latent.as_ref().map_or(0, Latent::weight_bytes)
+        self.router.weight_bytes()
+            + self.shared.as_ref().map_or(0, GatedMlp::weight_bytes)
+            + self.latent.as_ref().map_or(0, Latent::weight_bytes)
     }
 }

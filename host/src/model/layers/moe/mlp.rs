@@ -5,8 +5,8 @@
 use kernels::cpu::activation::silu_mul;
 
 use crate::model::error::LoadError;
-use crate::model::layers::linear::Linear;
 use crate::model::format::source::WeightSource;
+use crate::model::layers::linear::Linear;
 
 /// The gated activation `act(gate, up)`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -51,7 +51,14 @@ pub struct GatedMlp {
 impl GatedMlp {
     /// Loads `{prefix}.{gate}`, `{prefix}.{up}`, `{prefix}.{down}` (leaf names in that order)
     /// for a `hidden → inter → hidden` MLP.
-    pub fn load(src: &dyn WeightSource, prefix: &str, leaves: [&str; 3], hidden: usize, inter: usize, activation: Activation) -> Result<Self, LoadError> {
+    pub fn load(
+        src: &dyn WeightSource,
+        prefix: &str,
+        leaves: [&str; 3],
+        hidden: usize,
+        inter: usize,
+        activation: Activation,
+    ) -> Result<Self, LoadError> {
         Ok(Self {
             gate: src.linear(&format!("{prefix}.{}", leaves[0]), inter, hidden)?,
             up: src.linear(&format!("{prefix}.{}", leaves[1]), inter, hidden)?,

@@ -9,9 +9,9 @@ use kernels::cpu::matmul::matmul_t;
 
 use kernels::cpu::moe::{route_token, RouterSpec};
 
-use crate::model::layers::moe::config::MoeConfig;
 use crate::model::error::LoadError;
 use crate::model::format::source::WeightSource;
+use crate::model::layers::moe::config::MoeConfig;
 use crate::model::tensor::Tensor;
 
 /// The experts chosen for a batch of tokens: for token `t`, `experts[t*k..(t+1)*k]` with the
@@ -86,7 +86,10 @@ impl Router {
         let bias = if cfg.uses_bias() {
             let name = format!("{prefix}.gate.e_score_correction_bias");
             if !src.contains(&name) {
-                return Err(LoadError::MissingTensor { file: src.file_of(&name), tensor: format!("{name} (topk_method noaux_tc needs it)") });
+                return Err(LoadError::MissingTensor {
+                    file: src.file_of(&name),
+                    tensor: format!("{name} (topk_method noaux_tc needs it)"),
+                });
             }
             Some(src.load(&name, &[cfg.num_experts])?.as_slice().to_vec())
         } else {

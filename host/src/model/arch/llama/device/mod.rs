@@ -22,16 +22,16 @@ use kernels::gpu::kernels::GemmScratch;
 use kernels::gpu::kv_pool::{DeviceKvPool, KvStorage};
 use kernels::gpu::{Kernels, Runtime};
 
+use crate::model::arch::llama::parallel::TensorParallel;
+use crate::model::arch::llama::LlamaModel;
 use crate::model::config::ModelConfig;
+use crate::model::device::attention_split::AttentionSplit;
 use crate::model::device::model::{check_ranks, DeviceModel, DeviceRank, Logits};
+use crate::model::device::placement::DeviceForward;
 use crate::model::device::step::StepInputs;
 use crate::model::device::weights::{DenseWeights, DevLinear};
 use crate::model::kv::{BlockCopy, CacheLayout, LayerKvShape};
-use crate::model::arch::llama::parallel::TensorParallel;
-use crate::model::arch::llama::LlamaModel;
-use crate::model::device::placement::DeviceForward;
 use crate::model::{ForwardError, LanguageModel, LoadedModel};
-use crate::model::device::attention_split::AttentionSplit;
 use crate::parallel::device_collective::{DeviceCollective, DeviceGroup, SoleRank};
 
 struct DevLayer<R: Runtime> {
@@ -92,20 +92,31 @@ impl<R: Runtime> DeviceModel<LlamaRank<R>> {
     /// Uploads tensor-parallel rank `r`'s weights (`ranks[r]`, loaded with
     /// `LlamaModel::load_rank`) to `gpus[r]`; the ranks exchange partial sums through `group`.
     /// Dense weights in bf16 (serving).
-    pub fn from_ranks(ranks: &[LlamaModel], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<Self, ForwardError> {
+    pub fn from_ranks(
+        ranks: &[LlamaModel],
+        gpus: Vec<Kernels<R>>,
+        group: Box<dyn DeviceGroup<R>>,
+    ) -> Result<Self, ForwardError> {
         Self::from_ranks_with(ranks, gpus, group, DenseWeights::Bf16)
     }
 
     /// As [`Self::from_ranks`] with dense weights held as `dense` says.
-    pub fn from_ranks_with(ranks: &[LlamaModel], gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Self, ForwardError> {
+    pub fn from_ranks_with(
+        ranks: &[LlamaModel],
+        gpus: Vec<Kernels<R>>,
+        group: Box<dyn DeviceGroup<R>>,
+        dense: DenseWeights,
+    ) -> Result<Self, ForwardError> {
         let positions: Vec<(usize, usize)> = ranks.iter().map(|m| (m.tp.rank, m.tp.size)).collect();
         check_ranks("tensor-parallel", &positions, gpus.len())?;
         let size = ranks.len();
-        let states = ranks.iter().zip(gpus).map(|(m, gpu)| LlamaRank::upload(m, gpu, dense)).collect::<Result<Vec<_>, _>>()?;
+        let states =
+            ranks.iter().zip(gpus).map(|(m, gpu)| LlamaRank::upload(m, gpu, dense)).collect::<Result<Vec<_>, _>>()?;
         // One layer per (layer, rank) of the rank's KV width, as the CPU tensor-parallel model
         // has: the engine sizes its block budget from it, and each rank's pool holds its part.
         let cfg = ranks[0].cfg.clone();
-        let layout = CacheLayout::uniform(cfg.num_layers() * size, LayerKvShape::heads(ranks[0].kv_heads, cfg.head_dim));
+        let layout =
+            CacheLayout::uniform(cfg.num_layers() * size, LayerKvShape::heads(ranks[0].kv_heads, cfg.head_dim));
         DeviceModel::new("DeviceLlama", cfg, states, group, layout, Logits::VocabColumns)
     }
 }
@@ -141,7 +152,13 @@ impl<R: Runtime> LlamaRank<R> {
         gpu.synchronize()?;
         let inter = m.layers.first().map_or(0, |l| l.gate.out_features());
         tracing::info!(device = %gpu.describe(), tp_rank = m.tp.rank, tp_size = m.tp.size, layers = layers.len(), tied = lm_head.is_none(), "Llama weights uploaded to the device");
-        let largest = layers.iter().flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate_up, &l.down]).chain(lm_head.as_ref()).map(DevLinear::dequant_elements).max().unwrap_or(0);
+        let largest = layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate_up, &l.down])
+            .chain(lm_head.as_ref())
+            .map(DevLinear::dequant_elements)
+            .max()
+            .unwrap_or(0);
         let scratch = gpu.gemm_scratch(largest, 1)?;
         let shard = Shard { heads: m.heads, kv_heads: m.kv_heads, inter, vocab: m.vocab.clone() };
         Ok(LlamaRank { gpu, shard, embed, layers, norm, lm_head, inv_freq, pool: None, scratch })
@@ -160,8 +177,22 @@ impl<R: Runtime> DeviceRank for LlamaRank<R> {
     }
 
     /// This rank's KV heads of every layer.
-    fn allocate(&mut self, cfg: &ModelConfig, num_blocks: usize, block_size: usize, storage: KvStorage) -> Result<(), ForwardError> {
-        let pool = DeviceKvPool::new(&self.gpu, cfg.num_layers(), num_blocks, block_size, self.shard.kv_heads, cfg.head_dim, storage)?;
+    fn allocate(
+        &mut self,
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+        storage: KvStorage,
+    ) -> Result<(), ForwardError> {
+        let pool = DeviceKvPool::new(
+            &self.gpu,
+            cfg.num_layers(),
+            num_blocks,
+            block_size,
+            self.shard.kv_heads,
+            cfg.head_dim,
+            storage,
+        )?;
         self.gpu.synchronize()?;
         self.pool = Some(pool);
         Ok(())
@@ -174,10 +205,17 @@ impl<R: Runtime> DeviceRank for LlamaRank<R> {
     /// `inp` and `copies` were checked against the pool by `step::checked_step`, so on a
     /// tensor-parallel rank an error here is a device's failure, never one rank disagreeing
     /// with its peers about the batch.
-    fn forward(&mut self, cfg: &ModelConfig, copies: &[BlockCopy], inp: &StepInputs, comm: &dyn DeviceCollective<R>) -> Result<Vec<f32>, ForwardError> {
+    fn forward(
+        &mut self,
+        cfg: &ModelConfig,
+        copies: &[BlockCopy],
+        inp: &StepInputs,
+        comm: &dyn DeviceCollective<R>,
+    ) -> Result<Vec<f32>, ForwardError> {
         let Self { gpu, shard, embed, layers, norm, lm_head, inv_freq, pool, scratch } = self;
         let (heads, kv_heads) = (shard.heads, shard.kv_heads);
-        let pool = pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
+        let pool =
+            pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
         for c in copies {
             pool.copy_block(gpu, c.src as usize, c.dst as usize, c.slots)?;
         }
@@ -187,7 +225,8 @@ impl<R: Runtime> DeviceRank for LlamaRank<R> {
         }
         let (d, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
         let (qw, kw, inter) = (heads * hd, kv_heads * hd, shard.inter);
-        let (ids, positions, slots) = (gpu.upload(&shard.embedding_rows(&inp.ids))?, gpu.upload(&inp.positions)?, gpu.upload(&inp.slots)?);
+        let (ids, positions, slots) =
+            (gpu.upload(&shard.embedding_rows(&inp.ids))?, gpu.upload(&inp.positions)?, gpu.upload(&inp.slots)?);
         let (tables, lens) = (gpu.upload(&inp.tables)?, gpu.upload(&inp.lens)?);
         let split = AttentionSplit::new(gpu, inp, pool.prefill_kernel(gpu).rows_per_tile(heads / kv_heads))?;
         // Activations for the whole pass, allocated once per step.
@@ -217,9 +256,31 @@ impl<R: Runtime> DeviceRank for LlamaRank<R> {
             pool.write_rows(gpu, li, &k, &v, &slots, n)?;
             // Decode rows by the decode kernel, prompt chunks by the prefill kernel.
             if split.decode_rows {
-                pool.attention(gpu, li, heads, inp.max_blocks, &q, &tables, split.decode_lens.as_ref().unwrap_or(&lens), scale, &mut attn)?;
+                pool.attention(
+                    gpu,
+                    li,
+                    heads,
+                    inp.max_blocks,
+                    &q,
+                    &tables,
+                    split.decode_lens.as_ref().unwrap_or(&lens),
+                    scale,
+                    &mut attn,
+                )?;
             }
-            pool.prefill_attention(gpu, li, heads, inp.max_blocks, &q, &tables, &lens, &split.tiles, split.num_tiles, scale, &mut attn)?;
+            pool.prefill_attention(
+                gpu,
+                li,
+                heads,
+                inp.max_blocks,
+                &q,
+                &tables,
+                &lens,
+                &split.tiles,
+                split.num_tiles,
+                scale,
+                &mut attn,
+            )?;
             l.o.forward(gpu, &attn, scratch, &mut delta, n)?;
             // Row-parallel projections: each rank's partial sum over its heads (its MLP slice
             // below), then the sum over ranks.
@@ -265,7 +326,9 @@ impl Shard {
     /// zero row for tokens another rank holds (a single device holds every token).
     fn embedding_rows(&self, ids: &[i32]) -> Vec<i32> {
         let zero_row = self.vocab.len() as i32;
-        ids.iter().map(|&t| if self.vocab.contains(&(t as usize)) { t - self.vocab.start as i32 } else { zero_row }).collect()
+        ids.iter()
+            .map(|&t| if self.vocab.contains(&(t as usize)) { t - self.vocab.start as i32 } else { zero_row })
+            .collect()
     }
 }
 
@@ -277,7 +340,11 @@ pub fn place_on_device<R: Runtime + 'static>(m: LoadedModel, gpu: Kernels<R>) ->
 
 /// Moves a loaded model onto `gpus`, one tensor-parallel rank per device, dense weights in bf16
 /// (`model::device::place_on_devices`).
-pub fn place_on_devices<R: Runtime + 'static>(m: LoadedModel, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>) -> Result<LoadedModel, ForwardError> {
+pub fn place_on_devices<R: Runtime + 'static>(
+    m: LoadedModel,
+    gpus: Vec<Kernels<R>>,
+    group: Box<dyn DeviceGroup<R>>,
+) -> Result<LoadedModel, ForwardError> {
     crate::model::device::place_on_devices(m, gpus, group, DenseWeights::Bf16)
 }
 
@@ -286,7 +353,12 @@ impl DeviceForward for LlamaModel {
     fn device_ranks(&self) -> usize {
         1
     }
-    fn onto_devices<R: Runtime + 'static>(&self, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Box<dyn LanguageModel>, ForwardError> {
+    fn onto_devices<R: Runtime + 'static>(
+        &self,
+        gpus: Vec<Kernels<R>>,
+        group: Box<dyn DeviceGroup<R>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError> {
         Ok(Box::new(DeviceLlama::from_ranks_with(std::slice::from_ref(self), gpus, group, dense)?))
     }
 }
@@ -296,7 +368,12 @@ impl DeviceForward for TensorParallel {
     fn device_ranks(&self) -> usize {
         self.ranks().len()
     }
-    fn onto_devices<R: Runtime + 'static>(&self, gpus: Vec<Kernels<R>>, group: Box<dyn DeviceGroup<R>>, dense: DenseWeights) -> Result<Box<dyn LanguageModel>, ForwardError> {
+    fn onto_devices<R: Runtime + 'static>(
+        &self,
+        gpus: Vec<Kernels<R>>,
+        group: Box<dyn DeviceGroup<R>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError> {
         Ok(Box::new(DeviceLlama::from_ranks_with(self.ranks(), gpus, group, dense)?))
     }
 }

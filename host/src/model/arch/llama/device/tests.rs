@@ -12,19 +12,19 @@ use kernels::cpu::rope::Rope;
 use kernels::gpu::kv_pool::KvStorage;
 use kernels::gpu::{Kernels, Runtime};
 
-use crate::model::device::ref_runtime::RefRuntime;
 use crate::model::arch::llama::device::DeviceLlama;
+use crate::model::arch::llama::{Layer, LlamaModel, TpRank};
 use crate::model::config::ModelConfig;
+use crate::model::device::ref_runtime::RefRuntime;
 use crate::model::device::step::BlockTables;
 use crate::model::device::test_util::{self, ids};
 use crate::model::device::weights::DenseWeights;
+use crate::model::format::quant::IntLinear;
 use crate::model::kv::{BatchRow, BlockCopy, ContiguousKvCache, KvCache};
 use crate::model::layers::linear::Linear;
-use crate::model::arch::llama::{Layer, LlamaModel, TpRank};
-use crate::model::format::quant::IntLinear;
 use crate::model::tensor::Tensor;
-use crate::parallel::device_collective::LocalDeviceGroup;
 use crate::model::{DeviceKv as _, LanguageModel};
+use crate::parallel::device_collective::LocalDeviceGroup;
 
 const D: usize = 64;
 const HEADS: usize = 4;
@@ -44,7 +44,9 @@ impl Rng {
     }
     /// Uniform in [-a, a), rounded to bf16 so dense weights are exact on both sides.
     fn vals(&mut self, n: usize, a: f32) -> Vec<f32> {
-        (0..n).map(|_| half::bf16::from_f32((self.next() as f32 / (1u64 << 31) as f32 - 0.5) * 2.0 * a).to_f32()).collect()
+        (0..n)
+            .map(|_| half::bf16::from_f32((self.next() as f32 / (1u64 << 31) as f32 - 0.5) * 2.0 * a).to_f32())
+            .collect()
     }
 }
 
@@ -77,7 +79,10 @@ fn int4(r: &mut Rng, rows: usize, cols: usize) -> Linear {
     let groups = rows * cols / g;
     let scale: Vec<f32> = r.vals(groups, 1.0).iter().map(|v| 0.02 + v.abs() * 0.03).collect();
     let zero: Vec<f32> = (0..groups).map(|i| (7 + i % 3) as f32).collect();
-    Linear::Int(IntLinear::new(IntMatrix::new(PackedRows::from_codes(4, rows, cols, &codes(r, rows * cols, 4)), g, &scale, &zero), None))
+    Linear::Int(IntLinear::new(
+        IntMatrix::new(PackedRows::from_codes(4, rows, cols, &codes(r, rows * cols, 4)), g, &scale, &zero),
+        None,
+    ))
 }
 
 fn cubic3(r: &mut Rng, rows: usize, cols: usize) -> Linear {
@@ -100,7 +105,13 @@ fn tiny_llama(tied: bool, w: Weights, seed: u64) -> LlamaModel {
     let norm = |r: &mut Rng| Tensor::owned(vec![D], r.vals(D, 0.3).iter().map(|v| 1.0 + v).collect());
     let layers = (0..LAYERS)
         .map(|_| {
-            let lin = |r: &mut Rng, rows, cols, packed: fn(&mut Rng, usize, usize) -> Linear| if w == Weights::Packed { packed(r, rows, cols) } else { dense(r, rows, cols) };
+            let lin = |r: &mut Rng, rows, cols, packed: fn(&mut Rng, usize, usize) -> Linear| {
+                if w == Weights::Packed {
+                    packed(r, rows, cols)
+                } else {
+                    dense(r, rows, cols)
+                }
+            };
             Layer {
                 attn_norm: norm(&mut r),
                 q: lin(&mut r, HEADS * HD, D, int4),
@@ -139,9 +150,21 @@ fn worst_error<R: Runtime>(gpu: Kernels<R>, tied: bool, w: Weights, storage: KvS
     worst_error_with(gpu, tied, w, storage, DenseWeights::Bf16)
 }
 
-fn worst_error_with<R: Runtime>(gpu: Kernels<R>, tied: bool, w: Weights, storage: KvStorage, dense: DenseWeights) -> f32 {
+fn worst_error_with<R: Runtime>(
+    gpu: Kernels<R>,
+    tied: bool,
+    w: Weights,
+    storage: KvStorage,
+    dense: DenseWeights,
+) -> f32 {
     let cpu = tiny_llama(tied, w, 7);
-    let dev = DeviceLlama::from_ranks_with(std::slice::from_ref(&cpu), vec![gpu], Box::new(crate::parallel::device_collective::SoleRank), dense).unwrap();
+    let dev = DeviceLlama::from_ranks_with(
+        std::slice::from_ref(&cpu),
+        vec![gpu],
+        Box::new(crate::parallel::device_collective::SoleRank),
+        dense,
+    )
+    .unwrap();
     dev.allocate(BLOCKS, BS, storage).unwrap();
     let mut rng = Rng(99);
     // Sequence 3 forks sequence 0 after its 6-token prompt (same prompt), then decodes on its own.
@@ -189,7 +212,8 @@ fn worst_error_with<R: Runtime>(gpu: Kernels<R>, tied: bool, w: Weights, storage
             logit_rows.push(rows.len() - 1);
         }
         let want = cpu.forward(&tokens, &rows, &mut host, &logit_rows);
-        let got = dev.try_forward(&tokens, &rows, &mut BlockTables::new(BS, tables.clone(), copies), &logit_rows).unwrap();
+        let got =
+            dev.try_forward(&tokens, &rows, &mut BlockTables::new(BS, tables.clone(), copies), &logit_rows).unwrap();
         assert_eq!(got.len(), want.len());
         for (g, w) in got.chunks(VOCAB).zip(want.chunks(VOCAB)) {
             let err = kernels::compare::max_rel_error(g, w, 1e-3);
@@ -291,7 +315,6 @@ fn tiny_checkpoint() -> (crate::model::LoadedModel, serde_json::Value) {
     (crate::model::load(&dir).unwrap(), reference)
 }
 
-
 /// Through `place_on_device`, every position's logits against transformers' (f32 compute from the
 /// same bf16 weights). The device path rounds GEMM activations to bf16, so the bound is that
 /// rounding's (about 2^-9 relative per input, accumulated over two layers), not the CPU's 2e-4.
@@ -307,7 +330,10 @@ fn matches_transformers_on_the_tiny_checkpoint<R: Runtime + 'static>(gpu: Kernel
 
 /// The tiny checkpoint loaded as `tp` tensor-parallel ranks, one device from `gpu` each, their
 /// all-reduces through a host-staged local group.
-fn tensor_parallel_checkpoint<R: Runtime + 'static>(tp: usize, gpu: impl Fn() -> Kernels<R>) -> (crate::model::LoadedModel, serde_json::Value) {
+fn tensor_parallel_checkpoint<R: Runtime + 'static>(
+    tp: usize,
+    gpu: impl Fn() -> Kernels<R>,
+) -> (crate::model::LoadedModel, serde_json::Value) {
     let (_, reference) = tiny_checkpoint();
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
     let m = crate::model::load_tp(&dir, tp).unwrap();
@@ -392,9 +418,21 @@ fn a_rank_failing_mid_step_fails_the_step_not_its_peers_or_the_next_step() {
     let last = vec![toks.len() - 1];
     let tables = || BlockTables::new(BS, vec![(0..toks.len().div_ceil(BS) as u32).collect()], vec![]);
     let e = m.model.try_forward(&toks, &rows, &mut tables(), &last).unwrap_err();
-    assert!(e.to_string().contains("injected launch failure"), "the failing rank's own error, not its peer's abort: {e}");
+    assert!(
+        e.to_string().contains("injected launch failure"),
+        "the failing rank's own error, not its peer's abort: {e}"
+    );
     let got = m.model.try_forward(&toks, &rows, &mut tables(), &last).unwrap();
-    let want: Vec<f32> = case["logits"].as_array().unwrap().last().unwrap().as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    let want: Vec<f32> = case["logits"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect();
     let worst = kernels::compare::max_abs_error(&got, &want);
     assert!(worst < 2e-2, "the step after the failure: {worst}");
 }
@@ -405,12 +443,17 @@ fn a_rank_failing_mid_step_fails_the_step_not_its_peers_or_the_next_step() {
 /// Returns the worst |difference| relative to each row's largest reference logit.
 fn ct_int4_error<R: Runtime + 'static>(tp: usize, gpu: impl Fn() -> Kernels<R>) -> f32 {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/ct");
-    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("ct_int4_sym.reference.json")).unwrap()).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("ct_int4_sym.reference.json")).unwrap()).unwrap();
     let bytes = std::fs::read(dir.join("ct_int4_sym.reference.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let m = crate::model::load_tp(&dir.join("ct_int4_sym"), tp).unwrap();
     let gpus = (0..tp).map(|_| gpu()).collect();
-    let group: Box<dyn crate::parallel::device_collective::DeviceGroup<R>> = if tp == 1 { Box::new(crate::parallel::device_collective::SoleRank) } else { Box::new(LocalDeviceGroup { world: tp }) };
+    let group: Box<dyn crate::parallel::device_collective::DeviceGroup<R>> = if tp == 1 {
+        Box::new(crate::parallel::device_collective::SoleRank)
+    } else {
+        Box::new(LocalDeviceGroup { world: tp })
+    };
     let m = super::place_on_devices(m, gpus, group).unwrap();
     m.model.device_kv().unwrap().allocate(16, BS, KvStorage::F32).unwrap();
     let vocab = m.config().vocab_size;
@@ -447,12 +490,24 @@ fn packed_int4_checkpoint_matches_transformers_on_one_and_two_devices() {
 fn ranks_and_devices_must_match() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/tiny_llama");
     let m = crate::model::load_tp(&dir, 2).unwrap();
-    let e = super::place_on_devices(m, vec![Kernels::new(RefRuntime)], Box::new(crate::parallel::device_collective::SoleRank)).err().unwrap();
+    let e = super::place_on_devices(
+        m,
+        vec![Kernels::new(RefRuntime)],
+        Box::new(crate::parallel::device_collective::SoleRank),
+    )
+    .err()
+    .unwrap();
     assert!(e.to_string().contains("2 rank(s) but 1 device(s)"), "{e}");
     let mut swapped = [tiny_llama(true, Weights::Dense, 1), tiny_llama(true, Weights::Dense, 1)];
     swapped[0].tp = TpRank { rank: 1, size: 2 };
     swapped[1].tp = TpRank { rank: 0, size: 2 };
-    let e = super::DeviceLlama::from_ranks(&swapped, vec![Kernels::new(RefRuntime), Kernels::new(RefRuntime)], Box::new(LocalDeviceGroup { world: 2 })).err().unwrap();
+    let e = super::DeviceLlama::from_ranks(
+        &swapped,
+        vec![Kernels::new(RefRuntime), Kernels::new(RefRuntime)],
+        Box::new(LocalDeviceGroup { world: 2 }),
+    )
+    .err()
+    .unwrap();
     assert!(e.to_string().contains("device 0 was given tensor-parallel rank 1 of 2"), "{e}");
 }
 
@@ -464,12 +519,21 @@ impl LanguageModel for Failing {
         &self.0
     }
     fn cache_layout(&self) -> crate::model::kv::CacheLayout {
-        crate::model::kv::CacheLayout::uniform(self.0.num_layers(), crate::model::kv::LayerKvShape::heads(self.0.num_kv_heads, self.0.head_dim))
+        crate::model::kv::CacheLayout::uniform(
+            self.0.num_layers(),
+            crate::model::kv::LayerKvShape::heads(self.0.num_kv_heads, self.0.head_dim),
+        )
     }
     fn forward(&self, _: &[u32], _: &[BatchRow], _: &mut dyn KvCache, _: &[usize]) -> Vec<f32> {
         unreachable!("the engine calls try_forward")
     }
-    fn try_forward(&self, _: &[u32], _: &[BatchRow], _: &mut dyn KvCache, _: &[usize]) -> Result<Vec<f32>, crate::model::ForwardError> {
+    fn try_forward(
+        &self,
+        _: &[u32],
+        _: &[BatchRow],
+        _: &mut dyn KvCache,
+        _: &[usize],
+    ) -> Result<Vec<f32>, crate::model::ForwardError> {
         Err(crate::model::ForwardError::Invalid("injected device failure".into()))
     }
 }
@@ -481,12 +545,15 @@ fn a_failed_forward_fails_the_requests_not_the_engine() {
     use crate::engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
     let (m, _) = tiny_checkpoint();
     let m = std::sync::Arc::new(crate::model::LoadedModel { model: Box::new(Failing(m.config().clone())), ..m });
-    let mut core = EngineCore::try_new(m, EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, ..Default::default() }).unwrap();
+    let mut core =
+        EngineCore::try_new(m, EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, ..Default::default() }).unwrap();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     core.add_request(1, EngineRequest { prompt_ids: vec![1, 5, 9], max_tokens: 4, ..Default::default() }, tx).unwrap();
     while core.step() {}
     match rx.try_recv() {
-        Ok(EngineEvent::Error(e)) => assert!(e.contains("forward pass failed") && e.contains("injected device failure"), "{e}"),
+        Ok(EngineEvent::Error(e)) => {
+            assert!(e.contains("forward pass failed") && e.contains("injected device failure"), "{e}")
+        }
         other => panic!("expected an error event, got {other:?}"),
     }
     assert_eq!(core.stats().forward_errors_total, 1);
@@ -518,7 +585,9 @@ fn a_panicking_step_fails_the_requests_not_the_engine() {
     let m = std::sync::Arc::new(crate::model::LoadedModel { model: Box::new(Panicking(m.config().clone())), ..m });
     let engine = Engine::start(m, EngineConfig { block_size: 4, kv_cache_bytes: 1 << 20, ..Default::default() });
     for _ in 0..2 {
-        let mut stream = engine.submit(EngineRequest { prompt_ids: vec![1, 5, 9], max_tokens: 4, n: 2, ..Default::default() }).unwrap();
+        let mut stream = engine
+            .submit(EngineRequest { prompt_ids: vec![1, 5, 9], max_tokens: 4, n: 2, ..Default::default() })
+            .unwrap();
         match stream.blocking_next() {
             Some(EngineEvent::Error(e)) => assert!(e.contains("internal error in the engine: injected bug"), "{e}"),
             other => panic!("expected an error event, got {other:?}"),
@@ -615,7 +684,10 @@ mod two_gpus {
 
     fn two_gpus(test: &str) -> Option<(Vec<Gpu>, crate::backend::nccl::NcclDeviceGroup)> {
         let cache = PtxCache::new(PtxCache::default_dir());
-        let opened = (0..2).map(|o| Gpu::open(o, &cache)).collect::<Result<Vec<_>, _>>().and_then(|g| crate::backend::nccl::NcclDeviceGroup::over(&g).map(|n| (g, n)));
+        let opened = (0..2)
+            .map(|o| Gpu::open(o, &cache))
+            .collect::<Result<Vec<_>, _>>()
+            .and_then(|g| crate::backend::nccl::NcclDeviceGroup::over(&g).map(|n| (g, n)));
         match opened {
             Ok(v) => Some(v),
             Err(e) if std::env::var_os("WASMSERVE_REQUIRE_NCCL").is_some_and(|v| v == "1") => panic!("{test}: {e}"),
@@ -660,7 +732,8 @@ mod two_gpus {
         let (_, reference) = tiny_checkpoint();
         for check in 0..2 {
             let Some((gpus, group)) = two_gpus(test) else { return };
-            let m = super::super::place_on_devices(crate::model::load_tp(&dir, 2).unwrap(), gpus, Box::new(group)).unwrap();
+            let m =
+                super::super::place_on_devices(crate::model::load_tp(&dir, 2).unwrap(), gpus, Box::new(group)).unwrap();
             if check == 0 {
                 logits_match_transformers(m, &reference);
             } else {
