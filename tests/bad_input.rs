@@ -134,7 +134,7 @@ fn safetensors_header_lying_about_sizes() {
     let start = t["data_offsets"][0].as_u64().unwrap();
     t["data_offsets"][1] = json!(start + 1_000_000);
     let mut text = header.to_string().into_bytes();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();

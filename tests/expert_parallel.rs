@@ -155,7 +155,7 @@ fn ranks_without_tokens_or_without_traffic_still_take_part() {
             let n = usize::from(r == 0);
             m.forward_tokens(&c.input[..n * h], n, comm).unwrap()
         });
-        assert_eq!(rel_err(&res[0].0, &c.output[..h]) < 1e-5, true, "{name}: token 0 vs reference");
+        assert!(rel_err(&res[0].0, &c.output[..h]) < 1e-5, "{name}: token 0 vs reference");
         assert!(
             res[1..].iter().all(|(out, s)| out.is_empty() && s.sent_rows == 0),
             "{name}: tokenless ranks return nothing"
@@ -188,7 +188,7 @@ fn bad_layouts_are_clear_errors() {
     let rank = ExpertParallelMoe::load(&c.cfg, &c.src, &c.cfg.prefix(1), 0, 2).unwrap();
     let comm = LocalCollective::group(1).pop().unwrap();
     let err =
-        rank.forward_tokens(&c.input, c.n, &comm).err().expect("1-rank communicator for a 2-rank layer").to_string();
+        rank.forward_tokens(&c.input, c.n, &comm).expect_err("1-rank communicator for a 2-rank layer").to_string();
     assert!(err.contains("communicator is rank 0 of 1"), "{err}");
 }
 

@@ -104,10 +104,9 @@ mod tests {
     use super::*;
 
     fn flood_and_quiet(flood_running: usize, quiet_running: usize, quiet_weight: f64) -> SlotShares<'static> {
-        let running = std::iter::repeat(("flood", 1.0))
-            .take(flood_running)
-            .chain(std::iter::repeat(("quiet", quiet_weight)).take(quiet_running));
-        let waiting = std::iter::repeat(("flood", 1.0)).take(50).chain([("quiet", quiet_weight)]);
+        let running = std::iter::repeat_n(("flood", 1.0), flood_running)
+            .chain(std::iter::repeat_n(("quiet", quiet_weight), quiet_running));
+        let waiting = std::iter::repeat_n(("flood", 1.0), 50).chain([("quiet", quiet_weight)]);
         SlotShares::new(running.collect::<Vec<_>>(), waiting.collect::<Vec<_>>(), 8)
     }
 

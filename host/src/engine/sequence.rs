@@ -141,7 +141,7 @@ impl Sequence {
     pub fn blocks_needed(&self, upto: usize, pool: &BlockPool) -> usize {
         let bs = pool.shape().block_size;
         let need = upto.div_ceil(bs).saturating_sub(self.blocks.len());
-        let cow = self.num_computed % bs != 0 && pool.refcount(self.blocks[self.num_computed / bs]) > 1;
+        let cow = !self.num_computed.is_multiple_of(bs) && pool.refcount(self.blocks[self.num_computed / bs]) > 1;
         need + cow as usize
     }
 
@@ -159,7 +159,7 @@ impl Sequence {
             self.slot = pool.recurrent.allocate();
         }
         let bs = pool.shape().block_size;
-        if self.num_computed % bs != 0 {
+        if !self.num_computed.is_multiple_of(bs) {
             let i = self.num_computed / bs;
             let b = self.blocks[i];
             if pool.refcount(b) > 1 {

@@ -102,13 +102,13 @@ impl ModelConfig {
                 self.vocab_size
             ));
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "{} attention heads is not a multiple of {} key/value heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} is odd; RoPE needs an even size", self.head_dim));
         }
         Ok(self)

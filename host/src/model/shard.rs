@@ -168,7 +168,7 @@ pub fn slice_grouped(
     let (bits, all_cols) = (p.bits(), p.cols());
     let groups_per_row = all_cols.div_ceil(group_size);
     let g = gcd(group_size, cols.start % group_size);
-    if g != group_size && g % LANES != 0 && g < cols.len() {
+    if g != group_size && !g.is_multiple_of(LANES) && g < cols.len() {
         return Err(format!(
             "columns {cols:?} cut {} columns into a quantization group of {group_size}: the part's groups would be {g} columns wide, and the packed kernels need a multiple of {LANES}",
             cols.start % group_size
@@ -197,7 +197,7 @@ pub fn slice_grouped(
 /// Rows `rows`, columns `cols` of an MXFP4 matrix; columns must stay on its 32-wide scale blocks.
 fn slice_mxfp4(m: &Mxfp4Matrix, rows: Range<usize>, cols: Range<usize>) -> Result<Mxfp4Matrix, String> {
     const BLOCK: usize = 32;
-    if cols.start % BLOCK != 0 || cols.len() % BLOCK != 0 {
+    if !cols.start.is_multiple_of(BLOCK) || !cols.len().is_multiple_of(BLOCK) {
         return Err(format!("MXFP4 columns {cols:?} are not on its {BLOCK}-column scale blocks"));
     }
     let (packed, scales) = m.parts();

@@ -25,7 +25,7 @@ impl Tensor {
     pub fn mapped(shape: Vec<usize>, map: &Arc<Mmap>, offset: usize, len: usize) -> Option<Self> {
         let ptr = map.as_ptr() as usize + offset;
         let fits = offset.checked_add(len * 4).is_some_and(|end| end <= map.len());
-        (cfg!(target_endian = "little") && ptr % std::mem::align_of::<f32>() == 0 && fits)
+        (cfg!(target_endian = "little") && ptr.is_multiple_of(std::mem::align_of::<f32>()) && fits)
             .then(|| Self { shape, data: TensorData::Mapped { map: map.clone(), offset, len } })
     }
 

@@ -40,7 +40,7 @@ impl DeviceMesh {
         if ep == 0 {
             return Err(MeshError::ZeroAxis { axis: "expert-parallel" });
         }
-        let world = tp.checked_mul(ep).unwrap_or(usize::MAX);
+        let world = tp.saturating_mul(ep);
         if world > MAX_WORLD {
             return Err(MeshError::TooLarge { tp, ep, world, max: MAX_WORLD });
         }

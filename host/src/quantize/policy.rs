@@ -124,7 +124,7 @@ impl Policy {
             return Err(format!("bits {} outside 1..=8", l.bits));
         }
         if !(16..=1024).contains(&l.group_size)
-            || l.group_size % 16 != 0
+            || !l.group_size.is_multiple_of(16)
             || (l.format == Format::Cubic && l.group_size < 32)
         {
             return Err(format!("group size {} must be a multiple of 16 in 32..=1024", l.group_size));

@@ -52,7 +52,7 @@ impl StreamWriter {
         }
         let mut text = Value::Object(header).to_string().into_bytes();
         // Data starts 8-byte aligned (the safetensors convention: pad the header with spaces).
-        while (8 + text.len()) % 8 != 0 {
+        while !(8 + text.len()).is_multiple_of(8) {
             text.push(b' ');
         }
         let f = File::create_new(path).with_context(|| format!("creating {}", path.display()))?;

@@ -95,6 +95,8 @@ pub enum TenantsCommand {
 }
 
 #[derive(Subcommand, Debug)]
+// Parsed once per command line.
+#[allow(clippy::large_enum_variant)]
 pub enum KeysCommand {
     /// Create a key; it is printed once and stored only as a hash.
     Create {

@@ -154,7 +154,7 @@ pub fn format_duration(d: Duration) -> String {
         format!("{ms}ms")
     } else if ms < 60_000 {
         let s = ms as f64 / 1000.0;
-        if ms % 1000 == 0 {
+        if ms.is_multiple_of(1000) {
             format!("{}s", ms / 1000)
         } else {
             format!("{}s", format!("{s:.3}").trim_end_matches('0'))

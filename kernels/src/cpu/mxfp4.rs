@@ -34,7 +34,7 @@ impl Mxfp4Matrix {
     /// `packed`: `rows × cols/2` bytes; `scales`: `rows × cols/32` E8M0 bytes. `cols` must be a
     /// multiple of 32.
     pub fn new(rows: usize, cols: usize, packed: &[u8], scales: &[u8]) -> Self {
-        assert!(cols % BLOCK == 0, "MXFP4: {cols} columns is not a multiple of {BLOCK}");
+        assert!(cols.is_multiple_of(BLOCK), "MXFP4: {cols} columns is not a multiple of {BLOCK}");
         assert_eq!(scales.len(), rows * cols / BLOCK, "MXFP4: scale count");
         Self { packed: PackedRows::new(4, rows, cols, cols / 2, packed), scales: scales.to_vec() }
     }

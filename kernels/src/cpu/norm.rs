@@ -16,6 +16,16 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// The fused residual step before a norm: `x += delta`, then `out = rms_norm(x)` (the CPU
+/// reference for `add_rms_norm` in kernels/cuda/norm.cu).
+pub fn add_rms_norm(x: &mut [f32], delta: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), delta.len(), "add_rms_norm: residual and delta differ in size");
+    for (a, &b) in x.iter_mut().zip(delta) {
+        *a += b;
+    }
+    rms_norm(x, weight, eps, out);
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -25,14 +35,4 @@ mod tests {
         super::rms_norm(&x, &[2.0; 4], 0.0, &mut y);
         assert_eq!(y, [2.0, -2.0, 2.0, -2.0]);
     }
-}
-
-/// The fused residual step before a norm: `x += delta`, then `out = rms_norm(x)` (the CPU
-/// reference for `add_rms_norm` in kernels/cuda/norm.cu).
-pub fn add_rms_norm(x: &mut [f32], delta: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    assert_eq!(x.len(), delta.len(), "add_rms_norm: residual and delta differ in size");
-    for (a, &b) in x.iter_mut().zip(delta) {
-        *a += b;
-    }
-    rms_norm(x, weight, eps, out);
 }

@@ -743,7 +743,7 @@ pub fn packed_matmul_t_isa<C: Codec>(isa: Isa, w: &C, x: &[f32], out: &mut [f32]
     let (m, k) = (p.rows(), p.cols());
     let gs = w.group_size();
     assert!(
-        gs > 0 && (gs % LANES == 0 || gs >= k),
+        gs > 0 && (gs.is_multiple_of(LANES) || gs >= k),
         "group size {gs} must be a multiple of {LANES} or cover the row ({k})"
     );
     assert_eq!(x.len(), n * k, "packed_matmul_t: x has {} values, expected {n}x{k}", x.len());

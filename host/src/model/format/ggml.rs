@@ -73,7 +73,7 @@ impl GgmlType {
     /// Bytes occupied by a tensor whose rows have `row_len` elements and `n_elements` in total.
     pub fn bytes_for(&self, row_len: u64, n_elements: u64) -> Result<usize, String> {
         let (bs, bb) = self.block();
-        if row_len % bs != 0 {
+        if !row_len.is_multiple_of(bs) {
             return Err(format!("row length {row_len} is not a multiple of the {} block size {bs}", self.name()));
         }
         usize::try_from(n_elements / bs * bb as u64).map_err(|_| "tensor too large".into())
@@ -84,7 +84,7 @@ impl GgmlType {
 pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), String> {
     let (bs, bb) = ty.block();
     let n_blocks = out.len() / bs as usize;
-    if out.len() % bs as usize != 0 || bytes.len() != n_blocks * bb {
+    if !out.len().is_multiple_of(bs as usize) || bytes.len() != n_blocks * bb {
         return Err(format!(
             "{} data is {} bytes, expected {} for {} elements",
             ty.name(),

@@ -35,6 +35,8 @@ use crate::parallel::EpRank;
 use crate::parallel::{Collective, CollectiveError};
 
 // Crate-visible: the device forward (model/device/decoder) uploads them.
+// One per layer, built once: boxing the larger variant would save nothing that matters.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Mixer {
     /// `ordinal`: index among the KDA layers, which is where its state lives.
     Kda {

@@ -109,7 +109,7 @@ impl LlamaModel {
                 detail: format!("tensor-parallel rank {} of {}", tp.rank, tp.size),
             });
         }
-        if cfg.num_heads % tp.size != 0 {
+        if !cfg.num_heads.is_multiple_of(tp.size) {
             return Err(LoadError::Config {
                 file: main_file,
                 detail: format!(
@@ -121,10 +121,10 @@ impl LlamaModel {
         let heads = cfg.num_heads / tp.size;
         // Key/value heads split like the query heads; with fewer KV heads than ranks each KV head
         // is replicated on the ranks whose query heads read it (as vLLM does).
-        let (kv_heads, kv_first) = if cfg.num_kv_heads % tp.size == 0 {
+        let (kv_heads, kv_first) = if cfg.num_kv_heads.is_multiple_of(tp.size) {
             let kv = cfg.num_kv_heads / tp.size;
             (kv, tp.rank * kv)
-        } else if tp.size % cfg.num_kv_heads == 0 {
+        } else if tp.size.is_multiple_of(cfg.num_kv_heads) {
             (1, tp.rank * cfg.num_kv_heads / tp.size)
         } else {
             return Err(LoadError::Config {
@@ -213,9 +213,8 @@ impl LanguageModel for LlamaModel {
     }
 
     /// Single-device forward. A rank of a larger group runs only through
-    /// [`LlamaModel::forward_rank`] (the `arch::llama::parallel::TensorParallel` wrapper does that), since it
-    /// needs its peers to produce anything.
-
+    /// [`LlamaModel::forward_rank`] (the [`parallel::TensorParallel`] wrapper does that), since
+    /// it needs its peers to produce anything.
     fn forward(&self, tokens: &[u32], rows: &[BatchRow], kv: &mut dyn KvCache, logit_rows: &[usize]) -> Vec<f32> {
         assert_eq!(
             self.tp.size, 1,

@@ -42,7 +42,7 @@ impl CubicConfig {
             if !(1..=8).contains(&bits) {
                 return Err(format!("cubic module '{name}': bits {bits} outside 1..=8"));
             }
-            if !(32..=1024).contains(&group_size) || group_size % LANES != 0 {
+            if !(32..=1024).contains(&group_size) || !group_size.is_multiple_of(LANES) {
                 return Err(format!(
                     "cubic module '{name}': group_size {group_size} must be a multiple of {LANES} in 32..=1024"
                 ));

@@ -29,7 +29,7 @@ pub fn load_ct_mxfp4(
 ) -> Result<Mxfp4Matrix, LoadError> {
     let (pn, sn) = (format!("{module}.weight_packed"), format!("{module}.weight_scale"));
     let (p, s) = (src.raw(&pn)?, src.raw(&sn)?);
-    if cols % BLOCK != 0 {
+    if !cols.is_multiple_of(BLOCK) {
         return Err(LoadError::BadTensor {
             file: p.file.to_path_buf(),
             tensor: pn,

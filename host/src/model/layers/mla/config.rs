@@ -142,7 +142,7 @@ impl MlaConfig {
         if self.q_lora_rank == Some(0) {
             return Err("q_lora_rank is 0 (use null for a plain q_proj)".into());
         }
-        if self.qk_rope_head_dim % 2 != 0 && self.rope.is_some() {
+        if !self.qk_rope_head_dim.is_multiple_of(2) && self.rope.is_some() {
             return Err(format!("qk_rope_head_dim {} is odd; RoPE needs an even size", self.qk_rope_head_dim));
         }
         if let Some(y) = self.rope.as_ref().and_then(|r| r.yarn.as_ref()) {

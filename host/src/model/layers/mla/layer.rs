@@ -64,7 +64,7 @@ impl MlaLayer {
         rank: usize,
         size: usize,
     ) -> Result<Self, LoadError> {
-        if size == 0 || rank >= size || cfg.num_heads % size != 0 {
+        if size == 0 || rank >= size || !cfg.num_heads.is_multiple_of(size) {
             return Err(LoadError::Config {
                 file: src.file_of(&format!("{prefix}.kv_b_proj.weight")),
                 detail: format!(

@@ -272,7 +272,7 @@ impl MoeConfig {
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         match &self.mlp_layer_types {
             Some(types) => types.get(layer).copied().unwrap_or(false),
-            None => layer >= self.first_k_dense_replace && layer % self.moe_layer_freq == 0,
+            None => layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq),
         }
     }
 
