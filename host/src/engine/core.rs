@@ -43,6 +43,11 @@ pub struct EngineConfig {
     /// Batch slots no single tenant may take (multi-tenant serving): a tenant arriving while
     /// another floods the engine finds a slot at once instead of waiting for one to free.
     pub tenant_slot_reserve: usize,
+    /// vLLM's `long_prefill_token_threshold`: while requests wait for admission, a running
+    /// prompt's chunk is capped at this many tokens, so one long prefill cannot take the whole
+    /// step budget every step and keep a newcomer (and its time to first token) waiting for it
+    /// to finish. 0: half of `max_num_batched_tokens`.
+    pub long_prefill_token_threshold: usize,
 }
 
 impl Default for EngineConfig {
@@ -58,6 +63,7 @@ impl Default for EngineConfig {
             max_n: 16,
             max_logprobs: 20,
             tenant_slot_reserve: 0,
+            long_prefill_token_threshold: 0,
         }
     }
 }
@@ -407,6 +413,14 @@ impl EngineCore {
         let is_deferred = |s: &Sequence| s.priority <= favoured_priority && deferred.contains(&s.tenant);
         let mut num_deferred = 0;
 
+        // A request waiting for admission gets budget this step: running prompts are cut to
+        // shorter chunks while one waits (see `long_prefill_token_threshold`).
+        let prefill_cap = if !self.waiting.is_empty() && self.running.len() < self.cfg.max_num_seqs {
+            self.long_prefill_cap()
+        } else {
+            usize::MAX
+        };
+
         // 1. Running sequences: decodes first, then prefill chunks; oldest first. Rows of tenants
         //    deferred this step are skipped (they keep their blocks and slots).
         self.running.sort_by_key(|s| (s.is_prefilling(), std::cmp::Reverse(s.priority), s.arrival));
@@ -417,7 +431,8 @@ impl EngineCore {
                 i += 1;
                 continue;
             }
-            let chunk = self.running[i].remaining().min(budget).min(self.running[i].chunk_limit());
+            let cap = if self.running[i].is_prefilling() { prefill_cap } else { usize::MAX };
+            let chunk = self.running[i].remaining().min(budget).min(self.running[i].chunk_limit()).min(cap);
             let upto = self.running[i].num_computed + chunk;
             if self.running[i].reserve(upto, &mut self.pool) {
                 plan.push((i, chunk));
@@ -505,6 +520,14 @@ impl EngineCore {
             "engine step"
         );
         true
+    }
+
+    /// The longest chunk a running prompt gets while requests wait for admission.
+    fn long_prefill_cap(&self) -> usize {
+        match self.cfg.long_prefill_token_threshold {
+            0 => (self.cfg.max_num_batched_tokens / 2).max(1),
+            t => t.min(self.cfg.max_num_batched_tokens).max(1),
+        }
     }
 
     /// Tenants whose rows sit out this step, and the highest priority among the prompts they

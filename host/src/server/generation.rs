@@ -70,6 +70,9 @@ pub struct Generation {
     completion_tokens: usize,
     /// Tokens streamed so far, over all choices.
     streamed_tokens: usize,
+    /// Per choice: tokens streamed, and whether it finished (then the engine's count is in
+    /// `completion_tokens`); what an aborted request is charged for.
+    choice_tokens: Vec<(usize, bool)>,
     started: Instant,
     first_token: Option<Instant>,
     last_token: Vec<Option<Instant>>,
@@ -114,6 +117,7 @@ impl Generation {
             prompt_lens,
             completion_tokens: 0,
             streamed_tokens: 0,
+            choice_tokens: vec![(0, false); n * num_prompts],
             started,
             first_token: None,
             last_token: vec![None; n * num_prompts],
@@ -173,6 +177,22 @@ impl Generation {
         Usage { prompt_tokens: p, completion_tokens: self.completion_tokens, cached_tokens: c }
     }
 
+    /// What a request that ended early (the client went away, its stream stalled, the handler
+    /// gave up) is charged: every prompt whose computation finished (a token of it came out, so
+    /// its prefill ran), every token its finished choices generated and every token streamed
+    /// for the others. A client cannot avoid paying for work by hanging up.
+    pub fn usage_charged(&self) -> Usage {
+        let mut u = self.usage();
+        for (p, known) in self.prompts.iter().enumerate() {
+            let prefilled = (p * self.n..(p + 1) * self.n).any(|c| self.choice_tokens[c].0 > 0);
+            if known.is_none() && prefilled {
+                u.prompt_tokens += self.prompt_lens[p];
+            }
+        }
+        u.completion_tokens += self.choice_tokens.iter().filter(|(_, done)| !done).map(|(t, _)| t).sum::<usize>();
+        u
+    }
+
     /// The usage while the request runs (vLLM's `continuous_usage_stats`): the prompts as
     /// submitted and the tokens streamed so far; `usage` once it ended.
     pub fn usage_so_far(&self) -> Usage {
@@ -206,6 +226,7 @@ impl Generation {
             EngineEvent::Token { index, token, text, logprob } => {
                 let choice = p * self.n + index;
                 self.streamed_tokens += 1;
+                self.choice_tokens[choice].0 += 1;
                 if self.first_token.is_none() {
                     self.first_token = Some(now);
                     m.ttft.observe_duration(now - self.started);
@@ -218,6 +239,7 @@ impl Generation {
             }
             EngineEvent::Finished { index, reason, text, prompt_tokens, completion_tokens, cached_tokens } => {
                 let choice = p * self.n + index;
+                self.choice_tokens[choice].1 = true;
                 self.prompts[p] = Some((prompt_tokens, cached_tokens));
                 self.completion_tokens += completion_tokens;
                 self.finished += 1;

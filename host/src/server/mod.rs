@@ -93,6 +93,11 @@ pub struct ServeArgs {
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 256)]
     pub max_num_batched_tokens: usize,
+    /// While requests wait for admission, a running prompt's chunk is capped at this many tokens
+    /// (vLLM's name), so a long prompt cannot hold back a newcomer's first token for its whole
+    /// prefill; 0 = half of --max-num-batched-tokens.
+    #[arg(long, default_value_t = 0)]
+    pub long_prefill_token_threshold: usize,
     /// KV cache size: bytes, or with a suffix (512MiB, 2GiB, 1GB, ...).
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     pub kv_cache_memory: usize,
@@ -153,6 +158,7 @@ impl ServeArgs {
             kv_dtype,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
+            long_prefill_token_threshold: self.long_prefill_token_threshold,
             max_waiting: self.max_queue,
             enable_prefix_caching: !self.no_prefix_caching,
             // With tenants, one eighth of the batch slots (at least one) stays out of reach of
