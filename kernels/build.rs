@@ -126,9 +126,10 @@ fn declared_names(decl: &str) -> Vec<String> {
 
 /// The file names in `src!("name.cu", [...])` entries.
 fn listed_sources(text: &str) -> Vec<String> {
-    text.split("src!(\"")
+    // rustfmt may put the file name on its own line: `src!(\n    "name.cu",`.
+    text.split("src!(")
         .skip(1)
-        .filter_map(|rest| rest.split('"').next())
+        .filter_map(|rest| rest.trim_start().strip_prefix('"')?.split('"').next())
         .filter(|f| f.ends_with(".cu"))
         .map(str::to_string)
         .collect()
