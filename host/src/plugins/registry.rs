@@ -160,6 +160,7 @@ impl Registry {
         {
             return Err("'name' must be 1-64 characters of [A-Za-z0-9._-]".into());
         }
+        spec.limits.validate()?;
         let component = self.runtime.compile(bytes).map_err(|e| format!("not a valid Wasm component: {e:#}"))?;
         let metrics = Arc::new(PluginMetrics::default());
         let mut config = spec.config.clone();

@@ -44,6 +44,45 @@ impl Default for PluginLimits {
     }
 }
 
+/// The most a deployment may ask for (config file or admin API): one plugin cannot take the
+/// machine's memory, hold a call for minutes or keep thousands of instances.
+pub const MAX_LIMITS: PluginLimits = PluginLimits {
+    memory_bytes: 4 << 30,
+    call_timeout_ms: 60_000,
+    max_output_bytes: 64 << 20,
+    max_instances: 1024,
+    pool_size: 256,
+    table_elements: 1_000_000,
+};
+
+impl PluginLimits {
+    /// Refuses limits that are zero where zero means nothing can run, or over [`MAX_LIMITS`],
+    /// naming the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let m = &MAX_LIMITS;
+        let fields: [(&str, u64, u64); 6] = [
+            ("memory_bytes", self.memory_bytes as u64, m.memory_bytes as u64),
+            ("call_timeout_ms", self.call_timeout_ms, m.call_timeout_ms),
+            ("max_output_bytes", self.max_output_bytes as u64, m.max_output_bytes as u64),
+            ("max_instances", self.max_instances as u64, m.max_instances as u64),
+            ("pool_size", self.pool_size as u64, m.pool_size as u64),
+            ("table_elements", self.table_elements as u64, m.table_elements as u64),
+        ];
+        for (name, value, max) in fields {
+            if value > max {
+                return Err(format!("limits.{name} is {value}; at most {max}"));
+            }
+            if value == 0 && name != "pool_size" {
+                return Err(format!("limits.{name} must be at least 1"));
+            }
+        }
+        if self.pool_size > self.max_instances {
+            return Err(format!("limits.pool_size ({}) exceeds limits.max_instances ({})", self.pool_size, self.max_instances));
+        }
+        Ok(())
+    }
+}
+
 /// Per-store host data.
 pub struct HostState {
     pub plugin: Arc<str>,
