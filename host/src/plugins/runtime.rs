@@ -77,7 +77,10 @@ impl PluginLimits {
             }
         }
         if self.pool_size > self.max_instances {
-            return Err(format!("limits.pool_size ({}) exceeds limits.max_instances ({})", self.pool_size, self.max_instances));
+            return Err(format!(
+                "limits.pool_size ({}) exceeds limits.max_instances ({})",
+                self.pool_size, self.max_instances
+            ));
         }
         Ok(())
     }

@@ -54,6 +54,13 @@ pub trait Placeable: Send + Sync {
         group: Box<dyn DeviceGroup<super::ref_runtime::RefRuntime>>,
         dense: DenseWeights,
     ) -> Result<Box<dyn LanguageModel>, ForwardError>;
+    #[cfg(test)]
+    fn on_flaky(
+        &self,
+        gpus: Vec<Kernels<super::ref_runtime::Flaky>>,
+        group: Box<dyn DeviceGroup<super::ref_runtime::Flaky>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError>;
 }
 
 impl<T: DeviceForward> Placeable for T {
@@ -86,6 +93,15 @@ impl<T: DeviceForward> Placeable for T {
     ) -> Result<Box<dyn LanguageModel>, ForwardError> {
         self.onto_devices(gpus, group, dense)
     }
+    #[cfg(test)]
+    fn on_flaky(
+        &self,
+        gpus: Vec<Kernels<super::ref_runtime::Flaky>>,
+        group: Box<dyn DeviceGroup<super::ref_runtime::Flaky>>,
+        dense: DenseWeights,
+    ) -> Result<Box<dyn LanguageModel>, ForwardError> {
+        self.onto_devices(gpus, group, dense)
+    }
 }
 
 type Args<R> = (Vec<Kernels<R>>, Box<dyn DeviceGroup<R>>);
@@ -111,6 +127,11 @@ pub fn place<R: Runtime + 'static>(
     #[cfg(test)]
     let args = match args.downcast::<Args<super::ref_runtime::RefRuntime>>() {
         Ok(a) => return p.on_reference(a.0, a.1, dense),
+        Err(other) => other,
+    };
+    #[cfg(test)]
+    let args = match args.downcast::<Args<super::ref_runtime::Flaky>>() {
+        Ok(a) => return p.on_flaky(a.0, a.1, dense),
         Err(other) => other,
     };
     drop(args);
