@@ -28,6 +28,11 @@ pub trait ArchitectureSpec: Sync {
         Err(unsupported(src, format!("tensor parallelism is not implemented for {}", self.name())))
     }
 
+    /// Whether [`Self::load_expert_parallel`] is implemented (the architecture has routed experts).
+    fn expert_parallel(&self) -> bool {
+        false
+    }
+
     /// The model with its routed experts split over `ep` expert-parallel ranks (`ep >= 2`).
     fn load_expert_parallel(
         &self,
@@ -36,10 +41,10 @@ pub trait ArchitectureSpec: Sync {
         ep: usize,
     ) -> Result<Box<dyn LanguageModel>, LoadError> {
         let _ = (cfg, ep);
-        Err(unsupported(
-            src,
-            format!("expert parallelism is implemented for models with routed experts only, not {}", self.name()),
-        ))
+        let with: Vec<&str> = ALL.iter().map(|a| spec(*a)).filter(|s| s.expert_parallel()).map(|s| s.name()).collect();
+        let detail =
+            format!("expert parallelism is implemented for {} models only, not {}", with.join(" and "), self.name());
+        Err(unsupported(src, detail))
     }
 }
 
@@ -47,6 +52,9 @@ pub trait ArchitectureSpec: Sync {
 pub fn unsupported(src: &dyn WeightSource, detail: String) -> LoadError {
     LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail }
 }
+
+/// Every architecture, in the order errors list them.
+const ALL: [Architecture; 3] = [Architecture::Llama, Architecture::DeepseekV3, Architecture::KimiLinear];
 
 /// The registry: one line per architecture.
 pub fn spec(a: Architecture) -> &'static dyn ArchitectureSpec {

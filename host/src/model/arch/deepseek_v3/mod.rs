@@ -49,6 +49,10 @@ impl crate::model::registry::ArchitectureSpec for DeepseekV3 {
         Ok(Box::new(parallel::ExpertParallelDeepseek::load_tensor_parallel(cfg, src, tp)?))
     }
 
+    fn expert_parallel(&self) -> bool {
+        true
+    }
+
     fn load_expert_parallel(
         &self,
         cfg: ModelConfig,

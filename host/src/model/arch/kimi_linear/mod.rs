@@ -68,6 +68,10 @@ impl crate::model::registry::ArchitectureSpec for KimiLinear {
         Ok(Box::new(parallel::ExpertParallelKimiLinear::load_tensor_parallel(cfg, src, tp)?))
     }
 
+    fn expert_parallel(&self) -> bool {
+        true
+    }
+
     fn load_expert_parallel(
         &self,
         cfg: ModelConfig,
