@@ -73,7 +73,7 @@ impl Gate {
     /// Steps 5-9 for `reqs` (one per prompt). `name_errors` rewrites an error to name the
     /// endpoint's own field (e.g. a context overflow is `prompt` on text completions and
     /// `messages` on chat).
-    pub fn submit(
+    pub async fn submit(
         self,
         mut reqs: Vec<EngineRequest>,
         name_errors: impl Fn(ApiError) -> ApiError,
@@ -93,13 +93,27 @@ impl Gate {
             },
         };
         if !serving.is_empty() {
-            for r in &mut reqs {
-                policies.push(apply::apply(&serving, &state.served_model_name, self.tenant(), r)?);
-                state.engine.validate(r).map_err(|e| {
-                    ApiError::internal(format!("a request policy made the request invalid: {e}"))
-                        .with_code("policy_error")
-                })?;
-            }
+            // Guest code: on the plugin pool, never on an async worker.
+            let (st, tenant) = (state.clone(), self.tenant().to_string());
+            let (back, applied) = state
+                .plugin_calls
+                .run(move || {
+                    let mut applied = Vec::new();
+                    for r in &mut reqs {
+                        match apply::apply(&serving, &st.served_model_name, &tenant, r) {
+                            Ok(a) => applied.push(a),
+                            Err(e) => return (reqs, Err(ApiError::from(e))),
+                        }
+                        if let Err(e) = st.engine.validate(r) {
+                            let e = ApiError::internal(format!("a request policy made the request invalid: {e}"));
+                            return (reqs, Err(e.with_code("policy_error")));
+                        }
+                    }
+                    (reqs, Ok(applied))
+                })
+                .await?;
+            reqs = back;
+            policies = applied?;
         }
         let admission =
             tenancy::admit(state, &self.caller, self.endpoint, self.started, &mut reqs).map_err(&name_errors)?;

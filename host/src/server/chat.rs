@@ -7,6 +7,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
 use super::admission::Gate;
+use super::blocking::text_bytes;
 use super::error::{ApiError, ApiResult};
 use super::extract::OpenAiJson;
 use super::forced_call_stream::ForcedCallStream;
@@ -182,16 +183,19 @@ pub fn validate_tools(tools: &[Value]) -> ApiResult<()> {
     Ok(())
 }
 
-/// [`render_chat`] on tokio's blocking pool: rendering (a template plugin, too) and tokenizing a
-/// prompt of megabytes takes long enough to stall every other connection on an async worker
-/// (`/health` included).
+/// [`render_chat`] on a blocking thread under the prompt-work bound (`blocking::PromptWork`,
+/// weighed by the chat's text): rendering (a template plugin, too) and tokenizing a prompt of
+/// megabytes takes long enough to stall every other connection on an async worker (`/health`
+/// included), and many at once would multiply the server's memory.
 pub async fn render_chat_off_runtime(
     state: &AppState,
     input: ChatTemplateInput,
     opts: PromptOptions,
 ) -> ApiResult<(String, Vec<u32>)> {
-    let state = state.clone();
-    off_runtime(move || render_chat(&state, &input, opts)).await?
+    let bytes = input.messages.iter().map(text_bytes).sum::<usize>()
+        + input.tools.as_ref().map_or(0, |t| t.iter().map(text_bytes).sum());
+    let st = state.clone();
+    state.prompt_work.run(bytes, move || render_chat(&st, &input, opts)).await?
 }
 
 /// How a chat is rendered and becomes the prompt, beyond its messages and tools.
@@ -204,6 +208,28 @@ pub struct PromptOptions {
     pub continue_final_message: bool,
     /// vLLM's `add_special_tokens`: off by default for chats, whose template writes them.
     pub add_special_tokens: bool,
+    /// A generation's context: a rendered prompt certain to encode to more tokens is refused
+    /// before it is tokenized (see [`check_prompt_size`]). None: tokenize whatever comes
+    /// (`/tokenize`, or a request that truncates its prompt).
+    pub max_prompt_tokens: Option<usize>,
+}
+
+/// Refuses (400 `context_length_exceeded`, naming `param`) a prompt text that cannot fit
+/// `max_tokens` whatever it encodes to: its bytes over the tokenizer's longest token are already
+/// too many tokens. Tokenizing megabytes first would cost seconds of CPU and gigabytes of memory
+/// for the same answer.
+pub fn check_prompt_size(state: &ServerState, text: &str, max_tokens: Option<usize>, param: &str) -> ApiResult<()> {
+    let Some(max) = max_tokens else { return Ok(()) };
+    let at_least = state.model.tokenizer.min_tokens(text.len());
+    if at_least >= max {
+        return Err(ApiError::bad_request(format!(
+            "the prompt ({} bytes) is at least {at_least} tokens, over this model's context of {max} tokens",
+            text.len()
+        ))
+        .with_param(param)
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
 }
 
 /// `continue_final_message`: cuts the rendered chat right after the final message's text,
@@ -251,6 +277,7 @@ pub fn render_chat(
         }
     })?;
     let prompt = if opts.continue_final_message { cut_after_final_message(&prompt, &input.messages)? } else { prompt };
+    check_prompt_size(state, &prompt, opts.max_prompt_tokens, "messages")?;
     let ids = state.model.tokenizer.encode(&prompt, opts.add_special_tokens).map_err(ApiError::internal)?;
     Ok((prompt, ids))
 }
@@ -273,6 +300,7 @@ pub fn prompt_options(
         add_generation_prompt: add_generation_prompt.unwrap_or(!continue_final_message),
         continue_final_message,
         add_special_tokens: add_special_tokens.unwrap_or(false),
+        max_prompt_tokens: None,
     })
 }
 
@@ -333,6 +361,11 @@ pub async fn handler(
         check_unsupported(&req)?;
         prompt_options(req.continue_final_message, req.add_generation_prompt, req.add_special_tokens)
     })?;
+    // A prompt the request truncates may be as long as it likes; any other must fit the context.
+    let opts = PromptOptions {
+        max_prompt_tokens: req.sampling.truncate_prompt_tokens.is_none().then(|| state.engine.max_model_len()),
+        ..opts
+    };
     let messages = normalize_messages(req.messages)?;
     let tools = match (&req.tools, req.tool_choice.as_ref().and_then(Value::as_str)) {
         (Some(t), _) if t.is_empty() => None,
@@ -403,10 +436,12 @@ pub async fn handler(
     let vllm_prompt_k = ereq.prompt_logprobs;
     let prompt_ids = req.sampling.returns_token_ids().then(|| ereq.prompt_ids.clone());
     let names = req.sampling.token_names();
-    let mut gen = gate.submit(vec![ereq], |e| match e.code {
-        Some("context_length_exceeded") => e.with_param("messages"),
-        _ => e,
-    })?;
+    let mut gen = gate
+        .submit(vec![ereq], |e| match e.code {
+            Some("context_length_exceeded") => e.with_param("messages"),
+            _ => e,
+        })
+        .await?;
     let rate_headers = gen.rate_headers();
 
     let id = format!("chatcmpl-{:032x}", rand::random::<u128>());
@@ -438,23 +473,33 @@ pub async fn handler(
         (Some(k), Some(scored)) => Some(vllm_prompt_logprobs(&state.model.tokenizer, scored, k)),
         _ => None,
     };
+    // The parser plugins' messages, on the plugin pool (guest code never runs on an async worker).
+    let parsed: Vec<Option<(Value, bool)>> = match &parsers {
+        Some(p) => {
+            let (p, texts) = (p.clone(), choices.iter().map(|c| c.text.clone()).collect::<Vec<_>>());
+            let messages =
+                state.plugin_calls.run(move || texts.iter().map(|t| p.message(t)).collect::<Result<Vec<_>, _>>());
+            messages.await?.map_err(|e| ApiError::from(&e))?.into_iter().map(Some).collect()
+        }
+        None => vec![None; choices.len()],
+    };
     let tok = &state.model.tokenizer;
     let choices: Vec<Value> = choices
         .into_iter()
+        .zip(parsed)
         .enumerate()
-        .map(|(i, c)| -> ApiResult<Value> {
+        .map(|(i, (c, parsed))| -> ApiResult<Value> {
             let logprobs = if want_logprobs {
                 json!({"content": c.logprobs.iter().map(|l| chat_entry(tok, names, l)).collect::<Vec<_>>()})
             } else {
                 Value::Null
             };
             let forced_call = forced_tool.then(|| tool_call_json(&c.text, 0)).flatten();
-            let (message, finish_reason) = match (forced_call, &parsers) {
+            let (message, finish_reason) = match (forced_call, parsed) {
                 (Some(call), _) => {
                     (json!({"role": "assistant", "content": null, "tool_calls": [call]}), Some("tool_calls"))
                 }
-                (None, Some(p)) => {
-                    let (msg, called) = p.message(&c.text).map_err(|e| ApiError::from(&e))?;
+                (None, Some((msg, called))) => {
                     (msg, if called { Some("tool_calls") } else { c.finish_reason.map(|r| r.as_str()) })
                 }
                 (None, None) => (assistant_message(c.text), c.finish_reason.map(|r| r.as_str())),
@@ -642,6 +687,10 @@ impl ChunkFormatter for ChatChunks {
 
     fn take_error(&mut self) -> Option<ApiError> {
         self.error.take()
+    }
+
+    fn uses_plugins(&self) -> bool {
+        self.parsers.is_some()
     }
 
     fn usage(&mut self, usage: &Usage) -> Value {

@@ -61,18 +61,26 @@ pub async fn handler(
             ),
         ));
     }
-    // Tokenized on the blocking pool (see chat::render_chat_off_runtime).
+    // Tokenized on a blocking thread under the prompt-work bound (see chat::render_chat_off_runtime);
+    // a text certain to be over the context is refused before it is tokenized.
     let (st, add_special_tokens) = (state.clone(), req.add_special_tokens.unwrap_or(true));
-    let prompts: Vec<Vec<u32>> = super::chat::off_runtime(move || {
-        prompts
-            .into_iter()
-            .map(|p| match p {
-                PromptInput::Text(t) => st.model.tokenizer.encode(&t, add_special_tokens).map_err(ApiError::internal),
-                PromptInput::Ids(ids) => Ok(ids),
-            })
-            .collect::<Result<_, _>>()
-    })
-    .await??;
+    let max_prompt_tokens = req.sampling.truncate_prompt_tokens.is_none().then(|| state.engine.max_model_len());
+    let bytes = prompts.iter().map(|p| if let PromptInput::Text(t) = p { t.len() } else { 0 }).sum();
+    let prompts: Vec<Vec<u32>> = state
+        .prompt_work
+        .run(bytes, move || {
+            prompts
+                .into_iter()
+                .map(|p| match p {
+                    PromptInput::Text(t) => {
+                        super::chat::check_prompt_size(&st, &t, max_prompt_tokens, "prompt")?;
+                        st.model.tokenizer.encode(&t, add_special_tokens).map_err(ApiError::internal)
+                    }
+                    PromptInput::Ids(ids) => Ok(ids),
+                })
+                .collect::<Result<_, _>>()
+        })
+        .await??;
     // OpenAI's (and vLLM's) `echo` with `max_tokens: 0`: the prompt alone, with its scores when
     // `logprobs` asks. The engine samples one token (its forward scores the last prompt
     // position anyway), which the response leaves out but the usage counts, as vLLM's does.
@@ -125,10 +133,12 @@ pub async fn handler(
     }
     let prompt_ids: Vec<Vec<u32>> =
         if req.sampling.returns_token_ids() { reqs.iter().map(|r| r.prompt_ids.clone()).collect() } else { Vec::new() };
-    let mut gen = gate.submit(reqs, |e| match e.code {
-        Some("context_length_exceeded") => e.with_param("prompt"),
-        _ => legacy_logprobs_param(e),
-    })?;
+    let mut gen = gate
+        .submit(reqs, |e| match e.code {
+            Some("context_length_exceeded") => e.with_param("prompt"),
+            _ => legacy_logprobs_param(e),
+        })
+        .await?;
     let rate_headers = gen.rate_headers();
     // Choice i belongs to prompt i / n, so its echo is that prompt's text.
     let echo_of = |choice: usize| echoes.get(choice / n).cloned().unwrap_or_default();

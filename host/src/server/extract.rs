@@ -26,7 +26,17 @@ impl<T: JsonBody> FromRequest<AppState> for OpenAiJson<T> {
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(ApiError::payload_too_large(limit));
         }
-        let bytes = match Limited::new(req.into_body(), limit).collect().await {
+        let body = Limited::new(req.into_body(), limit).collect();
+        let Ok(read) = tokio::time::timeout(state.body_read_timeout, body).await else {
+            state.metrics.body_timeouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(ApiError::new(
+                axum::http::StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!("the request body did not arrive within {:?}", state.body_read_timeout),
+            )
+            .with_code("request_timeout"));
+        };
+        let bytes = match read {
             Ok(c) => c.to_bytes(),
             Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Err(ApiError::payload_too_large(limit)),
             Err(e) => return Err(ApiError::bad_request(format!("could not read the request body: {e}"))),

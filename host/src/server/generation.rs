@@ -133,7 +133,9 @@ impl Generation {
     fn observe(&mut self, p: usize, reason: &str) {
         if let Some(applied) = self.policies.get_mut(p).and_then(Option::take) {
             let prompt_tokens = self.prompts[p].map_or(self.prompt_lens[p], |(t, _)| t);
-            applied.observe(prompt_tokens, self.prompt_progress[p].1, reason);
+            let (completion, reason) = (self.prompt_progress[p].1, reason.to_string());
+            // Guest code: on the plugin pool; nothing waits for it.
+            self.state.plugin_calls.spawn(move || applied.observe(prompt_tokens, completion, &reason));
         }
     }
 

@@ -75,6 +75,10 @@ pub struct Metrics {
     pub generation_tokens: AtomicU64,
     /// Streams aborted because the client stopped reading (`--stream-stall-timeout`).
     pub stalled_streams: AtomicU64,
+    /// Connections closed at accept: over --max-connections or --max-connections-per-client.
+    pub refused_connections: AtomicU64,
+    /// Request bodies not received within --body-read-timeout.
+    pub body_timeouts: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -88,6 +92,8 @@ impl Default for Metrics {
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             stalled_streams: AtomicU64::new(0),
+            refused_connections: AtomicU64::new(0),
+            body_timeouts: AtomicU64::new(0),
         }
     }
 }
@@ -222,6 +228,18 @@ impl Metrics {
             "counter",
             "Streams aborted because the client stopped reading for --stream-stall-timeout.",
             self.stalled_streams.load(Ordering::Relaxed).to_string(),
+        );
+        simple(
+            "wasmserve_connections_refused_total",
+            "counter",
+            "Connections closed at accept: over --max-connections or --max-connections-per-client.",
+            self.refused_connections.load(Ordering::Relaxed).to_string(),
+        );
+        simple(
+            "wasmserve_body_read_timeouts_total",
+            "counter",
+            "Requests whose body did not arrive within --body-read-timeout (408).",
+            self.body_timeouts.load(Ordering::Relaxed).to_string(),
         );
 
         let _ = writeln!(

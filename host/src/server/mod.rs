@@ -6,12 +6,14 @@
 
 pub mod admin;
 pub mod admission;
+pub mod blocking;
 pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod extract;
 mod forced_call_stream;
 pub mod generation;
+mod listener;
 pub mod logprobs;
 pub mod metrics;
 pub mod openai;
@@ -124,6 +126,27 @@ pub struct ServeArgs {
     /// Seconds to let in-flight requests finish after SIGTERM before closing anyway.
     #[arg(long, default_value_t = 60)]
     pub shutdown_timeout: u64,
+    /// Seconds a connection may take to send a request's headers; also how long an idle
+    /// keep-alive connection (or one that never sends anything) stays open.
+    #[arg(long, default_value_t = 10.0)]
+    pub header_read_timeout: f64,
+    /// Seconds a request body may take to arrive in full (a 408 after that).
+    #[arg(long, default_value_t = 30.0)]
+    pub body_read_timeout: f64,
+    /// Blocking threads Wasm plugin calls (policies, parsers) run on at once, off the HTTP
+    /// server's async workers; more calls wait for one.
+    #[arg(long, default_value_t = state::DEFAULT_PLUGIN_THREADS)]
+    pub plugin_threads: usize,
+    /// Prompt text (bytes, or with a suffix) being rendered or tokenized at once; larger bodies
+    /// wait their turn.
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    pub max_pending_prompt_bytes: usize,
+    /// Open connections in all; more are closed at once.
+    #[arg(long, default_value_t = 2048)]
+    pub max_connections: usize,
+    /// Open connections from one client address; more are closed at once.
+    #[arg(long, default_value_t = 512)]
+    pub max_connections_per_client: usize,
 }
 
 /// `1024`, `512KiB`, `512MiB`, `2GiB`, `1GB`, `1.5GiB` (case-insensitive; `K`/`M`/`G` are binary).
@@ -230,6 +253,12 @@ pub fn run_on(
     let mut state = ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes);
     state.tenancy = tenancy;
     state.stream_stall_timeout = stall_timeout(args.stream_stall_timeout)?;
+    state.body_read_timeout = positive_secs("--body-read-timeout", args.body_read_timeout)?;
+    if args.plugin_threads == 0 {
+        bail!("--plugin-threads must be at least 1");
+    }
+    state.plugin_calls = blocking::PluginCalls::new(args.plugin_threads);
+    state.prompt_work = blocking::PromptWork::new(args.max_pending_prompt_bytes);
     let plugins = crate::plugins::registry::Registry::new(crate::plugins::Runtime::new(args.plugin_cache_dir.clone())?);
     plugins.set_admin_key(args.admin_key.clone());
     if let Some(src) = state.model.tokenizer.chat_template.as_deref() {
@@ -258,6 +287,14 @@ pub fn run_on(
     let result = rt.block_on(serve(state, &args));
     engine.stop();
     result
+}
+
+/// A timeout flag that must be a positive number of seconds.
+fn positive_secs(flag: &str, secs: f64) -> Result<Duration> {
+    if !secs.is_finite() || secs <= 0.0 || secs > 1e9 {
+        bail!("{flag} must be a positive number of seconds (got {secs})");
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 fn stall_timeout(secs: f64) -> Result<Option<Duration>> {
@@ -291,9 +328,21 @@ async fn serve(state: AppState, args: &ServeArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
     let bound = listener.local_addr()?;
     tracing::info!(model = %state.served_model_name, max_model_len = state.engine.max_model_len(), "listening on http://{bound}");
+    if args.max_connections == 0 || args.max_connections_per_client == 0 {
+        bail!("--max-connections and --max-connections-per-client must be at least 1");
+    }
+    let limits = listener::ConnectionLimits {
+        max_total: args.max_connections,
+        max_per_client: args.max_connections_per_client,
+        header_read_timeout: positive_secs("--header-read-timeout", args.header_read_timeout)?,
+    };
     let app = routes::router(state.clone());
+    let counted = state.clone();
+    let refused = move || {
+        counted.metrics.refused_connections.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    };
     let drain = drain_on_signal(state, Duration::from_secs(args.shutdown_timeout));
-    axum::serve(listener, app).with_graceful_shutdown(drain).await.context("serving HTTP")?;
+    listener::serve(listener, app, limits, refused, drain).await;
     tracing::info!("server stopped");
     Ok(())
 }

@@ -21,6 +21,7 @@ use tokio::sync::mpsc::error::SendTimeoutError;
 
 use super::error::ApiError;
 use super::generation::{GenEvent, Generation, Usage};
+use super::state::AppState;
 use super::token_ids::StreamTokenIds;
 
 /// Turns generation events into the endpoint's chunk objects.
@@ -44,12 +45,42 @@ pub trait ChunkFormatter: Send + 'static {
     fn take_error(&mut self) -> Option<ApiError> {
         None
     }
+    /// Whether `token` / `finish` call plugins (parsers): they then run on the plugin pool.
+    fn uses_plugins(&self) -> bool {
+        false
+    }
 }
 
 struct StreamState<F> {
     gen: Option<Generation>,
-    fmt: F,
+    /// Taken while a call runs on the plugin pool; None after that call failed.
+    fmt: Option<F>,
     out: Outbox,
+    state: AppState,
+}
+
+/// Runs a formatter call: on the plugin pool (`blocking::PluginCalls`) when the formatter calls
+/// plugins, so guest code never runs on an async worker; here otherwise.
+async fn with_fmt<F: ChunkFormatter, T: Send + 'static>(
+    state: &AppState,
+    slot: &mut Option<F>,
+    call: impl FnOnce(&mut F) -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    let mut fmt = slot.take().ok_or_else(|| ApiError::internal("the stream's formatter was lost"))?;
+    if !fmt.uses_plugins() {
+        let out = call(&mut fmt);
+        *slot = Some(fmt);
+        return Ok(out);
+    }
+    let (fmt, out) = state
+        .plugin_calls
+        .run(move || {
+            let out = call(&mut fmt);
+            (fmt, out)
+        })
+        .await?;
+    *slot = Some(fmt);
+    Ok(out)
 }
 
 /// What a stream adds to its chunks beyond the endpoint's own fields.
@@ -158,7 +189,8 @@ fn chunk_events<F: ChunkFormatter>(
     for c in fmt.start(gen.num_choices()) {
         out.push_chunk(c, &gen);
     }
-    let st = StreamState { gen: Some(gen), fmt, out };
+    let state = gen.state().clone();
+    let st = StreamState { gen: Some(gen), fmt: Some(fmt), out, state };
     stream::unfold(st, |mut st| async move {
         loop {
             if let Some(e) = st.out.pending.pop_front() {
@@ -170,22 +202,37 @@ fn chunk_events<F: ChunkFormatter>(
                     if let (Some(ids), GenEvent::Token { choice, token, .. }) = (&mut st.out.settings.token_ids, &ev) {
                         ids.token(*choice, *token);
                     }
-                    if let Some(c) = st.fmt.token(&ev) {
-                        st.out.push_chunk(c, gen);
+                    match with_fmt(&st.state, &mut st.fmt, move |f| (f.token(&ev), f.take_error())).await {
+                        Ok((chunk, error)) => {
+                            if let Some(c) = chunk {
+                                st.out.push_chunk(c, gen);
+                            }
+                            error
+                        }
+                        Err(e) => Some(e),
                     }
-                    st.fmt.take_error()
                 }
                 Some(ev @ GenEvent::Finished { .. }) => {
-                    for c in st.fmt.finish(&ev) {
-                        st.out.push_chunk(c, gen);
+                    match with_fmt(&st.state, &mut st.fmt, move |f| (f.finish(&ev), f.take_error())).await {
+                        Ok((chunks, error)) => {
+                            for c in chunks {
+                                st.out.push_chunk(c, gen);
+                            }
+                            error
+                        }
+                        Err(e) => Some(e),
                     }
-                    st.fmt.take_error()
                 }
                 Some(ev @ GenEvent::PromptLogprobs { .. }) => {
-                    for c in st.fmt.prompt_logprobs(&ev) {
-                        st.out.push_chunk(c, gen);
+                    match with_fmt(&st.state, &mut st.fmt, move |f| f.prompt_logprobs(&ev)).await {
+                        Ok(chunks) => {
+                            for c in chunks {
+                                st.out.push_chunk(c, gen);
+                            }
+                            None
+                        }
+                        Err(e) => Some(e),
                     }
-                    None
                 }
                 Some(GenEvent::Error(msg)) => Some(ApiError::internal(format!("generation failed: {msg}"))),
                 None => {
@@ -194,8 +241,8 @@ fn chunk_events<F: ChunkFormatter>(
                         tracing::warn!(message = %e.message, "stream failed");
                         st.out.pending.push_back(Event::default().data(e.body().to_string()));
                     }
-                    if st.out.settings.include_usage {
-                        let u = st.fmt.usage(&gen.usage());
+                    if let (true, Some(fmt)) = (st.out.settings.include_usage, st.fmt.as_mut()) {
+                        let u = fmt.usage(&gen.usage());
                         st.out.pending.push_back(Event::default().data(u.to_string()));
                     }
                     st.out.pending.push_back(Event::default().data("[DONE]"));

@@ -14,6 +14,10 @@ use crate::model::LoadedModel;
 
 pub type AppState = Arc<ServerState>;
 
+/// `--plugin-threads` and `--max-pending-prompt-bytes` defaults.
+pub const DEFAULT_PLUGIN_THREADS: usize = 4;
+pub const DEFAULT_PROMPT_WORK_BYTES: usize = 64 << 20;
+
 /// `--stream-stall-timeout`'s default, seconds.
 pub const DEFAULT_STREAM_STALL_SECS: f64 = 60.0;
 
@@ -31,6 +35,12 @@ pub struct ServerState {
     pub max_body_bytes: usize,
     /// How long a stream may wait for its client to read before it is aborted (None: forever).
     pub stream_stall_timeout: Option<std::time::Duration>,
+    /// How long a request body may take to arrive (`--body-read-timeout`).
+    pub body_read_timeout: std::time::Duration,
+    /// Where Wasm plugin calls run (`--plugin-threads`), off the async workers.
+    pub plugin_calls: super::blocking::PluginCalls,
+    /// The bound on prompt text being rendered or tokenized at once (`--max-pending-prompt-bytes`).
+    pub prompt_work: super::blocking::PromptWork,
     pub metrics: Metrics,
     /// Unix time the server started (the `created` of the model listing).
     pub started_at: u64,
@@ -57,6 +67,9 @@ impl ServerState {
             plugins: None,
             max_body_bytes,
             stream_stall_timeout: Some(std::time::Duration::from_secs_f64(DEFAULT_STREAM_STALL_SECS)),
+            body_read_timeout: std::time::Duration::from_secs(30),
+            plugin_calls: super::blocking::PluginCalls::new(DEFAULT_PLUGIN_THREADS),
+            prompt_work: super::blocking::PromptWork::new(DEFAULT_PROMPT_WORK_BYTES),
             metrics: Metrics::default(),
             started_at: unix_now(),
             shutting_down: AtomicBool::new(false),

@@ -126,5 +126,6 @@ pub(super) fn build(g: &GgufFile) -> Result<Tokenizer, LoadError> {
         eos_token: eos_token_ids.first().map(|&i| tokens[i as usize].clone()),
         eos_token_ids,
         chat_template: g.meta("tokenizer.chat_template").and_then(MetaValue::as_str).map(str::to_string),
+        max_token_bytes: Default::default(),
     })
 }

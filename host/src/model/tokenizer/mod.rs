@@ -20,6 +20,8 @@ pub struct Tokenizer {
     pub chat_template: Option<String>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// The longest token's text, bytes (see [`Self::max_token_bytes`]); computed on first use.
+    pub(crate) max_token_bytes: std::sync::OnceLock<usize>,
 }
 
 impl Tokenizer {
@@ -90,7 +92,34 @@ impl Tokenizer {
         // tokenizer.json's post-processor decides about BOS; add it ourselves only when asked to.
         let add_bos =
             tcfg.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false) && inner.get_post_processor().is_none();
-        Ok(Self { inner, bos_token_id, eos_token_ids, add_bos, chat_template, bos_token, eos_token })
+        Ok(Self {
+            inner,
+            bos_token_id,
+            eos_token_ids,
+            add_bos,
+            chat_template,
+            bos_token,
+            eos_token,
+            max_token_bytes: Default::default(),
+        })
+    }
+
+    /// An upper bound on the bytes of text one token stands for: the longest vocabulary entry
+    /// (special tokens included) as stored, which is never shorter than the text it decodes to
+    /// (byte-level entries spell a byte with one character of up to two UTF-8 bytes, SentencePiece
+    /// spells a space with the three-byte `▁`, byte fallback a byte as `<0xNN>`). So a text of
+    /// `b` bytes encodes to at least `b / max_token_bytes` tokens, before normalization.
+    pub fn max_token_bytes(&self) -> usize {
+        *self
+            .max_token_bytes
+            .get_or_init(|| self.inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1))
+    }
+
+    /// A lower bound on the tokens `text` encodes to, without encoding it: what lets a prompt far
+    /// over the context be refused before tokenizing megabytes. Halved once more for normalizers
+    /// that shrink text (NFKC folds some 3-byte characters to 1-2 bytes).
+    pub fn min_tokens(&self, text_bytes: usize) -> usize {
+        text_bytes / (2 * self.max_token_bytes())
     }
 
     pub fn vocab_size(&self) -> usize {
