@@ -280,7 +280,9 @@ impl Drop for Generation {
             } else {
                 "aborted"
             };
-            a.finish_nowait(&self.usage(), status);
+            // An early end is charged for the work done, not refunded (see `usage_charged`).
+            let usage = if self.is_done() { self.usage() } else { self.usage_charged() };
+            a.finish_nowait(&usage, status);
         }
         if !self.is_done() {
             // The client went away (or the handler gave up): the engine streams drop with us.

@@ -101,11 +101,19 @@ pub async fn serve(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(app.clone());
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
-        let conn = graceful.watch(conn);
+        let (builder, watcher, app) = (builder.clone(), graceful.watcher(), app.clone());
+        let timeout = limits.header_read_timeout;
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            // Until its first byte hyper sniffs the protocol (HTTP/1, or an HTTP/2 preface)
+            // outside its header timer: a connection silent for the header timeout is closed.
+            let mut first = [0u8; 1];
+            if !matches!(tokio::time::timeout(timeout, stream.peek(&mut first)).await, Ok(Ok(1..))) {
+                drop(slot);
+                return;
+            }
+            let service = TowerToHyperService::new(app);
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
             drop(slot);

@@ -15,6 +15,7 @@ mod forced_call_stream;
 pub mod generation;
 mod listener;
 pub mod logprobs;
+mod memory;
 pub mod metrics;
 pub mod openai;
 pub mod routes;
@@ -204,6 +205,7 @@ pub fn run_on(
     device: &crate::backend::DeviceSpec,
     dense: crate::model::device::weights::DenseWeights,
 ) -> Result<()> {
+    memory::configure_allocator();
     if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
     }

@@ -48,6 +48,7 @@ pub fn router(state: AppState) -> Router {
             )
         })
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .layer(middleware::from_fn(super::memory::return_memory_after_large_bodies))
         .with_state(state)
 }
 
