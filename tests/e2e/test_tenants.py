@@ -340,7 +340,11 @@ def test_admin_api(tsrv):
         assert r.status_code == 201, r.text
         created = r.json()
         ALL_KEYS.append(created["key"])
-        assert complete(tsrv, created["key"]).usage.total_tokens > 0
+        # Its tenant is bound to request policy "policy-a", which this server does not deploy: the
+        # request is refused (fail closed), not served unchecked (tests/e2e/test_admission.py).
+        with pytest.raises(openai.APIStatusError) as e:
+            complete(tsrv, created["key"])
+        assert e.value.status_code == 503 and e.value.body["code"] == "policy_unavailable"
         listed = c.get("/admin/keys", params={"tenant": "via-api"}, headers=h).json()["data"]
         assert [k["id"] for k in listed] == [created["id"]]
         assert "key" not in listed[0] and "key_hash" not in listed[0]

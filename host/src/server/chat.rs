@@ -252,11 +252,6 @@ fn cut_after_final_message(rendered: &str, messages: &[Value]) -> ApiResult<Stri
     Ok(rendered[..at + text.len()].to_string())
 }
 
-/// Runs `work` on tokio's blocking pool.
-pub async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> ApiResult<T> {
-    tokio::task::spawn_blocking(work).await.map_err(|e| ApiError::internal(format!("a blocking task failed: {e}")))
-}
-
 /// Renders the chat template and tokenizes the result. Special tokens come from the template
 /// text itself, so by default none are added (as transformers' `apply_chat_template(tokenize=True)`).
 pub fn render_chat(

@@ -8,9 +8,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use super::chat::{
-    normalize_messages, off_runtime, prompt_options, render_chat_off_runtime, template_extra, validate_tools,
-};
+use super::chat::{normalize_messages, prompt_options, render_chat_off_runtime, template_extra, validate_tools};
 use super::error::{ApiError, ApiResult};
 use super::extract::OpenAiJson;
 use super::logprobs::piece;
@@ -144,7 +142,12 @@ async fn tokenize_call(state: &AppState, caller: &CallerExt, req: TokenizeReques
     let ids = match (req.prompt, req.messages) {
         (Some(p), None) => {
             let (st, add_special) = (state.clone(), req.add_special_tokens.unwrap_or(true));
-            off_runtime(move || st.model.tokenizer.encode(&p, add_special)).await?.map_err(ApiError::internal)?
+            let bytes = p.len();
+            state
+                .prompt_work
+                .run(bytes, move || st.model.tokenizer.encode(&p, add_special))
+                .await?
+                .map_err(ApiError::internal)?
         }
         (None, Some(messages)) => {
             if let Some(t) = &req.tools {
