@@ -87,6 +87,11 @@ pub struct ServeArgs {
     /// must divide (KV heads may instead be a divisor of it, then replicated).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// Expert-parallel ranks the routed experts are split over (DeepSeek-V3, Kimi-Linear): one GPU
+    /// each with `--device cuda:0,1,..`, else simulated devices (threads). Not with
+    /// `--tensor-parallel-size` above 1.
+    #[arg(long, default_value_t = 1)]
+    pub expert_parallel_size: usize,
     /// How the CPU forward feeds 4- and 8-bit INT layers (GGUF Q4_0/Q4_1/Q8_0, compressed-tensors
     /// INT4/INT8): `f32` (exact to the dequantised weights) or `int8` (inputs quantised per 32
     /// values, integer dot products as llama.cpp: faster decode, slightly less accurate).
@@ -224,6 +229,7 @@ pub fn run_on(
     };
     let opts = crate::model::LoadOptions {
         tensor_parallel: args.tensor_parallel_size,
+        expert_parallel: args.expert_parallel_size,
         cpu_activations: args.cpu_activations,
         ..Default::default()
     };
