@@ -431,7 +431,11 @@ impl EngineCore {
                 i += 1;
                 continue;
             }
-            let cap = if self.running[i].is_prefilling() { prefill_cap } else { usize::MAX };
+            let cap = if self.running[i].is_prefilling() {
+                long_context_chunk(prefill_cap.min(self.cfg.max_num_batched_tokens), self.running[i].num_computed)
+            } else {
+                usize::MAX
+            };
             let chunk = self.running[i].remaining().min(budget).min(self.running[i].chunk_limit()).min(cap);
             let upto = self.running[i].num_computed + chunk;
             if self.running[i].reserve(upto, &mut self.pool) {
@@ -875,6 +879,20 @@ impl EngineCore {
 /// The recurrent-state slots for `model` (none when it keeps no recurrent state), logged: host
 /// states, or, for a model keeping K/V and states on a device, slot ids over the state pool the
 /// model allocates (`DeviceKv::allocate_recurrent`).
+/// A prompt chunk's cap at `position` tokens into its prompt. Attention costs a row about its
+/// position, so past [`LONG_CONTEXT_REF`] positions the chunk shrinks in proportion (down to 16
+/// rows): a step's attention work stays near what `cap` rows cost at that reference instead of
+/// growing with a long prompt, so a request arriving mid-step waits a bounded time for it.
+fn long_context_chunk(cap: usize, position: usize) -> usize {
+    if position <= LONG_CONTEXT_REF {
+        return cap;
+    }
+    (cap.saturating_mul(LONG_CONTEXT_REF) / position).max(16).min(cap)
+}
+
+/// Positions up to which a prompt chunk keeps its full size (see [`long_context_chunk`]).
+const LONG_CONTEXT_REF: usize = 1024;
+
 fn recurrent_slots(model: &LoadedModel, cfg: &EngineConfig, bytes_per_seq: usize) -> Result<RecurrentSlots, String> {
     let count = RecurrentSlots::count_for(bytes_per_seq, cfg.max_num_seqs, cfg.kv_cache_bytes);
     if count == 0 {
@@ -910,4 +928,19 @@ fn splitmix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod long_prefill_tests {
+    use super::long_context_chunk;
+
+    #[test]
+    fn prompt_chunks_shrink_with_the_prompts_position() {
+        assert_eq!(long_context_chunk(256, 0), 256);
+        assert_eq!(long_context_chunk(256, 1024), 256);
+        assert_eq!(long_context_chunk(256, 2048), 128);
+        assert_eq!(long_context_chunk(128, 5000), 26);
+        assert_eq!(long_context_chunk(128, 100_000), 16);
+        assert_eq!(long_context_chunk(8, 100_000), 8, "never above the cap");
+    }
 }
