@@ -231,7 +231,6 @@ pub fn run_on(
         tensor_parallel: args.tensor_parallel_size,
         expert_parallel: args.expert_parallel_size,
         cpu_activations: args.cpu_activations,
-        ..Default::default()
     };
     let model = crate::model::load_with_options(&args.model, &opts)
         .with_context(|| format!("loading {}", args.model.display()))?;
