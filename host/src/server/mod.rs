@@ -140,8 +140,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30.0)]
     pub body_read_timeout: f64,
     /// Blocking threads Wasm plugin calls (policies, parsers) run on at once, off the HTTP
-    /// server's async workers; more calls wait for one.
-    #[arg(long, default_value_t = state::DEFAULT_PLUGIN_THREADS)]
+    /// server's async workers; more calls wait for one. 0: one per CPU (guest code is CPU-bound,
+    /// so more threads than cores only add latency to everything else).
+    #[arg(long, default_value_t = 0)]
     pub plugin_threads: usize,
     /// Prompt text (bytes, or with a suffix) being rendered or tokenized at once; larger bodies
     /// wait their turn.
@@ -261,10 +262,11 @@ pub fn run_on(
     state.tenancy = tenancy;
     state.stream_stall_timeout = stall_timeout(args.stream_stall_timeout)?;
     state.body_read_timeout = positive_secs("--body-read-timeout", args.body_read_timeout)?;
-    if args.plugin_threads == 0 {
-        bail!("--plugin-threads must be at least 1");
-    }
-    state.plugin_calls = blocking::PluginCalls::new(args.plugin_threads);
+    let plugin_threads = match args.plugin_threads {
+        0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+        n => n,
+    };
+    state.plugin_calls = blocking::PluginCalls::new(plugin_threads);
     state.prompt_work = blocking::PromptWork::new(args.max_pending_prompt_bytes);
     let plugins = crate::plugins::registry::Registry::new(crate::plugins::Runtime::new(args.plugin_cache_dir.clone())?);
     plugins.set_admin_key(args.admin_key.clone());

@@ -14,7 +14,8 @@ use crate::model::LoadedModel;
 
 pub type AppState = Arc<ServerState>;
 
-/// `--plugin-threads` and `--max-pending-prompt-bytes` defaults.
+/// Plugin threads and prompt-work bytes of a state built without `serve`'s flags (tests; `serve`
+/// uses one plugin thread per CPU and `--max-pending-prompt-bytes`).
 pub const DEFAULT_PLUGIN_THREADS: usize = 4;
 pub const DEFAULT_PROMPT_WORK_BYTES: usize = 64 << 20;
 
