@@ -22,6 +22,8 @@ pub enum Architecture {
 }
 
 impl Architecture {
+    /// Every architecture (registry order: how errors list them).
+    pub const ALL: [Architecture; 3] = [Architecture::Llama, Architecture::DeepseekV3, Architecture::KimiLinear];
     pub const SUPPORTED: &'static str = "llama (also mistral, smollm), deepseek_v3, kimi_linear";
 
     fn from_name(name: &str) -> Option<Self> {

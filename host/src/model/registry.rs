@@ -41,7 +41,8 @@ pub trait ArchitectureSpec: Sync {
         ep: usize,
     ) -> Result<Box<dyn LanguageModel>, LoadError> {
         let _ = (cfg, ep);
-        let with: Vec<&str> = ALL.iter().map(|a| spec(*a)).filter(|s| s.expert_parallel()).map(|s| s.name()).collect();
+        let with: Vec<&str> =
+            Architecture::ALL.iter().map(|a| spec(*a)).filter(|s| s.expert_parallel()).map(|s| s.name()).collect();
         let detail =
             format!("expert parallelism is implemented for {} models only, not {}", with.join(" and "), self.name());
         Err(unsupported(src, detail))
@@ -52,9 +53,6 @@ pub trait ArchitectureSpec: Sync {
 pub fn unsupported(src: &dyn WeightSource, detail: String) -> LoadError {
     LoadError::Config { file: src.file_of("model.embed_tokens.weight"), detail }
 }
-
-/// Every architecture, in the order errors list them.
-const ALL: [Architecture; 3] = [Architecture::Llama, Architecture::DeepseekV3, Architecture::KimiLinear];
 
 /// The registry: one line per architecture.
 pub fn spec(a: Architecture) -> &'static dyn ArchitectureSpec {

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::error::{ApiError, ApiResult};
 
@@ -29,12 +29,7 @@ impl PluginCalls {
     pub async fn run<T: Send + 'static>(&self, call: impl FnOnce() -> T + Send + 'static) -> ApiResult<T> {
         let permit =
             self.permits.clone().acquire_owned().await.map_err(|_| ApiError::internal("plugin pool closed"))?;
-        tokio::task::spawn_blocking(move || {
-            let _held = permit;
-            call()
-        })
-        .await
-        .map_err(|e| ApiError::internal(format!("a plugin call failed: {e}")))
+        holding(permit, call).await.map_err(|e| ApiError::internal(format!("a plugin call failed: {e}")))
     }
 
     /// Runs `call` on the pool without waiting for it (a policy told a request's outcome).
@@ -45,11 +40,7 @@ impl PluginCalls {
                 let permits = self.permits.clone();
                 rt.spawn(async move {
                     if let Ok(permit) = permits.acquire_owned().await {
-                        let _ = tokio::task::spawn_blocking(move || {
-                            let _held = permit;
-                            call()
-                        })
-                        .await;
+                        let _ = holding(permit, call).await;
                     }
                 });
             }
@@ -81,13 +72,20 @@ impl PromptWork {
         let kib = (bytes.div_ceil(1024)).clamp(1, self.max_kib as usize) as u32;
         let permit =
             self.kib.clone().acquire_many_owned(kib).await.map_err(|_| ApiError::internal("prompt pool closed"))?;
-        tokio::task::spawn_blocking(move || {
-            let _held = permit;
-            work()
-        })
-        .await
-        .map_err(|e| ApiError::internal(format!("a blocking task failed: {e}")))
+        holding(permit, work).await.map_err(|e| ApiError::internal(format!("a blocking task failed: {e}")))
     }
+}
+
+/// Runs `work` on a blocking thread, giving `permit` back when it returns.
+async fn holding<T: Send + 'static>(
+    permit: OwnedSemaphorePermit,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, tokio::task::JoinError> {
+    tokio::task::spawn_blocking(move || {
+        let _held = permit;
+        work()
+    })
+    .await
 }
 
 /// The bytes of text in a JSON value (its strings, keys included), without serializing it: the

@@ -18,11 +18,7 @@ impl<T: JsonBody> FromRequest<AppState> for OpenAiJson<T> {
     async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
         let limit = state.max_body_bytes;
         // Content-Length lets us refuse at once, before reading anything.
-        let declared = req
-            .headers()
-            .get(axum::http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
+        let declared = declared_length(req.headers());
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(ApiError::payload_too_large(limit));
         }
@@ -43,6 +39,11 @@ impl<T: JsonBody> FromRequest<AppState> for OpenAiJson<T> {
         };
         T::from_json(parse_object(&bytes)?).map(OpenAiJson)
     }
+}
+
+/// The body length a request declares (`Content-Length`), if it declares a valid one.
+pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
+    headers.get(axum::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
 }
 
 /// A query string parsed into `T` (axum's `Query`), refused with an OpenAI-shaped 400.

@@ -70,9 +70,9 @@ pub struct Generation {
     completion_tokens: usize,
     /// Tokens streamed so far, over all choices.
     streamed_tokens: usize,
-    /// Per choice: tokens streamed, and whether it finished (then the engine's count is in
-    /// `completion_tokens`); what an aborted request is charged for.
-    choice_tokens: Vec<(usize, bool)>,
+    /// Per choice: tokens streamed, and once it finished the engine's count of its completion
+    /// tokens (what a prompt's policies are told, and an aborted request is charged for).
+    choices: Vec<ChoiceProgress>,
     started: Instant,
     first_token: Option<Instant>,
     last_token: Vec<Option<Instant>>,
@@ -82,9 +82,14 @@ pub struct Generation {
     /// Per prompt, the request policies that saw it, told the outcome once its choices ended
     /// (taken then, so each is told once); empty when no policy applies.
     policies: Vec<Option<Applied>>,
-    /// Per prompt: choices finished, completion tokens, and the last finish reason.
-    prompt_progress: Vec<(usize, usize, &'static str)>,
     _in_flight: InFlight,
+}
+
+#[derive(Clone, Copy, Default)]
+struct ChoiceProgress {
+    streamed: usize,
+    /// The engine's completion tokens, once the choice finished.
+    finished: Option<usize>,
 }
 
 impl Generation {
@@ -117,14 +122,13 @@ impl Generation {
             prompt_lens,
             completion_tokens: 0,
             streamed_tokens: 0,
-            choice_tokens: vec![(0, false); n * num_prompts],
+            choices: vec![ChoiceProgress::default(); n * num_prompts],
             started,
             first_token: None,
             last_token: vec![None; n * num_prompts],
             failed: false,
             admission,
             policies: policies.into_iter().map(Some).collect(),
-            prompt_progress: vec![(0, 0, ""); num_prompts],
             _in_flight: in_flight,
         })
     }
@@ -133,10 +137,16 @@ impl Generation {
     fn observe(&mut self, p: usize, reason: &str) {
         if let Some(applied) = self.policies.get_mut(p).and_then(Option::take) {
             let prompt_tokens = self.prompts[p].map_or(self.prompt_lens[p], |(t, _)| t);
-            let (completion, reason) = (self.prompt_progress[p].1, reason.to_string());
+            let completion = self.prompt_choices(p).iter().filter_map(|c| c.finished).sum();
+            let reason = reason.to_string();
             // Guest code: on the plugin pool; nothing waits for it.
             self.state.plugin_calls.spawn(move || applied.observe(prompt_tokens, completion, &reason));
         }
+    }
+
+    /// Prompt `p`'s choices.
+    fn prompt_choices(&self, p: usize) -> &[ChoiceProgress] {
+        &self.choices[p * self.n..(p + 1) * self.n]
     }
 
     /// Tells every policy not yet told that the request ended as `reason` (an error, an abort).
@@ -186,12 +196,12 @@ impl Generation {
     pub fn usage_charged(&self) -> Usage {
         let mut u = self.usage();
         for (p, known) in self.prompts.iter().enumerate() {
-            let prefilled = (p * self.n..(p + 1) * self.n).any(|c| self.choice_tokens[c].0 > 0);
+            let prefilled = self.prompt_choices(p).iter().any(|c| c.streamed > 0);
             if known.is_none() && prefilled {
                 u.prompt_tokens += self.prompt_lens[p];
             }
         }
-        u.completion_tokens += self.choice_tokens.iter().filter(|(_, done)| !done).map(|(t, _)| t).sum::<usize>();
+        u.completion_tokens += self.choices.iter().filter(|c| c.finished.is_none()).map(|c| c.streamed).sum::<usize>();
         u
     }
 
@@ -228,7 +238,7 @@ impl Generation {
             EngineEvent::Token { index, token, text, logprob } => {
                 let choice = p * self.n + index;
                 self.streamed_tokens += 1;
-                self.choice_tokens[choice].0 += 1;
+                self.choices[choice].streamed += 1;
                 if self.first_token.is_none() {
                     self.first_token = Some(now);
                     m.ttft.observe_duration(now - self.started);
@@ -241,13 +251,11 @@ impl Generation {
             }
             EngineEvent::Finished { index, reason, text, prompt_tokens, completion_tokens, cached_tokens } => {
                 let choice = p * self.n + index;
-                self.choice_tokens[choice].1 = true;
+                self.choices[choice].finished = Some(completion_tokens);
                 self.prompts[p] = Some((prompt_tokens, cached_tokens));
                 self.completion_tokens += completion_tokens;
                 self.finished += 1;
-                let progress = &mut self.prompt_progress[p];
-                *progress = (progress.0 + 1, progress.1 + completion_tokens, reason.as_str());
-                if progress.0 == self.n {
+                if self.prompt_choices(p).iter().all(|c| c.finished.is_some()) {
                     self.observe(p, reason.as_str());
                 }
                 if self.finished == self.total_choices {

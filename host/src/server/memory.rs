@@ -22,12 +22,7 @@ const DELAY_MS: u64 = 100;
 static PENDING: AtomicBool = AtomicBool::new(false);
 
 pub async fn return_memory_after_large_bodies(req: Request, next: Next) -> Response {
-    let declared = req
-        .headers()
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0);
+    let declared = super::extract::declared_length(req.headers()).unwrap_or(0);
     let resp = next.run(req).await;
     if declared >= LARGE_BODY && !PENDING.swap(true, Ordering::AcqRel) {
         // One trim a little later serves every large request that ends before it runs.
