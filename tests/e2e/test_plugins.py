@@ -220,7 +220,7 @@ def test_failing_chat_template_plugin_is_a_server_error():
     srv = Server("template-plugin", ["--plugins", str(cfg)]).start()
     try:
         c = srv.client()
-        say = lambda text, **kw: c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": text}], max_tokens=4, **kw)
+        say = lambda text, **kw: c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": text}], max_tokens=4, temperature=0, **kw)
         assert "chat template rendered by a Wasm plugin" in srv.log_text()
         with pytest.raises(openai.APIStatusError) as e:
             say("LOOP")
