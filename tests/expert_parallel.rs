@@ -373,7 +373,7 @@ fn deepseek_v3_bad_expert_parallel_sizes_are_clear_errors() {
     assert!(err.contains("expert parallel size must be at least 1"), "{err}");
     let llama = common::repo_root().join("tests/reference/tiny_llama");
     let err = wasmserve::model::load_ep(&llama, 2).err().expect("Llama has no experts").to_string();
-    assert!(err.contains("DeepSeek-V3 and Kimi-Linear models only, not Llama"), "{err}");
+    assert!(err.contains("DeepSeek-V3, Kimi-Linear, Kimi K3 models only, not Llama"), "{err}");
 }
 
 /// TP=3 on Kimi-Linear: each rank one KDA head (its q/k/v rows, conv channels, gates, state) and

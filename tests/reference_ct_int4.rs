@@ -156,9 +156,10 @@ fn load_error(path: &Path) -> String {
 fn unsupported_quantization_configs_are_refused_clearly() {
     let p = edited_copy("ct_int4_sym", "gptq", |c| c["quantization_config"]["quant_method"] = "gptq".into());
     assert!(load_error(&p).contains("quant_method 'gptq' is not supported"), "{}", load_error(&p));
-    // A config that says lm_head is quantized when the checkpoint holds it in bf16.
+    // A config that says lm_head is quantized when the checkpoint holds it in bf16 loads it dense,
+    // as vLLM does (RedHatAI's K3 INT4 config targets modules the checkpoint keeps dense).
     let p = edited_copy("ct_int4_sym", "lmhead", |c| c["quantization_config"]["ignore"] = serde_json::json!([]));
-    assert!(load_error(&p).contains("lm_head.weight_packed"), "{}", load_error(&p));
+    wasmserve::model::load(&p).expect("a targeted module stored dense loads dense");
     // Group size that disagrees with the stored scales.
     let p = edited_copy("ct_int4_sym", "gs", |c| {
         c["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64.into()

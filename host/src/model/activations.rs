@@ -82,6 +82,9 @@ impl WeightSource for Int8ActivationSource<'_> {
     fn keeps_packed(&self, name: &str) -> bool {
         self.inner.keeps_packed(name)
     }
+    fn unread(&self) -> Option<Vec<String>> {
+        self.inner.unread()
+    }
     fn load_split(&self, name: &str, shape: &[usize], split: &Split) -> Result<Tensor, LoadError> {
         self.inner.load_split(name, shape, split)
     }

@@ -19,18 +19,24 @@ pub enum Architecture {
     /// Kimi-Linear: KDA linear attention and MLA full attention, dense MLP or MoE
     /// (model/arch/kimi_linear/mod.rs).
     KimiLinear,
+    /// Kimi K3 (`KimiK3ForConditionalGeneration`): the Kimi-Linear text backbone with Block
+    /// Attention Residuals under `language_model.`, config nested in `text_config`
+    /// (model/arch/kimi_k3/mod.rs).
+    KimiK3,
 }
 
 impl Architecture {
     /// Every architecture (registry order: how errors list them).
-    pub const ALL: [Architecture; 3] = [Architecture::Llama, Architecture::DeepseekV3, Architecture::KimiLinear];
-    pub const SUPPORTED: &'static str = "llama (also mistral, smollm), deepseek_v3, kimi_linear";
+    pub const ALL: [Architecture; 4] =
+        [Architecture::Llama, Architecture::DeepseekV3, Architecture::KimiLinear, Architecture::KimiK3];
+    pub const SUPPORTED: &'static str = "llama (also mistral, smollm), deepseek_v3, kimi_linear, kimi_k3";
 
     fn from_name(name: &str) -> Option<Self> {
         match name {
             "llama" | "mistral" | "smollm" | "LlamaForCausalLM" | "MistralForCausalLM" => Some(Self::Llama),
             "deepseek_v3" | "DeepseekV3ForCausalLM" => Some(Self::DeepseekV3),
             "kimi_linear" | "KimiLinearForCausalLM" => Some(Self::KimiLinear),
+            "kimi_k3" | "KimiK3ForConditionalGeneration" => Some(Self::KimiK3),
             _ => None,
         }
     }
@@ -183,6 +189,15 @@ impl ModelConfig {
             arch: arch_name.to_string(),
             supported: Architecture::SUPPORTED.into(),
         })?;
+        // Kimi K3 keeps the text model's fields in `text_config` (vision in `vision_config`); the
+        // text model is what every later parser reads.
+        let cfg = match architecture {
+            Architecture::KimiK3 => cfg
+                .get("text_config")
+                .filter(|t| t.is_object())
+                .ok_or_else(|| cfg_err("kimi_k3 config without a text_config object".into()))?,
+            _ => cfg,
+        };
         let req = |k: &str| -> Result<usize, LoadError> {
             cfg.get(k)
                 .and_then(Value::as_u64)
@@ -217,8 +232,13 @@ impl ModelConfig {
                 return Err(cfg_err(format!("'{flag}: true' is not supported yet")));
             }
         }
-        if let Some(act) = cfg.get("hidden_act").and_then(Value::as_str).filter(|a| *a != "silu") {
-            return Err(cfg_err(format!("hidden_act '{act}' is not supported (expected silu)")));
+        // Kimi's MLPs may run SiTU (model/layers/moe/mlp.rs parses its betas); everything else SiLU.
+        let kimi = matches!(architecture, Architecture::KimiLinear | Architecture::KimiK3);
+        if let Some(act) =
+            cfg.get("hidden_act").and_then(Value::as_str).filter(|a| *a != "silu" && !(kimi && *a == "situ"))
+        {
+            let expected = if kimi { "silu or situ" } else { "silu" };
+            return Err(cfg_err(format!("hidden_act '{act}' is not supported (expected {expected})")));
         }
         let spec = LayerSpec { attention: AttentionKind::Gqa, ffn: FfnKind::DenseSwiGlu };
         Self {

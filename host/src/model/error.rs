@@ -22,6 +22,8 @@ pub enum LoadError {
     UnknownArchitecture { file: PathBuf, arch: String, supported: String },
     #[error("{file}: invalid config: {detail}")]
     Config { file: PathBuf, detail: String },
+    #[error("{file}: {count} checkpoint tensor(s) that no layer of this architecture reads: {names} (a tensor the forward ignores would give wrong outputs silently)")]
+    UnusedTensors { file: PathBuf, count: usize, names: String },
     #[error("{file}: tokenizer: {detail}")]
     Tokenizer { file: PathBuf, detail: String },
 }

@@ -12,6 +12,7 @@ pub mod registry;
 pub mod shard;
 pub mod tensor;
 pub mod tokenizer;
+pub mod unused;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -208,7 +209,9 @@ pub fn load_with_options(path: &Path, opts: &LoadOptions) -> Result<LoadedModel,
         let src =
             format::quant::QuantizedSource::wrap(format::hf_source::SafetensorsSource::open(path)?, &cfg_path, &raw)?;
         let tokenizer = Tokenizer::from_hf_dir(path, &raw)?;
-        (build_with_options(cfg, src.as_ref(), opts)?, tokenizer)
+        let model = build_with_options(cfg, src.as_ref(), opts)?;
+        unused::check(model.config(), src.as_ref(), path)?;
+        (model, tokenizer)
     } else {
         let file = format::gguf::GgufFile::open(path)?;
         let cfg = ModelConfig::from_gguf(&file)?;

@@ -3,7 +3,7 @@
 //! a checkpoint's config); [`spec`] is the one place that maps it to its folder under `arch/`.
 //! (Moving onto devices is the loaded model's own business: `LanguageModel::device_form`.)
 
-use super::arch::{deepseek_v3, kimi_linear, llama};
+use super::arch::{deepseek_v3, kimi_k3, kimi_linear, llama};
 use super::config::{Architecture, ModelConfig};
 use super::error::LoadError;
 use super::format::source::WeightSource;
@@ -44,7 +44,7 @@ pub trait ArchitectureSpec: Sync {
         let with: Vec<&str> =
             Architecture::ALL.iter().map(|a| spec(*a)).filter(|s| s.expert_parallel()).map(|s| s.name()).collect();
         let detail =
-            format!("expert parallelism is implemented for {} models only, not {}", with.join(" and "), self.name());
+            format!("expert parallelism is implemented for {} models only, not {}", with.join(", "), self.name());
         Err(unsupported(src, detail))
     }
 }
@@ -60,6 +60,7 @@ pub fn spec(a: Architecture) -> &'static dyn ArchitectureSpec {
         Architecture::Llama => &llama::Llama,
         Architecture::DeepseekV3 => &deepseek_v3::DeepseekV3,
         Architecture::KimiLinear => &kimi_linear::KimiLinear,
+        Architecture::KimiK3 => &kimi_k3::KimiK3,
     }
 }
 

@@ -3,5 +3,6 @@
 //! (`device.rs`). `model::registry` lists them; docs/architecture.md says what to touch to add one.
 
 pub mod deepseek_v3;
+pub mod kimi_k3;
 pub mod kimi_linear;
 pub mod llama;

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use half::{bf16, f16};
@@ -30,6 +31,9 @@ pub struct SafetensorsSource {
     shards: Vec<Shard>,
     /// tensor name -> shard index
     index: BTreeMap<String, usize>,
+    /// tensor name -> whether anything read it (a tensor nothing reads is a load error:
+    /// `model::unused`).
+    read: BTreeMap<String, AtomicBool>,
 }
 
 fn io(file: &Path) -> impl FnOnce(std::io::Error) -> LoadError + '_ {
@@ -109,7 +113,8 @@ impl SafetensorsSource {
             }
             shards.push(shard);
         }
-        Ok(Self { dir: dir.to_path_buf(), shards, index })
+        let read = index.keys().map(|k| (k.clone(), AtomicBool::new(false))).collect();
+        Ok(Self { dir: dir.to_path_buf(), shards, index, read })
     }
 }
 
@@ -122,8 +127,15 @@ pub struct RawTensor<'a> {
 }
 
 impl SafetensorsSource {
+    fn mark_read(&self, name: &str) {
+        if let Some(flag) = self.read.get(name) {
+            flag.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// The stored form of `name` (quantized checkpoints keep int32/uint8 codes and scales).
     pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, LoadError> {
+        self.mark_read(name);
         let shard = self
             .index
             .get(name)
@@ -142,6 +154,7 @@ impl SafetensorsSource {
 
 impl WeightSource for SafetensorsSource {
     fn load(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError> {
+        self.mark_read(name);
         let shard = self
             .index
             .get(name)
@@ -174,6 +187,10 @@ impl WeightSource for SafetensorsSource {
 
     fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
+    }
+
+    fn unread(&self) -> Option<Vec<String>> {
+        Some(self.read.iter().filter(|(_, r)| !r.load(Ordering::Relaxed)).map(|(n, _)| n.clone()).collect())
     }
 
     fn file_of(&self, name: &str) -> PathBuf {

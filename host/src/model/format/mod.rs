@@ -7,5 +7,6 @@ pub mod gguf;
 pub mod gguf_packed;
 pub mod gguf_source;
 pub mod hf_source;
+pub mod prefixed;
 pub mod quant;
 pub mod source;

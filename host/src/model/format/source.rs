@@ -33,6 +33,11 @@ pub trait WeightSource: Send + Sync {
     fn keeps_packed(&self, _name: &str) -> bool {
         false
     }
+    /// The stored tensors nothing has read so far, where the source keeps count (a safetensors
+    /// checkpoint); `None` where it cannot tell (GGUF). See `model::unused`.
+    fn unread(&self) -> Option<Vec<String>> {
+        None
+    }
     /// The part `split` of `name` (whose full shape is `shape`): what one tensor-parallel rank
     /// holds. The default loads the whole tensor and copies the part out; a source that can
     /// decode just the part overrides it.

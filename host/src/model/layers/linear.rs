@@ -47,6 +47,18 @@ impl Linear {
         }
     }
 
+    /// The weight decoded to f32, `[out_features, in_features]` row-major (for the few weights a
+    /// model only uses dense).
+    pub fn to_dense(&self) -> Vec<f32> {
+        let rows = 0..self.out_features();
+        match self {
+            Linear::Dense(t) => t.as_slice().to_vec(),
+            Linear::Int(q) => rows.flat_map(|r| q.dequantize_row(r)).collect(),
+            Linear::Mxfp4(q) => rows.flat_map(|r| q.dequantize_row(r)).collect(),
+            Linear::Cubic(q) => rows.flat_map(|r| q.dequantize_row(r)).collect(),
+        }
+    }
+
     /// `x` holds `n` rows of `in_features`; returns `n` rows of `out_features`.
     pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
         let mut out = vec![0.0; n * self.out_features()];

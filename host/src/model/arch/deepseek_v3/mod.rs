@@ -20,6 +20,7 @@ use crate::model::layers::decoder::final_norm_rows;
 use crate::model::layers::linear::Linear;
 use crate::model::layers::mla::{MlaConfig, MlaLayer};
 use crate::model::layers::moe::ffn::{decoder_layers, Ffn, PreNormLayer};
+use crate::model::layers::moe::mlp::Activation;
 use crate::model::layers::moe::ExpertParallelMoe;
 use crate::model::layers::moe::MoeConfig;
 use crate::model::tensor::Tensor;
@@ -132,7 +133,7 @@ impl DeepseekV3Model {
         let mut specs = Vec::with_capacity(cfg.num_layers());
         for i in 0..cfg.num_layers() {
             let p = format!("model.layers.{i}");
-            let ffn = Ffn::load(moe.as_ref(), src, i, d, cfg.intermediate_size, ep)?;
+            let ffn = Ffn::load(moe.as_ref(), src, i, d, cfg.intermediate_size, Activation::Silu, ep)?;
             specs.push(LayerSpec {
                 attention: AttentionKind::Mla,
                 ffn: if ffn.is_moe() { FfnKind::Moe } else { FfnKind::DenseSwiGlu },

@@ -16,10 +16,11 @@ pub mod device;
 pub mod parallel;
 
 use crate::model::arch::llama::SharedKv;
-use crate::model::config::ModelConfig;
+use crate::model::config::{Architecture, ModelConfig};
 use crate::model::error::LoadError;
 use crate::model::format::source::WeightSource;
 use crate::model::kv::{BatchRow, CacheLayout, KvCache};
+use crate::model::layers::attn_res::AttnRes;
 use crate::model::layers::decoder::final_norm_rows;
 use crate::model::layers::kda::plan::{layer_plan, MixerKind};
 use crate::model::layers::kda::state::SequenceState;
@@ -27,6 +28,7 @@ use crate::model::layers::kda::{KdaConfig, KdaLayer};
 use crate::model::layers::linear::Linear;
 use crate::model::layers::mla::{MlaConfig, MlaLayer};
 use crate::model::layers::moe::ffn::{decoder_layers, Ffn, PreNormLayer};
+use crate::model::layers::moe::mlp::Activation;
 use crate::model::layers::moe::ExpertParallelMoe;
 use crate::model::layers::moe::MoeConfig;
 use crate::model::tensor::Tensor;
@@ -99,6 +101,8 @@ pub struct KimiLinearModel {
     pub(crate) cfg: ModelConfig,
     pub(crate) embed: Tensor,
     pub(crate) layers: Vec<Layer>,
+    /// Block Attention Residuals in place of the residual add (Kimi K3, `attn_res_block_size`).
+    pub(crate) attn_res: Option<AttnRes>,
     pub(crate) norm: Tensor,
     pub(crate) lm_head: Linear,
     /// Config of each KDA layer, in layer order (the shape of a sequence's recurrent state).
@@ -144,8 +148,13 @@ impl KimiLinearModel {
         let (file, raw) = (file.as_path(), raw.as_ref());
         let plan = layer_plan(file, raw, cfg.num_layers())?;
         let kda_cfg = KdaConfig::from_hf_config(file, raw)?;
-        let latent_cfg =
+        let mut latent_cfg =
             if plan.contains(&MixerKind::FullAttention) { Some(MlaConfig::from_hf_config(file, raw)?) } else { None };
+        if let Some(mla) = latent_cfg.as_mut().filter(|_| cfg.architecture == Architecture::KimiK3) {
+            // K3's servers (TokenSpeed, vLLM-cubic `kimi_k3/nvidia/mla.py`) build q_a_layernorm and
+            // kv_a_layernorm with rms_norm_eps, not transformers' DeepSeek default of 1e-6.
+            mla.lora_norm_eps = cfg.rms_norm_eps;
+        }
         if latent_cfg.as_ref().is_some_and(|m| m.rope.is_some()) {
             // Kimi-Linear's full-attention layers are NoPE; a config asking for RoPE is not one.
             return Err(LoadError::Config {
@@ -154,6 +163,13 @@ impl KimiLinearModel {
             });
         }
         let moe = MoeConfig::from_hf_config(file, raw)?;
+        // K3 runs SiTU in its dense layer-0 MLP too (and in the experts, via MoeConfig).
+        let dense_activation =
+            Activation::from_hf_config(raw).map_err(|detail| LoadError::Config { file: file.to_path_buf(), detail })?;
+        let attn_res = match attn_res_block_size(file, raw, cfg.architecture)? {
+            Some(block) => Some(AttnRes::load(src, plan.len(), d, block, |i| format!("model.layers.{i}"))?),
+            None => None,
+        };
         let mut layers = Vec::with_capacity(plan.len());
         let mut kda = Vec::new();
         let mut cache_layers = Vec::with_capacity(plan.len());
@@ -177,7 +193,7 @@ impl KimiLinearModel {
                     unreachable!("latent config is read when the plan has full attention")
                 }
             };
-            let ffn = Ffn::load(moe.as_ref(), src, i, d, cfg.intermediate_size, ep)?;
+            let ffn = Ffn::load(moe.as_ref(), src, i, d, cfg.intermediate_size, dense_activation, ep)?;
             layers.push(Layer {
                 attn_norm: src.load(&format!("{p}.input_layernorm.weight"), &[d])?,
                 mixer,
@@ -204,6 +220,7 @@ impl KimiLinearModel {
             cfg,
             embed,
             layers,
+            attn_res,
             lm_head,
             kda,
             cache,
@@ -271,15 +288,12 @@ impl KimiLinearModel {
     ) -> Result<Vec<f32>, E> {
         let (cfg, d) = (&self.cfg, self.cfg.hidden_size);
         assert_eq!(tokens.len(), rows.len(), "forward: one BatchRow per token");
-        let hidden = decoder_layers(
-            self.embed.as_slice(),
-            d,
-            tokens,
-            &self.layers,
-            cfg.rms_norm_eps,
-            |li, l, x| mixer(li, &l.mixer, x),
-            expert_parallel,
-        )?;
+        let (embed, eps) = (self.embed.as_slice(), cfg.rms_norm_eps);
+        let mix = |li, l: &Layer, x: &[f32]| mixer(li, &l.mixer, x);
+        let hidden = match &self.attn_res {
+            None => decoder_layers(embed, d, tokens, &self.layers, eps, mix, expert_parallel)?,
+            Some(res) => res.decoder_layers(embed, d, tokens, &self.layers, eps, mix, expert_parallel)?,
+        };
         let final_normed = final_norm_rows(&hidden, d, logit_rows, self.norm.as_slice(), cfg.rms_norm_eps);
         Ok(self.lm_head.forward(&final_normed, logit_rows.len()))
     }
@@ -322,8 +336,10 @@ impl LanguageModel for KimiLinearModel {
     }
 
     /// A whole model only: a lone rank of a sharded one cannot run by itself.
+    /// Not yet with Attention Residuals (K3): the device decoder has no AttnRes kernels.
     fn device_form(&self) -> Option<&dyn crate::model::device::placement::Placeable> {
-        (self.ep.size == 1).then_some(self as &dyn crate::model::device::placement::Placeable)
+        (self.ep.size == 1 && self.attn_res.is_none())
+            .then_some(self as &dyn crate::model::device::placement::Placeable)
     }
 
     fn new_recurrent_state(&self) -> Option<SequenceState> {
@@ -352,5 +368,26 @@ impl LanguageModel for KimiLinearModel {
             Ok(v) => v,
             Err(never) => match never {},
         }
+    }
+}
+
+/// `attn_res_block_size` of a (text) config: `None` when absent or null (Kimi-Linear), else the
+/// number of layers per AttnRes block (K3: 12).
+/// K3 without the field gets TokenSpeed's default (12, its checkpoint's value).
+fn attn_res_block_size(
+    file: &std::path::Path,
+    raw: &serde_json::Value,
+    arch: Architecture,
+) -> Result<Option<usize>, LoadError> {
+    match raw.get("attn_res_block_size").filter(|v| !v.is_null()) {
+        None if arch == Architecture::KimiK3 => Ok(Some(12)),
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(b) if b > 0 => Ok(Some(b as usize)),
+            _ => Err(LoadError::Config {
+                file: file.to_path_buf(),
+                detail: format!("attn_res_block_size must be a positive integer, got {v}"),
+            }),
+        },
     }
 }

@@ -28,10 +28,12 @@ pub struct QuantizedSource {
 }
 
 impl QuantizedSource {
-    /// Wraps `inner` when `config.json` has a `quantization_config`; returns it unchanged
-    /// (boxed) otherwise. Unknown quantization methods are refused rather than misread.
+    /// Wraps `inner` when `config.json` has a `quantization_config` (at the top, or inside
+    /// `text_config` as Kimi K3's MXFP4 release keeps it); returns it unchanged (boxed)
+    /// otherwise. Unknown quantization methods are refused rather than misread.
     pub fn wrap(inner: SafetensorsSource, config_file: &Path, cfg: &Value) -> Result<Box<dyn WeightSource>, LoadError> {
-        let Some(q) = cfg.get("quantization_config").filter(|q| !q.is_null()) else {
+        let in_text = cfg.get("text_config").and_then(|t| t.get("quantization_config"));
+        let Some(q) = cfg.get("quantization_config").or(in_text).filter(|q| !q.is_null()) else {
             return Ok(Box::new(inner));
         };
         let err = |detail: String| LoadError::Config {
@@ -58,10 +60,17 @@ impl WeightSource for QuantizedSource {
             if self.inner.contains(&format!("{module}.weight_packed"))
                 || self.inner.contains(&format!("{module}.cubic_codes"))
             {
+                // A weight the model needs in f32 (MLA's kv_b_proj for the absorbed form, K3's
+                // [1, hidden] AttnRes projections) that the checkpoint quantized: decoded once
+                // here, as vLLM does for the absorbed MLA weights.
+                if let [rows, cols] = shape {
+                    let dense = self.linear(module, *rows, *cols)?.to_dense();
+                    return Ok(Tensor::owned(shape.to_vec(), dense));
+                }
                 return Err(LoadError::BadTensor {
                     file: self.inner.file_of(name),
                     tensor: name.to_string(),
-                    detail: "stored quantized, but this weight is only supported unquantized".into(),
+                    detail: format!("stored quantized, but a {}-dimensional weight cannot be", shape.len()),
                 });
             }
         }
@@ -77,6 +86,10 @@ impl WeightSource for QuantizedSource {
 
     fn file_of(&self, name: &str) -> PathBuf {
         self.inner.file_of(name)
+    }
+
+    fn unread(&self) -> Option<Vec<String>> {
+        self.inner.unread()
     }
 
     fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
@@ -97,10 +110,15 @@ impl WeightSource for QuantizedSource {
             return self.inner.load(&format!("{module}.weight"), &[rows, cols]).map(Linear::Dense);
         };
         if !self.inner.contains(&format!("{module}.weight_packed")) {
+            // A module a config group targets that the checkpoint kept dense loads dense (vLLM
+            // does the same); one with neither form is an error naming both.
+            if self.inner.contains(&format!("{module}.weight")) {
+                return self.inner.load(&format!("{module}.weight"), &[rows, cols]).map(Linear::Dense);
+            }
             return Err(LoadError::Config {
                 file: self.config_file.clone(),
                 detail: format!(
-                    "'{module}' is quantized by config group '{}' but the checkpoint has no {module}.weight_packed",
+                    "'{module}' is quantized by config group '{}' but the checkpoint has neither {module}.weight_packed nor {module}.weight",
                     scheme.group
                 ),
             });

@@ -179,17 +179,7 @@ impl MoeConfig {
         // Kimi's `use_grouped_topk: false` means no group restriction.
         let (n_group, topk_group) = if bool_of(&["use_grouped_topk"], true)? { (n_group, topk_group) } else { (1, 1) };
 
-        let activation = match str_of(&["hidden_act"]).unwrap_or("silu") {
-            "silu" | "swish" => Activation::Silu,
-            "situ" => Activation::Situ {
-                beta: f32_of(&["activation_situ_beta"], 4.0)?,
-                linear_beta: match first(raw, &["activation_situ_linear_beta"]) {
-                    None => None,
-                    Some(_) => Some(f32_of(&["activation_situ_linear_beta"], 0.0)?),
-                },
-            },
-            other => return Err(bad(format!("hidden_act '{other}' is not supported for MoE experts (silu, situ)"))),
-        };
+        let activation = Activation::from_hf_config(raw).map_err(bad)?;
         let latent = match usize_of(&["routed_expert_hidden_size"])? {
             None | Some(0) => None,
             Some(h) => Some(LatentConfig { hidden_size: h, use_norm: bool_of(&["latent_moe_use_norm"], true)? }),

@@ -23,13 +23,15 @@ pub(crate) enum Ffn {
 
 impl Ffn {
     /// Layer `layer`'s block: an MoE block where `moe` makes it one (whole for `ep.size == 1`,
-    /// else rank `ep.rank`'s experts), else the dense MLP (`hidden` → `inter`).
+    /// else rank `ep.rank`'s experts), else the dense MLP (`hidden` → `inter`, `dense_activation`).
+    #[allow(clippy::too_many_arguments)]
     pub fn load(
         moe: Option<&MoeConfig>,
         src: &dyn WeightSource,
         layer: usize,
         hidden: usize,
         inter: usize,
+        dense_activation: Activation,
         ep: EpRank,
     ) -> Result<Self, LoadError> {
         Ok(match moe {
@@ -43,7 +45,7 @@ impl Ffn {
                 ["gate_proj", "up_proj", "down_proj"],
                 hidden,
                 inter,
-                Activation::Silu,
+                dense_activation,
             )?),
         })
     }

@@ -20,6 +20,25 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// The activation `hidden_act` names in a (text) config: `silu`, or Kimi K3's `situ` with
+    /// `activation_situ_beta` (default 4) and the optional `activation_situ_linear_beta`.
+    pub fn from_hf_config(raw: &serde_json::Value) -> Result<Self, String> {
+        let number = |key: &str| -> Result<Option<f32>, String> {
+            match raw.get(key).filter(|v| !v.is_null()) {
+                None => Ok(None),
+                Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| format!("{key} must be a number, got {v}")),
+            }
+        };
+        match raw.get("hidden_act").and_then(serde_json::Value::as_str).unwrap_or("silu") {
+            "silu" | "swish" => Ok(Activation::Silu),
+            "situ" => Ok(Activation::Situ {
+                beta: number("activation_situ_beta")?.unwrap_or(4.0),
+                linear_beta: number("activation_situ_linear_beta")?,
+            }),
+            other => Err(format!("hidden_act '{other}' is not supported for gated MLPs (silu, situ)")),
+        }
+    }
+
     /// `gate` becomes `act(gate, up)` in place.
     pub fn apply(self, gate: &mut [f32], up: &[f32]) {
         match self {
