@@ -12,6 +12,14 @@ tensors, which the loader must skip; tokenizer files of the tiny Llama fixture):
          128, and the format is the same for any group size.
   mxfp4  moonshotai/Kimi-K3's layout: routed experts `mxfp4-pack-quantized` (E2M1 + E8M0 per 32),
          everything else bf16, `quantization_config` inside `text_config`, K3's ignore list.
+  cubic  QuantTrio/Kimi-K3-Cubic-2.5Bit's layout: routed experts `cubic-pack-quantized` per expert
+         (`experts.{e}.w{1,2,3}.weight_packed/_scale/_a/_b`) with a mixed per-layer schedule as their
+         converter writes it (config groups `moe_layers_{s}_{e}` with `re:` targets, the MXFP4 ignore
+         list, in `text_config`): layers 1-2 W3 g32, layer 3 W2 g64, layer 4 W4 g64 (the seed's
+         widths, tiny groups). Codes are packed and decoded by QuantTrio's own `pack_cubic_codes` /
+         `dequantize_cubic` (cubic_upstream.py; needs VLLM_CUBIC_SRC); the code choice per weight is
+         ours (nearest level of a per-group (a, b) picked from a few candidates, scale = group
+         absmax), not their converter's fitting.
 
 Packing and the reference weights come from compressed-tensors itself (`calculate_qparams`,
 `PackedQuantizationCompressor` / `MXFP4PackedCompressor` `compress` and `decompress`, f32 scales).
@@ -205,9 +213,71 @@ def ct_quantize(weight, scheme, compressor):
     return packed, dense
 
 
+CUBIC_SCHEDULE = {1: (3, 32), 2: (3, 32), 3: (2, 64), 4: (4, 64)}  # layer -> (bits, group_in)
+CUBIC_AB = [(1.0, 0.0), (0.7, 0.2), (0.5, 0.4), (1.3, -0.4)]
+
+
+def cubic_quantize(up, weight, bits, gi):
+    """Per group of gi inputs: scale = absmax, (a, b) the candidate whose levels fit best, codes
+    the nearest level; packed and decoded by QuantTrio's functions."""
+    rows, cols = weight.shape
+    groups = weight.unflatten(-1, (cols // gi, gi))
+    scale = groups.abs().amax(-1).clamp(min=1e-8).float()
+    m = (1 << (bits - 1)) - 1
+    best = None
+    for a, b in CUBIC_AB:
+        a_t = torch.full(scale.shape, a).half()
+        b_t = torch.full(scale.shape, b).half()
+        levels = up["cubic_levels"](bits, a_t.float(), b_t.float())  # [rows, groups, M+1]
+        t = groups.abs() / scale[..., None]
+        mag = (t[..., None] - levels[..., None, :]).abs().argmin(-1)
+        codes = (torch.sign(groups) * mag).flatten(-2).to(torch.int64) if bits > 1 else torch.where(groups >= 0, 1, -1).flatten(-2)
+        packed = up["pack_cubic_codes"](codes, bits)
+        deq = up["dequantize_cubic"](packed, scale, a_t, b_t, total_bits=bits, group_size=gi, group_out=1,
+                                     num_values=cols)
+        err = float((deq - weight).pow(2).sum())
+        if best is None or err < best[0]:
+            best = (err, {"weight_packed": packed, "weight_scale": scale, "weight_a": a_t, "weight_b": b_t}, deq)
+    return best[1], best[2]
+
+
 def quantized_layout(w, linears, layout):
     """(tensors to save, f32 weights the reference runs on, quantization_config, in text_config?)."""
     stored, ref = {}, {}
+    if layout == "cubic":
+        import cubic_upstream
+        up = cubic_upstream.load()
+        for name, t in w.items():
+            if name.endswith(".__dtype"):
+                continue
+            module = name[: -len(".weight")] if name.endswith(".weight") else None
+            if module in linears and ".experts." in module:
+                layer = int(module.split(".layers.")[1].split(".")[0])
+                bits, gi = CUBIC_SCHEDULE[layer]
+                packed, dense = cubic_quantize(up, t, bits, gi)
+                for k, v in packed.items():
+                    stored[f"{module}.{k}"] = v.contiguous()
+                ref[name] = dense
+            else:
+                stored[name] = t.to(w[name + ".__dtype"]).contiguous()
+                ref[name] = stored[name].float()
+        segments = {}
+        for layer, scheme in CUBIC_SCHEDULE.items():
+            segments.setdefault(scheme, []).append(layer)
+        groups = {}
+        for (bits, gi), layers in segments.items():
+            alt = "|".join(str(x) for x in layers)
+            groups[f"moe_layers_{layers[0]}_{layers[-1]}"] = {
+                "targets": [f"re:.*\\.layers\\.(?:{alt})\\.block_sparse_moe\\.experts"],
+                "weights": {"num_bits": bits, "group_size": gi, "strategy": "group", "symmetric": True,
+                            "dynamic": False, "scale_dtype": "float32", "param_dtype": "float16",
+                            "reserved_code": "binary" if bits == 1 else "zero", "packing": "little-endian-bitstream"},
+                "input_activations": None}
+        quant = {"quant_method": "cubic", "format": "cubic-pack-quantized", "quantization_status": "compressed",
+                 "runtime_weight_storage": "native_packed_bitstream", "config_groups": groups,
+                 "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                            "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]}
+        return stored, ref, quant, True
     if layout == "int4":
         scheme, compressor = int4_scheme(), PackedQuantizationCompressor
         ignore = ["language_model.lm_head", "re:.*block_sparse_moe\\.gate$", "re:vision_tower.*", "re:mm_projector.*"]
@@ -409,7 +479,7 @@ def main():
     if os.path.exists(OUT):
         shutil.rmtree(OUT)
     w, linears = make_weights(seed=4)
-    for layout in ["int4", "mxfp4"]:
+    for layout in ["int4", "mxfp4", "cubic"]:
         d = os.path.join(OUT, layout)
         os.makedirs(d)
         stored, ref, quant, in_text = quantized_layout(w, linears, layout)
@@ -426,7 +496,8 @@ def main():
               "attn_res effect on logits", attn_res_matters(ref, cases[0]["ids"]))
     total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(OUT) for f in fs)
     print(f"fixtures: {total / 1e6:.2f} MB")
-    assert total < 4.5e6
+    assert total < 7e6
+    assert all(os.path.getsize(os.path.join(r, f)) < 3e6 for r, _, fs in os.walk(OUT) for f in fs)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,11 @@ pub fn slice_linear(l: Linear, split: &Split) -> Result<Linear, String> {
             Ok(Linear::Cubic(AnyCubic::new(s.packed, s.group_size, &s.p0, &s.p1)))
         }
         Linear::Mxfp4(m) => slice_mxfp4(&m, rows, cols).map(Linear::Mxfp4),
+        // QuantTrio's K3 checkpoints quantize only routed experts, which expert parallelism
+        // keeps whole.
+        Linear::CubicPack(_) => {
+            Err("a cubic-pack-quantized layer cannot be split over tensor-parallel ranks yet".into())
+        }
     }
 }
 
@@ -265,6 +270,7 @@ mod tests {
             .map(|r| match l {
                 Linear::Int(q) => q.dequantize_row(r),
                 Linear::Cubic(c) => c.dequantize_row(r),
+                Linear::CubicPack(c) => c.dequantize_row(r),
                 Linear::Mxfp4(m) => m.dequantize_row(r),
                 Linear::Dense(t) => t.as_slice()[r * l.in_features()..(r + 1) * l.in_features()].to_vec(),
             })

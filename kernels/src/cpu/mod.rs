@@ -4,6 +4,7 @@ pub mod activation;
 pub mod attention;
 pub mod bitpack;
 pub mod cubic;
+pub mod cubic_pack;
 pub mod dequant;
 pub mod dot;
 pub mod fp8;

@@ -118,6 +118,11 @@ fn parts(name: &str, l: &Linear, dense: DenseWeights) -> Result<Parts, ForwardEr
             let (p, g, params) = c.parts();
             grouped(true, p, g, params)
         }
+        Linear::CubicPack(_) => {
+            return Err(ForwardError::Invalid(format!(
+                "{name}: cubic-pack-quantized weights have no device kernels yet (they run on the CPU)"
+            )))
+        }
         Linear::Mxfp4(m) => {
             let (packed, scales) = m.parts();
             Parts::Mxfp4 { rows: m.rows(), cols: m.cols(), packed: packed.to_vec(), scales: scales.to_vec() }

@@ -2,6 +2,7 @@
 //! without the model code knowing which one it multiplies with.
 
 use kernels::cpu::cubic::AnyCubic;
+use kernels::cpu::cubic_pack::CubicPackMatrix;
 use kernels::cpu::matmul::matmul_t;
 use kernels::cpu::mxfp4::Mxfp4Matrix;
 
@@ -14,8 +15,10 @@ pub enum Linear {
     Int(IntLinear),
     /// MXFP4 codes and E8M0 block scales kept packed.
     Mxfp4(Mxfp4Matrix),
-    /// Cubic codes (docs/cubic-format.md) with per-group scale and shape, kept packed.
+    /// The earlier in-house cubic layout (`cubic_codes` / `cubic_scale` / `cubic_shape`), kept packed.
     Cubic(AnyCubic),
+    /// QuantTrio's Cubic (`cubic-pack-quantized`, docs/cubic-format.md), kept packed.
+    CubicPack(CubicPackMatrix),
 }
 
 impl Linear {
@@ -25,6 +28,7 @@ impl Linear {
             Linear::Int(q) => q.out_features(),
             Linear::Mxfp4(q) => q.rows(),
             Linear::Cubic(q) => q.rows(),
+            Linear::CubicPack(q) => q.rows(),
         }
     }
 
@@ -34,6 +38,7 @@ impl Linear {
             Linear::Int(q) => q.in_features(),
             Linear::Mxfp4(q) => q.cols(),
             Linear::Cubic(q) => q.cols(),
+            Linear::CubicPack(q) => q.cols(),
         }
     }
 
@@ -44,6 +49,7 @@ impl Linear {
             Linear::Int(q) => q.w.bytes(),
             Linear::Mxfp4(q) => q.bytes(),
             Linear::Cubic(q) => q.bytes(),
+            Linear::CubicPack(q) => q.bytes(),
         }
     }
 
@@ -56,6 +62,7 @@ impl Linear {
             Linear::Int(q) => rows.flat_map(|r| q.dequantize_row(r)).collect(),
             Linear::Mxfp4(q) => rows.flat_map(|r| q.dequantize_row(r)).collect(),
             Linear::Cubic(q) => rows.flat_map(|r| q.dequantize_row(r)).collect(),
+            Linear::CubicPack(q) => rows.flat_map(|r| q.dequantize_row(r)).collect(),
         }
     }
 
@@ -67,6 +74,7 @@ impl Linear {
             Linear::Int(q) => q.forward(x, n, &mut out),
             Linear::Mxfp4(q) => q.matmul_t(x, &mut out, n),
             Linear::Cubic(q) => q.matmul_t(x, &mut out, n),
+            Linear::CubicPack(q) => q.matmul_t(x, &mut out, n),
         }
         out
     }

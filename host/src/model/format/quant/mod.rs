@@ -4,6 +4,7 @@
 pub mod ct_config;
 pub mod ct_linear;
 pub mod cubic;
+pub mod cubic_pack;
 pub mod int_linear;
 pub mod mxfp4_linear;
 pub mod source;

@@ -11,6 +11,7 @@ use crate::model::format::hf_source::SafetensorsSource;
 use crate::model::format::quant::ct_config::{CtConfig, CtFormat};
 use crate::model::format::quant::ct_linear::load_int_linear;
 use crate::model::format::quant::cubic::{load_cubic, CubicConfig};
+use crate::model::format::quant::cubic_pack::{load_cubic_pack, CubicPackConfig};
 use crate::model::format::quant::mxfp4_linear::load_ct_mxfp4;
 use crate::model::format::source::WeightSource;
 use crate::model::layers::linear::Linear;
@@ -18,6 +19,9 @@ use crate::model::tensor::Tensor;
 
 enum Config {
     CompressedTensors(CtConfig),
+    /// QuantTrio's `cubic-pack-quantized`.
+    CubicPack(CubicPackConfig),
+    /// The earlier in-house cubic layout (`version: 1`, per-module list).
     Cubic(CubicConfig),
 }
 
@@ -42,6 +46,8 @@ impl QuantizedSource {
         };
         let config = if let Some(ct) = CtConfig::parse(q).map_err(err)? {
             Config::CompressedTensors(ct)
+        } else if let Some(c) = CubicPackConfig::parse(q).map_err(err)? {
+            Config::CubicPack(c)
         } else if let Some(c) = CubicConfig::parse(q).map_err(err)? {
             Config::Cubic(c)
         } else {
@@ -99,6 +105,18 @@ impl WeightSource for QuantizedSource {
     fn linear(&self, module: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
         let ct = match &self.config {
             Config::CompressedTensors(ct) => ct,
+            Config::CubicPack(c) => {
+                let scheme = c
+                    .scheme_for(module)
+                    .map_err(|detail| LoadError::Config { file: self.config_file.clone(), detail })?;
+                let packed = self.inner.contains(&format!("{module}.weight_packed"));
+                return match scheme {
+                    Some(s) if packed => load_cubic_pack(&self.inner, module, rows, cols, s).map(Linear::CubicPack),
+                    // Targeted but stored dense (QuantTrio's `cq` converter targets every Linear
+                    // and converts only experts): dense, as vLLM loads it.
+                    _ => self.inner.load(&format!("{module}.weight"), &[rows, cols]).map(Linear::Dense),
+                };
+            }
             Config::Cubic(c) => {
                 return match c.modules.get(module) {
                     Some(layer) => load_cubic(&self.inner, module, rows, cols, *layer).map(Linear::Cubic),

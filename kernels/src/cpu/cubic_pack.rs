@@ -1,0 +1,240 @@
+//! QuantTrio's Cubic format (`cubic-pack-quantized`, QuantTrio/vllm-cubic
+//! `vllm/model_executor/layers/quantization/cubic.py`), A16: weights decoded exactly in f32.
+//!
+//! Per row, a little-endian bit stream of `bits`-bit codes (`ceil(cols·bits/8)` bytes). For
+//! `bits >= 2` a code is two's complement in `[-M, M]`, `M = 2^(bits-1) - 1`, the raw value
+//! `-2^(bits-1)` reserved and read as 0; for 1 bit, bit 1 is +1 and bit 0 is -1. A group of
+//! `group_out` rows × `group_in` columns shares an f32 scale and f16 `a`, `b`:
+//!
+//! ```text
+//! t = |c| / M,   L(t) = t·(a + t·(b + t·(1 - a - b))),   w = sign(c)·(scale·L(t))   (bits ≥ 2)
+//! w = c·scale                                                                        (1 bit)
+//! ```
+//!
+//! in f32, in that order (the authors' `dequantize_cubic`; fixtures from it are compared bit for
+//! bit in `host/../tests/reference_cubic_pack.rs`). Each group's `2M + 1` values are computed once
+//! into a table, so a row decodes by lookup.
+//!
+//! Hand-written rather than dequantised at load because the point of the format is the 2-3 bits
+//! per weight in memory; this is the plain (scalar, rayon over rows) kernel, not yet the SIMD or
+//! dynamic-A8 ones.
+
+use rayon::prelude::*;
+
+/// One packed Cubic matrix `[rows, cols]` (`y = x·Wᵀ`).
+pub struct CubicPackMatrix {
+    bits: u32,
+    rows: usize,
+    cols: usize,
+    group_out: usize,
+    group_in: usize,
+    /// `rows` × `row_bytes` code bytes.
+    packed: Vec<u8>,
+    /// Per group (`[ceil(rows/group_out), ceil(cols/group_in)]` row-major): scale, a, b (a, b
+    /// already widened from f16).
+    scale: Vec<f32>,
+    a: Vec<f32>,
+    b: Vec<f32>,
+}
+
+/// Bytes of one packed row.
+pub fn row_bytes(cols: usize, bits: u32) -> usize {
+    (cols * bits as usize).div_ceil(8)
+}
+
+/// The signed code of element `i` of a packed row.
+#[inline]
+pub fn code(row: &[u8], i: usize, bits: u32) -> i32 {
+    let bit = i * bits as usize;
+    let (byte, shift) = (bit / 8, bit % 8);
+    // A code spans at most two bytes (bits ≤ 8).
+    let lo = row[byte] as u32;
+    let hi = row.get(byte + 1).copied().unwrap_or(0) as u32;
+    let raw = ((lo | (hi << 8)) >> shift) & ((1u32 << bits) - 1);
+    if bits == 1 {
+        return raw as i32 * 2 - 1;
+    }
+    let sign_bit = 1u32 << (bits - 1);
+    if raw == sign_bit {
+        0 // the reserved code
+    } else if raw > sign_bit {
+        raw as i32 - (1i32 << bits)
+    } else {
+        raw as i32
+    }
+}
+
+/// The weight a code stands for in a group with `scale`, `a`, `b`, in the reference's f32 order.
+#[inline]
+pub fn value(c: i32, bits: u32, scale: f32, a: f32, b: f32) -> f32 {
+    if bits == 1 {
+        return c as f32 * scale;
+    }
+    let m = ((1u32 << (bits - 1)) - 1) as f32;
+    let cf = c as f32;
+    let t = cf.abs() / m;
+    let c3 = 1.0 - a - b;
+    let normalized = t * (a + t * (b + t * c3));
+    // torch.sign(0) is 0: a zero code gives ±0 · … = 0 either way.
+    let sign = if cf > 0.0 {
+        1.0
+    } else if cf < 0.0 {
+        -1.0
+    } else {
+        0.0
+    };
+    sign * (scale * normalized)
+}
+
+impl CubicPackMatrix {
+    /// `packed` is `rows × row_bytes(cols, bits)`; `scale`, `a`, `b` are
+    /// `[ceil(rows/group_out), ceil(cols/group_in)]`. Panics on inconsistent sizes (callers check
+    /// the checkpoint's shapes first and report them).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        bits: u32,
+        rows: usize,
+        cols: usize,
+        group_out: usize,
+        group_in: usize,
+        packed: Vec<u8>,
+        scale: Vec<f32>,
+        a: Vec<f32>,
+        b: Vec<f32>,
+    ) -> Self {
+        assert!((1..=8).contains(&bits), "Cubic bits {bits} outside 1..=8");
+        assert!(group_out > 0 && group_in > 0, "Cubic group sizes must be positive");
+        assert_eq!(packed.len(), rows * row_bytes(cols, bits), "Cubic codes size");
+        let groups = rows.div_ceil(group_out) * cols.div_ceil(group_in);
+        assert!(scale.len() == groups && a.len() == groups && b.len() == groups, "Cubic metadata size");
+        Self { bits, rows, cols, group_out, group_in, packed, scale, a, b }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn bits(&self) -> u32 {
+        self.bits
+    }
+
+    /// Bytes a forward pass reads: codes plus the groups' scale (f32), a and b (f16 stored).
+    pub fn bytes(&self) -> usize {
+        self.packed.len() + self.scale.len() * 8
+    }
+
+    /// The signed codes of row `r`.
+    pub fn codes_row(&self, r: usize) -> Vec<i32> {
+        let row = self.row(r);
+        (0..self.cols).map(|i| code(row, i, self.bits)).collect()
+    }
+
+    fn row(&self, r: usize) -> &[u8] {
+        let rb = row_bytes(self.cols, self.bits);
+        &self.packed[r * rb..(r + 1) * rb]
+    }
+
+    /// Row `r` decoded to f32 into `out` (`cols` long), through a per-group table of the
+    /// `2M + 1` (or 2) values its codes can take.
+    pub fn decode_row_into(&self, r: usize, out: &mut [f32]) {
+        let (bits, row) = (self.bits, self.row(r));
+        let groups_per_row = self.cols.div_ceil(self.group_in);
+        let m = if bits == 1 { 1 } else { (1i32 << (bits - 1)) - 1 };
+        let mut table = vec![0.0f32; (2 * m + 1) as usize];
+        for g in 0..groups_per_row {
+            let meta = (r / self.group_out) * groups_per_row + g;
+            let (s, a, b) = (self.scale[meta], self.a[meta], self.b[meta]);
+            for (k, t) in table.iter_mut().enumerate() {
+                *t = value(k as i32 - m, bits, s, a, b);
+            }
+            let span = g * self.group_in..((g + 1) * self.group_in).min(self.cols);
+            for i in span {
+                out[i] = table[(code(row, i, bits) + m) as usize];
+            }
+        }
+    }
+
+    pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.cols];
+        self.decode_row_into(r, &mut out);
+        out
+    }
+
+    /// `out[n, rows] = x[n, cols] · Wᵀ`: each output row decoded once and dotted with every
+    /// input row.
+    pub fn matmul_t(&self, x: &[f32], out: &mut [f32], n: usize) {
+        assert_eq!(x.len(), n * self.cols, "Cubic matmul input");
+        assert_eq!(out.len(), n * self.rows, "Cubic matmul output");
+        let cols = self.cols;
+        let columns: Vec<Vec<f32>> = (0..self.rows)
+            .into_par_iter()
+            .map_init(
+                || vec![0.0f32; cols],
+                |w, r| {
+                    self.decode_row_into(r, w);
+                    x.chunks_exact(cols).map(|xr| crate::cpu::dot::dot(xr, w)).collect()
+                },
+            )
+            .collect();
+        for (r, col) in columns.iter().enumerate() {
+            for (t, v) in col.iter().enumerate() {
+                out[t * self.rows + r] = *v;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_bit_stream_reads_as_the_authors_example() {
+        // cubic-format notes §4: [-1, 1, -1, -1, 1, 1, -1, 1] packs to 0b10110010.
+        let row = [0b1011_0010u8];
+        let codes: Vec<i32> = (0..8).map(|i| code(&row, i, 1)).collect();
+        assert_eq!(codes, vec![-1, 1, -1, -1, 1, 1, -1, 1]);
+    }
+
+    #[test]
+    fn three_bit_codes_straddle_bytes_and_the_reserved_code_is_zero() {
+        // Codes 3, -3, 0(reserved raw 100), 1, -1 at 3 bits: raw 011, 101, 100, 001, 111.
+        let raws = [0b011u32, 0b101, 0b100, 0b001, 0b111];
+        let mut bits = 0u64;
+        for (i, r) in raws.iter().enumerate() {
+            bits |= (*r as u64) << (3 * i);
+        }
+        let row = bits.to_le_bytes();
+        let got: Vec<i32> = (0..5).map(|i| code(&row[..2], i, 3)).collect();
+        assert_eq!(got, vec![3, -3, 0, 1, -1]);
+    }
+
+    #[test]
+    fn levels_end_at_the_scale_and_matmul_uses_the_decoded_rows() {
+        // 2 bits: codes ±1 map to ±scale whatever (a, b).
+        assert_eq!(value(1, 2, 0.5, 0.3, 0.2), 0.5);
+        assert_eq!(value(-1, 2, 0.5, 0.3, 0.2), -0.5);
+        assert_eq!(value(0, 2, 0.5, 0.3, 0.2), 0.0);
+        // A 2 × 4 matrix of 2-bit codes [1, -1, 0, 1] / [0, 0, 1, 1], one group per row.
+        let enc = |c: [i32; 4]| -> u8 { c.iter().enumerate().map(|(i, v)| ((*v as u8) & 3) << (2 * i)).sum() };
+        let m = CubicPackMatrix::new(
+            2,
+            2,
+            4,
+            1,
+            4,
+            vec![enc([1, -1, 0, 1]), enc([0, 0, 1, 1])],
+            vec![2.0, 3.0],
+            vec![0.5, 0.5],
+            vec![0.0, 0.0],
+        );
+        assert_eq!(m.dequantize_row(0), vec![2.0, -2.0, 0.0, 2.0]);
+        let mut out = vec![0.0; 2];
+        m.matmul_t(&[1.0, 2.0, 3.0, 4.0], &mut out, 1);
+        assert_eq!(out, vec![2.0 - 4.0 + 8.0, 9.0 + 12.0]);
+    }
+}
