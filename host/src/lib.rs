@@ -10,6 +10,7 @@ pub mod model;
 pub mod moe_bench;
 pub mod parallel;
 pub mod perplexity;
+pub mod plan;
 pub mod plugins;
 pub mod quantize;
 pub mod sampling;

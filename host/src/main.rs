@@ -38,6 +38,9 @@ enum Command {
     /// Benchmarks (progress on stderr, a result table on stdout).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Bytes per device for weights, cache per token and per sequence, and the longest context
+    /// that fits, from config.json and the safetensors headers alone.
+    Plan(wasmserve::plan::PlanArgs),
     /// Convert a BF16/F16/F32 checkpoint to INT (compressed-tensors) or Cubic, data-free.
     Quantize(wasmserve::quantize::QuantizeArgs),
     /// Manage tenants in the tenancy database (`serve --db`).
@@ -180,6 +183,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Decode(args)) => wasmserve::decode_bench::run(args),
         Command::Bench(BenchCommand::Moe(args)) => wasmserve::moe_bench::run(args),
         Command::Quantize(args) => wasmserve::quantize::run(args),
+        Command::Plan(args) => wasmserve::plan::run(args),
         Command::Tenants(cmd) => wasmserve::tenancy::cli::tenants(cmd),
         Command::Keys(cmd) => wasmserve::tenancy::cli::keys(cmd),
     }
