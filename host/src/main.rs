@@ -173,7 +173,7 @@ fn main() -> Result<()> {
     {
         // `bench decode` and `bench perplexity` measure the CPU forward with a contiguous host
         // cache, so say so rather than imply GPU work.
-        tracing::warn!("this command's forward runs on the CPU; `serve`, `generate` and `bench engine` run a Llama or DeepSeek-V3 model's forward on the device");
+        tracing::warn!("this command's forward runs on the CPU; `serve`, `generate` and `bench engine` run a model's forward on the device");
     }
     match cli.command {
         Command::Generate(args) => run_generate(args, &cli.device, cli.dtype),

@@ -12,12 +12,14 @@ use kernels::cpu::bitpack::PackedRows;
 use kernels::gpu::{Kernels, Runtime};
 use kernels::sim::SimGpu;
 
+mod k3_checks;
 mod kda_checks;
 mod mla_checks;
 mod moe_checks;
 mod prefill_gemm;
 mod test_data;
 
+use k3_checks::*;
 use kda_checks::*;
 use mla_checks::*;
 use moe_checks::*;
@@ -125,6 +127,7 @@ on_every_runtime!(
     kda_conv_matches_cpu,
     kda_recurrent_matches_cpu_for_both_gates_and_head_dims,
     kda_slot_copy_zero_and_pool_work,
+    attn_res_mix_and_situ_match_cpu,
 );
 
 /// Relative max error of `got` against `want`, scaled by the largest reference magnitude.

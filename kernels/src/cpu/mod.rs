@@ -2,6 +2,7 @@
 //! each of them once per layer, so they must vectorise and spread over all cores.
 pub mod activation;
 pub mod attention;
+pub mod attn_res;
 pub mod bitpack;
 pub mod cubic;
 pub mod cubic_pack;

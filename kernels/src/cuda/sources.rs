@@ -32,7 +32,8 @@ pub const SOURCES: &[Source] = &[
     src!("dequant.cu", ["dequant_int_bf16", "dequant_cubic_bf16", "dequant_mxfp4_bf16", "f32_to_bf16_rows"]),
     src!("norm.cu", ["rms_norm", "add_rms_norm"]),
     src!("rope.cu", ["rope_neox"]),
-    src!("swiglu.cu", ["silu_mul"]),
+    src!("swiglu.cu", ["silu_mul", "situ_mul"]),
+    src!("attn_res.cu", ["attn_res_mix", "add_f32"]),
     src!(
         "paged_attention.cu",
         [

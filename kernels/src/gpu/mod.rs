@@ -1,5 +1,6 @@
 //! The device layer shared by every runtime: the [`Runtime`] trait (buffers, copies, launch by
 //! name) and [`Kernels`], each kernel's size-checked launch wrapper written once over it.
+pub mod attn_res;
 pub mod kda;
 pub mod kernels;
 pub mod kv_pool;

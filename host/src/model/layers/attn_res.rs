@@ -16,6 +16,7 @@
 
 use rayon::prelude::*;
 
+use kernels::cpu::attn_res::mix_row;
 use kernels::cpu::norm::rms_norm;
 
 use crate::model::error::LoadError;
@@ -27,7 +28,7 @@ use crate::model::layers::moe::ffn::PreNormLayer;
 /// One mix: its score weights (`norm.weight · proj.weight`, multiplied once at load, as the
 /// score only ever uses their product).
 pub struct ResidualMix {
-    score_weight: Vec<f32>,
+    pub(crate) score_weight: Vec<f32>,
 }
 
 impl ResidualMix {
@@ -54,21 +55,7 @@ impl ResidualMix {
             let span = row * d..(row + 1) * d;
             let candidates: Vec<&[f32]> =
                 blocks.iter().map(|b| &b[span.clone()]).chain(std::iter::once(&partial[span.clone()])).collect();
-            let scores: Vec<f32> = candidates
-                .iter()
-                .map(|v| {
-                    let mean_square = v.iter().map(|x| x * x).sum::<f32>() / d as f32;
-                    let dot: f32 = v.iter().zip(&self.score_weight).map(|(x, w)| x * w).sum();
-                    dot / (mean_square + eps).sqrt()
-                })
-                .collect();
-            let top = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let weights: Vec<f32> = scores.iter().map(|s| (s - top).exp()).collect();
-            let total: f32 = weights.iter().sum();
-            for (v, w) in candidates.iter().zip(&weights) {
-                let a = w / total;
-                out.iter_mut().zip(v.iter()).for_each(|(o, x)| *o += a * x);
-            }
+            mix_row(&candidates, &self.score_weight, eps, out);
         });
         out
     }

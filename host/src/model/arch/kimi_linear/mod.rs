@@ -336,10 +336,8 @@ impl LanguageModel for KimiLinearModel {
     }
 
     /// A whole model only: a lone rank of a sharded one cannot run by itself.
-    /// Not yet with Attention Residuals (K3): the device decoder has no AttnRes kernels.
     fn device_form(&self) -> Option<&dyn crate::model::device::placement::Placeable> {
-        (self.ep.size == 1 && self.attn_res.is_none())
-            .then_some(self as &dyn crate::model::device::placement::Placeable)
+        (self.ep.size == 1).then_some(self as &dyn crate::model::device::placement::Placeable)
     }
 
     fn new_recurrent_state(&self) -> Option<SequenceState> {

@@ -74,6 +74,15 @@ pub struct DecoderRank<R: Runtime> {
     /// their states once the engine allocated it.
     kda: Option<(usize, usize, usize, usize)>,
     recurrent: Option<DeviceRecurrentPool<R>>,
+    /// Kimi K3's Block Attention Residuals in place of the residual add.
+    attn_res: Option<upload::DevAttnRes<R>>,
+}
+
+/// The two halves of a decoder layer.
+#[derive(Clone, Copy)]
+enum Part {
+    Mixer,
+    Ffn,
 }
 
 /// A DeepSeek-V3 on one device, or its expert-parallel ranks on one device each; rank 0
@@ -210,7 +219,21 @@ impl<R: Runtime> DeviceRank for DecoderRank<R> {
         comm: &dyn DeviceCollective<R>,
     ) -> Result<Vec<f32>, ForwardError> {
         let parallel = comm.world_size() > 1;
-        let Self { gpu, rank, split_heads, embed, layers, norm, lm_head, pool, scratch, max_in, recurrent, .. } = self;
+        let Self {
+            gpu,
+            rank,
+            split_heads,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            pool,
+            scratch,
+            max_in,
+            recurrent,
+            attn_res,
+            ..
+        } = self;
         let pool =
             pool.as_mut().ok_or_else(|| invalid("the device KV pool is not allocated (DeviceKv::allocate)".into()))?;
         for c in copies {
@@ -255,40 +278,85 @@ impl<R: Runtime> DeviceRank for DecoderRank<R> {
         scratch.x = gpu.zeros::<u16>(n * *max_in)?;
 
         embed.gather(gpu, &ids, &mut hidden, n, d)?;
-        let first = layers.first().ok_or_else(|| invalid("a model without layers".into()))?;
-        gpu.rms_norm(&hidden, &first.attn_norm, &mut normed, n, eps)?;
-        let last = layers.len() - 1;
-        for (li, l) in layers.iter().enumerate() {
-            match &l.mixer {
-                DevMixer::Mla { attn, latent } => {
-                    attn.forward(gpu, pool, *latent, &normed, &step, scratch, &mut delta)?
-                }
-                DevMixer::Kda(attn) => {
-                    let (Some(states), Some(seqs)) = (recurrent.as_mut(), seqs.as_ref()) else {
-                        return Err(invalid(
-                            "the device recurrent state is not allocated (DeviceKv::allocate_recurrent)".into(),
-                        ));
-                    };
-                    attn.forward(gpu, states, &normed, n, seqs, scratch, &mut delta)?;
-                }
-            }
-            if *split_heads && parallel {
-                comm.all_reduce_sum(gpu, &mut delta, n * d)?;
-            }
-            gpu.add_rms_norm(&mut hidden, &delta, &l.ffn_norm, &mut normed, n, eps)?;
-            match &l.ffn {
-                DevFfn::Dense(mlp) => mlp.forward(gpu, &normed, n, scratch, &mut delta)?,
-                DevFfn::Moe(moe) => {
-                    moe.forward(gpu, *rank, &normed, n, scratch, &mut delta)?;
-                    if parallel {
-                        comm.all_reduce_sum(gpu, &mut delta, n * d)?;
+        if layers.is_empty() {
+            return Err(invalid("a model without layers".into()));
+        }
+        // One sub-layer into `delta`: the token mixer (summed over the ranks when its heads are
+        // split) or the FFN (an MoE block summed over the expert-parallel ranks).
+        let mut sublayer = |part: Part, l: &DevLayer<R>, normed: &R::Buf<f32>, delta: &mut R::Buf<f32>| {
+            match part {
+                Part::Mixer => {
+                    match &l.mixer {
+                        DevMixer::Mla { attn, latent } => {
+                            attn.forward(gpu, pool, *latent, normed, &step, scratch, delta)?
+                        }
+                        DevMixer::Kda(attn) => {
+                            let (Some(states), Some(seqs)) = (recurrent.as_mut(), seqs.as_ref()) else {
+                                return Err(invalid(
+                                    "the device recurrent state is not allocated (DeviceKv::allocate_recurrent)".into(),
+                                ));
+                            };
+                            attn.forward(gpu, states, normed, n, seqs, scratch, delta)?;
+                        }
+                    }
+                    if *split_heads && parallel {
+                        comm.all_reduce_sum(gpu, delta, n * d)?;
                     }
                 }
+                Part::Ffn => match &l.ffn {
+                    DevFfn::Dense(mlp) => mlp.forward(gpu, normed, n, scratch, delta)?,
+                    DevFfn::Moe(moe) => {
+                        moe.forward(gpu, *rank, normed, n, scratch, delta, comm)?;
+                        if parallel {
+                            comm.all_reduce_sum(gpu, delta, n * d)?;
+                        }
+                    }
+                },
             }
-            if li < last {
-                gpu.add_rms_norm(&mut hidden, &delta, &layers[li + 1].attn_norm, &mut normed, n, eps)?;
+            Ok::<(), ForwardError>(())
+        };
+        // What enters the final norm: the residual stream and the last FFN output still to add
+        // to it, or (Attention Residuals) the final mix itself.
+        let (stream_out, last_delta) = match attn_res.as_ref() {
+            None => {
+                gpu.rms_norm(&hidden, &layers[0].attn_norm, &mut normed, n, eps)?;
+                let last = layers.len() - 1;
+                for (li, l) in layers.iter().enumerate() {
+                    sublayer(Part::Mixer, l, &normed, &mut delta)?;
+                    gpu.add_rms_norm(&mut hidden, &delta, &l.ffn_norm, &mut normed, n, eps)?;
+                    sublayer(Part::Ffn, l, &normed, &mut delta)?;
+                    if li < last {
+                        gpu.add_rms_norm(&mut hidden, &delta, &layers[li + 1].attn_norm, &mut normed, n, eps)?;
+                    }
+                }
+                (hidden, Some(delta))
             }
-        }
+            Some(res) => {
+                // The stream's slots: the snapshots taken so far, then the partial sum (slot
+                // `stored`). A block's first layer turns the partial into a snapshot and starts
+                // the next (zeroed) slot with its own output.
+                let slot = n * d;
+                let mut stream = gpu.zeros::<f32>(res.slots * slot)?;
+                gpu.add_f32(&mut stream, 0, &hidden, slot)?;
+                let mut stored = 0;
+                let mut mixed = gpu.zeros::<f32>(slot)?;
+                for (li, (l, (attn_w, mlp_w))) in layers.iter().zip(&res.layers).enumerate() {
+                    gpu.attn_res_mix(&stream, stored, attn_w, &mut mixed, n, eps)?;
+                    gpu.rms_norm(&mixed, &l.attn_norm, &mut normed, n, eps)?;
+                    sublayer(Part::Mixer, l, &normed, &mut delta)?;
+                    if li % res.block_size == 0 {
+                        stored += 1;
+                    }
+                    gpu.add_f32(&mut stream, stored * slot, &delta, slot)?;
+                    gpu.attn_res_mix(&stream, stored, mlp_w, &mut mixed, n, eps)?;
+                    gpu.rms_norm(&mixed, &l.ffn_norm, &mut normed, n, eps)?;
+                    sublayer(Part::Ffn, l, &normed, &mut delta)?;
+                    gpu.add_f32(&mut stream, stored * slot, &delta, slot)?;
+                }
+                gpu.attn_res_mix(&stream, stored, &res.output, &mut mixed, n, eps)?;
+                (mixed, None)
+            }
+        };
         let m = inp.logit_rows.len();
         if m == 0 || *rank != 0 {
             gpu.synchronize()?;
@@ -297,10 +365,16 @@ impl<R: Runtime> DeviceRank for DecoderRank<R> {
         // Only the rows that need logits take the last residual add, the final norm and the
         // vocabulary projection.
         let picked = gpu.upload(&inp.logit_rows)?;
-        let (mut hm, mut dm, mut ym) = (gpu.zeros::<f32>(m * d)?, gpu.zeros::<f32>(m * d)?, gpu.zeros::<f32>(m * d)?);
-        gpu.gather_rows_f32(&hidden, &picked, &mut hm, m, d)?;
-        gpu.gather_rows_f32(&delta, &picked, &mut dm, m, d)?;
-        gpu.add_rms_norm(&mut hm, &dm, norm, &mut ym, m, eps)?;
+        let (mut hm, mut ym) = (gpu.zeros::<f32>(m * d)?, gpu.zeros::<f32>(m * d)?);
+        gpu.gather_rows_f32(&stream_out, &picked, &mut hm, m, d)?;
+        match last_delta {
+            Some(delta) => {
+                let mut dm = gpu.zeros::<f32>(m * d)?;
+                gpu.gather_rows_f32(&delta, &picked, &mut dm, m, d)?;
+                gpu.add_rms_norm(&mut hm, &dm, norm, &mut ym, m, eps)?;
+            }
+            None => gpu.rms_norm(&hm, norm, &mut ym, m, eps)?,
+        }
         let vocab = cfg.vocab_size;
         let mut logits = gpu.zeros::<f32>(m * vocab)?;
         match (lm_head, embed) {
@@ -461,7 +535,10 @@ impl<R: Runtime> DevMla<R> {
 
 impl<R: Runtime> DevMoe<R> {
     /// The routed experts this rank holds (weighted) plus, on rank 0, the shared experts:
-    /// `out[n, hidden]` is overwritten with this rank's partial sum.
+    /// `out[n, hidden]` is overwritten with this rank's partial sum. Latent MoE sums the ranks'
+    /// expert outputs through `comm` first (its norm needs the whole sum), and rank 0 alone
+    /// finishes it.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         gpu: &Kernels<R>,
@@ -470,9 +547,11 @@ impl<R: Runtime> DevMoe<R> {
         n: usize,
         scratch: &mut GemmScratch<R>,
         out: &mut R::Buf<f32>,
+        comm: &dyn DeviceCollective<R>,
     ) -> Result<(), ForwardError> {
         use kernels::gpu::moe::Routed;
         let (e, k, d, inter) = (self.spec.num_experts, self.spec.top_k, self.hidden, self.inter);
+        let width = self.expert_width();
         let held = self.held.len();
         let a = n * k;
         let mut logits = gpu.zeros::<f32>(n * e)?;
@@ -487,17 +566,50 @@ impl<R: Runtime> DevMoe<R> {
         if !plan.gemm.is_empty() {
             tracing::trace!(n, gemm_experts = plan.gemm.len(), "routed experts on the GEMM path");
         }
+        let latent_in;
+        let xe = match &self.latent {
+            Some(l) => {
+                let mut r = gpu.zeros::<f32>(n * width)?;
+                l.down.forward(gpu, x, scratch, &mut r, n)?;
+                latent_in = r;
+                &latent_in
+            }
+            None => x,
+        };
         let mut gate_up = gpu.zeros::<f32>(a * 2 * inter)?;
-        gpu.moe_matmul(self.gate_up.expert_weight(), 2 * inter, x, k, &order, &plan, &mut gate_up, a, scratch)?;
+        gpu.moe_matmul(self.gate_up.expert_weight(), 2 * inter, xe, k, &order, &plan, &mut gate_up, a, scratch)?;
         let mut act = gpu.zeros::<f32>(a * inter)?;
-        gpu.silu_mul(&gate_up, &mut act, a, inter)?;
-        let mut y = gpu.zeros::<f32>(a * d)?;
-        gpu.moe_matmul(self.down.expert_weight(), d, &act, 1, &order, &plan, &mut y, a, scratch)?;
-        match (&self.shared, rank) {
-            (Some(s), 0) => s.forward(gpu, x, n, scratch, out)?,
-            _ => *out = gpu.zeros::<f32>(n * d)?,
+        upload::gated_activation(gpu, self.activation, &gate_up, &mut act, a, inter)?;
+        let mut y = gpu.zeros::<f32>(a * width)?;
+        gpu.moe_matmul(self.down.expert_weight(), width, &act, 1, &order, &plan, &mut y, a, scratch)?;
+        let Some(l) = &self.latent else {
+            match (&self.shared, rank) {
+                (Some(s), 0) => s.forward(gpu, x, n, scratch, out)?,
+                _ => *out = gpu.zeros::<f32>(n * d)?,
+            }
+            gpu.moe_combine(&y, &routed.weights, &routed.local, held, n, k, d, out)?;
+            return Ok(());
+        };
+        let mut sum = gpu.zeros::<f32>(n * width)?;
+        gpu.moe_combine(&y, &routed.weights, &routed.local, held, n, k, width, &mut sum)?;
+        if comm.world_size() > 1 {
+            comm.all_reduce_sum(gpu, &mut sum, n * width)?;
         }
-        gpu.moe_combine(&y, &routed.weights, &routed.local, held, n, k, d, out)?;
+        if rank != 0 {
+            *out = gpu.zeros::<f32>(n * d)?;
+            return Ok(());
+        }
+        if let Some(w) = &l.norm {
+            let mut normed = gpu.zeros::<f32>(n * width)?;
+            gpu.rms_norm(&sum, w, &mut normed, n, l.eps)?;
+            sum = normed;
+        }
+        l.up.forward(gpu, &sum, scratch, out, n)?;
+        if let Some(s) = &self.shared {
+            let mut shared = gpu.zeros::<f32>(n * d)?;
+            s.forward(gpu, x, n, scratch, &mut shared)?;
+            gpu.add_f32(out, 0, &shared, n * d)?;
+        }
         Ok(())
     }
 }

@@ -508,6 +508,21 @@ mod cuda {
     }
 
     #[test]
+    fn kimi_k3_matches_the_reference() {
+        if gpu("cuda::kimi_k3_matches_the_reference").is_none() {
+            return;
+        }
+        for layout in ["int4", "mxfp4"] {
+            for (ranks, split_heads) in [(1, false), (2, false), (2, true)] {
+                let (_, dev) = super::k3::placed_k3(layout, ranks, split_heads, open);
+                let e = prefill_error_vs(&dev, &super::k3::k3_reference(layout));
+                eprintln!("CUDA Kimi K3 {layout}, {ranks} rank(s), split heads {split_heads}: max |logit difference| vs the reference {e:.2e}");
+                assert!(e < 1e-3, "{layout} ranks={ranks} split_heads={split_heads}: {e}");
+            }
+        }
+    }
+
+    #[test]
     fn deepseek_engine_greedy_matches_transformers() {
         if gpu("cuda::deepseek_engine_greedy_matches_transformers").is_none() {
             return;
@@ -716,5 +731,106 @@ mod kimi {
                 &format!("tiny Kimi-Linear on {ranks} simulated device(s)"),
             );
         }
+    }
+}
+
+/// Kimi K3 (Block Attention Residuals, SiTU dense and expert MLPs, latent MoE) on the simulator,
+/// on the tiny checkpoints of tests/reference/kimi_k3: every prompt position against the float64
+/// reference forward to the CPU model's tolerance, whole, expert-parallel (the latent expert sum
+/// all-reduced before its norm) and tensor-parallel; greedy tokens through the engine.
+mod k3 {
+    use super::*;
+
+    fn k3_dir(layout: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/kimi_k3").join(layout)
+    }
+
+    pub(super) fn k3_reference(layout: &str) -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(k3_dir(layout).join("reference.json")).unwrap()).unwrap()
+    }
+
+    /// `layout` on `ranks` simulated devices: whole, expert-parallel, or (`split_heads`) with the
+    /// KDA and MLA heads split too.
+    fn on_sim(
+        layout: &str,
+        ranks: usize,
+        split_heads: bool,
+    ) -> (LoadedModel, super::super::DeviceKimiLinear<kernels::sim::SimRuntime>) {
+        placed_k3(layout, ranks, split_heads, || SimGpu::sim().unwrap())
+    }
+
+    /// As [`on_sim`] on devices from `gpu`.
+    pub(super) fn placed_k3<R: Runtime>(
+        layout: &str,
+        ranks: usize,
+        split_heads: bool,
+        gpu: impl Fn() -> Kernels<R>,
+    ) -> (LoadedModel, super::super::DeviceKimiLinear<R>) {
+        let m = crate::model::load(&k3_dir(layout)).unwrap();
+        let dev = match (ranks, split_heads) {
+            (1, _) => {
+                super::super::DeviceKimiLinear::from_kimi_linear(&super::kimi_linear(&m)[0], gpu(), DenseWeights::F32)
+                    .unwrap()
+            }
+            _ => {
+                let sharded = if split_heads {
+                    crate::model::load_tp(&k3_dir(layout), ranks).unwrap()
+                } else {
+                    crate::model::load_ep(&k3_dir(layout), ranks).unwrap()
+                };
+                let gpus = (0..ranks).map(|_| gpu()).collect();
+                super::super::DeviceKimiLinear::from_kimi_ranks(
+                    super::kimi_linear(&sharded),
+                    gpus,
+                    Box::new(LocalDeviceGroup { world: ranks }),
+                    DenseWeights::F32,
+                )
+                .unwrap()
+            }
+        };
+        (m, dev)
+    }
+
+    #[test]
+    fn sim_matches_the_reference_whole_expert_and_tensor_parallel() {
+        let Some(_) = sim("k3::sim_matches_the_reference_whole_expert_and_tensor_parallel") else { return };
+        for layout in ["int4", "mxfp4"] {
+            for (ranks, split_heads) in [(1, false), (2, false), (2, true)] {
+                let (_, dev) = on_sim(layout, ranks, split_heads);
+                let e = prefill_error_vs(&dev, &k3_reference(layout));
+                eprintln!("sim K3 {layout}, {ranks} device(s), split heads {split_heads}: max |logit difference| vs the reference {e:.2e}");
+                // The CPU model's tolerance against the same reference (tests/reference_kimi_k3.rs).
+                assert!(e < 5e-4, "{layout} ranks={ranks} split_heads={split_heads}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn sim_engine_greedy_matches_the_reference() {
+        let Some(_) = sim("k3::sim_engine_greedy_matches_the_reference") else { return };
+        let (m, dev) = on_sim("int4", 1, false);
+        let m = LoadedModel { model: Box::new(dev), ..m };
+        test_util::engine_greedy_matches_transformers(
+            m,
+            &k3_reference("int4"),
+            BS,
+            "tiny Kimi K3 on a simulated device",
+        );
+    }
+
+    /// QuantTrio's Cubic has no device kernels yet: the upload says so instead of misreading it.
+    #[test]
+    fn cubic_experts_are_refused_on_the_device_by_name() {
+        let Some(_) = sim("k3::cubic_experts_are_refused_on_the_device_by_name") else { return };
+        let m = crate::model::load(&k3_dir("cubic")).unwrap();
+        let err = super::super::DeviceKimiLinear::from_kimi_linear(
+            &super::kimi_linear(&m)[0],
+            SimGpu::sim().unwrap(),
+            DenseWeights::F32,
+        )
+        .err()
+        .expect("no device kernels for cubic-pack-quantized")
+        .to_string();
+        assert!(err.contains("cubic-pack-quantized") && err.contains("experts"), "{err}");
     }
 }

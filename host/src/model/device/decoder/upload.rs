@@ -142,11 +142,48 @@ impl<R: Runtime> Embedding<R> {
     }
 }
 
-/// A SwiGLU MLP: the dense layers and the shared experts.
+/// A gated MLP (SwiGLU, or K3's SiTU): the dense layers and the shared experts.
 pub(super) struct DevMlp<R: Runtime> {
     pub gate_up: DevLinear<R>,
     pub down: DevLinear<R>,
     pub inter: usize,
+    pub activation: Activation,
+}
+
+/// `out[n, inter] = act(gate_up[n, :inter], gate_up[n, inter:])`.
+pub(super) fn gated_activation<R: Runtime>(
+    gpu: &Kernels<R>,
+    activation: Activation,
+    gate_up: &R::Buf<f32>,
+    out: &mut R::Buf<f32>,
+    n: usize,
+    inter: usize,
+) -> Result<(), ForwardError> {
+    match activation {
+        Activation::Silu => gpu.silu_mul(gate_up, out, n, inter)?,
+        Activation::Situ { beta, linear_beta } => gpu.situ_mul(gate_up, out, n, inter, beta, linear_beta)?,
+    }
+    Ok(())
+}
+
+/// K3's latent MoE around the routed experts: `down` (hidden → latent) before them, the RMSNorm
+/// (`norm`, optional) and `up` (latent → hidden) after their weighted sum.
+pub(super) struct DevLatent<R: Runtime> {
+    pub down: DevLinear<R>,
+    pub norm: Option<R::Buf<f32>>,
+    pub up: DevLinear<R>,
+    pub width: usize,
+    pub eps: f32,
+}
+
+/// Block Attention Residuals (K3): each layer's two score weights (norm weight × projection) and
+/// the final one; snapshots every `block_size` layers, `slots` of the stream in all (the
+/// snapshots and the partial sum).
+pub(super) struct DevAttnRes<R: Runtime> {
+    pub block_size: usize,
+    pub layers: Vec<(R::Buf<f32>, R::Buf<f32>)>,
+    pub output: R::Buf<f32>,
+    pub slots: usize,
 }
 
 /// One layer's routed experts this rank holds, one projection stacked by rows, in their
@@ -166,8 +203,14 @@ pub(super) struct DevMoe<R: Runtime> {
     pub gate_up: ExpertStack<R>,
     pub down: ExpertStack<R>,
     pub shared: Option<DevMlp<R>>,
+    /// The experts' gated activation.
+    pub activation: Activation,
+    /// Latent MoE: the experts read and write this narrower width.
+    pub latent: Option<DevLatent<R>>,
 }
 
+// One per layer, built once: boxing the larger variant would save nothing that matters.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum DevFfn<R: Runtime> {
     Dense(DevMlp<R>),
     Moe(DevMoe<R>),
@@ -200,6 +243,11 @@ impl<R: Runtime> ExpertStack<R> {
 }
 
 impl<R: Runtime> DevMoe<R> {
+    /// The width the routed experts read and write: the latent width for latent MoE.
+    pub fn expert_width(&self) -> usize {
+        self.latent.as_ref().map_or(self.hidden, |l| l.width)
+    }
+
     /// Whether crowded experts take the GEMM path: both projections able to.
     pub fn gemm_path(&self) -> bool {
         self.gate_up.takes_gemm() && self.down.takes_gemm()
@@ -213,26 +261,22 @@ impl<R: Runtime> DevMoe<R> {
         }
         // gate_up (2·inter × hidden) is the larger expert; bf16 experts multiply in place.
         let packed = self.gate_up.0.quant().is_some() || self.down.0.quant().is_some();
-        (if packed { 2 * self.inter * self.hidden } else { 0 }, self.inter.max(self.hidden))
+        let width = self.expert_width();
+        (if packed { 2 * self.inter * width } else { 0 }, self.inter.max(width))
     }
 }
 
 impl<R: Runtime> DevMlp<R> {
     fn upload(gpu: &Kernels<R>, name: &str, m: &GatedMlp, dense: DenseWeights) -> Result<Self, ForwardError> {
-        if m.activation != Activation::Silu {
-            return Err(invalid(format!(
-                "{name}: the device forward runs SwiGLU MLPs only ({:?} is not)",
-                m.activation
-            )));
-        }
         Ok(Self {
             gate_up: DevLinear::upload_rows(gpu, &format!("{name}.gate_proj+up_proj"), &[&m.gate, &m.up], dense)?,
             down: DevLinear::upload_as(gpu, &format!("{name}.down_proj"), &m.down, dense)?,
             inter: m.gate.out_features(),
+            activation: m.activation,
         })
     }
 
-    /// `out[n, hidden] = down(silu(gate x) · up x)`.
+    /// `out[n, hidden] = down(act(gate x, up x))`.
     pub fn forward(
         &self,
         gpu: &Kernels<R>,
@@ -244,7 +288,7 @@ impl<R: Runtime> DevMlp<R> {
         let mut gate_up = gpu.zeros::<f32>(n * 2 * self.inter)?;
         self.gate_up.forward(gpu, x, scratch, &mut gate_up, n)?;
         let mut act = gpu.zeros::<f32>(n * self.inter)?;
-        gpu.silu_mul(&gate_up, &mut act, n, self.inter)?;
+        gated_activation(gpu, self.activation, &gate_up, &mut act, n, self.inter)?;
         self.down.forward(gpu, &act, scratch, out, n)
     }
 
@@ -255,20 +299,23 @@ impl<R: Runtime> DevMlp<R> {
 
 impl<R: Runtime> DevMoe<R> {
     fn upload(gpu: &Kernels<R>, name: &str, moe: &MoeLayer, dense: DenseWeights) -> Result<Self, ForwardError> {
-        if moe.latent.is_some() {
-            return Err(invalid(format!(
-                "{name}: latent MoE (routed experts in a narrower width) has no device forward yet"
-            )));
-        }
         let experts = &moe.experts;
         let held = experts.held();
         let list: Vec<&GatedMlp> = held.clone().map(|e| experts.get(e)).collect();
-        if let Some(m) = list.iter().find(|m| m.activation != Activation::Silu) {
-            return Err(invalid(format!(
-                "{name}: the device forward runs SwiGLU experts only ({:?} is not)",
-                m.activation
-            )));
+        let activation = list.first().map_or(Activation::Silu, |m| m.activation);
+        if list.iter().any(|m| m.activation != activation) {
+            return Err(invalid(format!("{name}: experts with different activations")));
         }
+        let latent = match &moe.latent {
+            None => None,
+            Some(l) => Some(DevLatent {
+                down: DevLinear::upload_as(gpu, &format!("{name}.routed_expert_down_proj"), &l.down, dense)?,
+                norm: l.norm.as_ref().map(|w| gpu.upload(w)).transpose()?,
+                up: DevLinear::upload_as(gpu, &format!("{name}.routed_expert_up_proj"), &l.up, dense)?,
+                width: l.down.out_features(),
+                eps: l.eps,
+            }),
+        };
         let inter = list.first().map_or(0, |m| m.gate.out_features());
         let gate_up: Vec<_> = list.iter().flat_map(|m| [&m.gate, &m.up]).collect();
         let down: Vec<_> = list.iter().map(|m| &m.down).collect();
@@ -287,6 +334,8 @@ impl<R: Runtime> DevMoe<R> {
                 .map(|s| DevMlp::upload(gpu, &format!("{name}.shared_experts"), s, dense))
                 .transpose()?,
             held,
+            activation,
+            latent,
         })
     }
 }
@@ -378,6 +427,7 @@ struct Uploaded<R: Runtime> {
     rank: (usize, bool),
     latent: (usize, usize),
     kda: Option<(usize, usize, usize, usize)>,
+    attn_res: Option<DevAttnRes<R>>,
 }
 
 fn ffn<R: Runtime>(gpu: &Kernels<R>, name: &str, block: &Ffn, dense: DenseWeights) -> Result<DevFfn<R>, ForwardError> {
@@ -413,7 +463,16 @@ impl<R: Runtime> DecoderRank<R> {
         Self::assemble(
             gpu,
             m.cfg.hidden_size,
-            Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, m.split_heads), latent, kda: None },
+            Uploaded {
+                layers,
+                embed,
+                lm_head,
+                norm,
+                rank: (m.ep.rank, m.split_heads),
+                latent,
+                kda: None,
+                attn_res: None,
+            },
         )
     }
 
@@ -460,10 +519,23 @@ impl<R: Runtime> DecoderRank<R> {
         let (embed, lm_head) = output_weights(&gpu, &m.embed, Some(&m.lm_head), dense)?;
         tracing::info!(device = %gpu.describe(), ep_rank = m.ep.rank, ep_size = m.ep.size, split_heads = m.split_heads, layers = layers.len(), kda_layers = m.kda.len(), latent_layers, "Kimi-Linear weights uploaded to the device");
         let norm = gpu.upload(m.norm.as_slice())?;
+        let attn_res = match &m.attn_res {
+            None => None,
+            Some(r) => Some(DevAttnRes {
+                block_size: r.block_size,
+                layers: r
+                    .layers
+                    .iter()
+                    .map(|l| Ok((gpu.upload(&l.attention.score_weight)?, gpu.upload(&l.mlp.score_weight)?)))
+                    .collect::<Result<Vec<_>, ForwardError>>()?,
+                output: gpu.upload(&r.output.score_weight)?,
+                slots: m.layers.len().div_ceil(r.block_size) + 1,
+            }),
+        };
         Self::assemble(
             gpu,
             m.cfg.hidden_size,
-            Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, m.split_heads), latent, kda },
+            Uploaded { layers, embed, lm_head, norm, rank: (m.ep.rank, m.split_heads), latent, kda, attn_res },
         )
     }
 
@@ -482,7 +554,10 @@ impl<R: Runtime> DecoderRank<R> {
                 };
                 match &l.ffn {
                     DevFfn::Dense(mlp) => v.extend(mlp.linears()),
-                    DevFfn::Moe(moe) => v.extend(moe.shared.iter().flat_map(DevMlp::linears)),
+                    DevFfn::Moe(moe) => {
+                        v.extend(moe.shared.iter().flat_map(DevMlp::linears));
+                        v.extend(moe.latent.iter().flat_map(|l| [&l.down, &l.up]));
+                    }
                 }
                 v
             })
@@ -513,6 +588,7 @@ impl<R: Runtime> DecoderRank<R> {
             latent_layers,
             kda: u.kda,
             recurrent: None,
+            attn_res: u.attn_res,
         })
     }
 }

@@ -12,11 +12,12 @@ use crate::model::format::source::WeightSource;
 use crate::model::layers::linear::Linear;
 use crate::model::layers::moe::config::MoeConfig;
 
+// Crate-visible: the device forward uploads them.
 pub struct Latent {
-    down: Linear,
-    norm: Option<Vec<f32>>,
-    up: Linear,
-    eps: f32,
+    pub(crate) down: Linear,
+    pub(crate) norm: Option<Vec<f32>>,
+    pub(crate) up: Linear,
+    pub(crate) eps: f32,
 }
 
 impl Latent {

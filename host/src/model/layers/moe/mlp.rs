@@ -2,7 +2,7 @@
 //! experts and as the dense MLP of a model's first (non-MoE) layers. Each projection is a
 //! `Linear`, so an expert may be dense, INT, MXFP4 or Cubic, whatever the checkpoint stores.
 
-use kernels::cpu::activation::silu_mul;
+use kernels::cpu::activation::{silu_mul, situ_mul};
 
 use crate::model::error::LoadError;
 use crate::model::format::source::WeightSource;
@@ -47,14 +47,8 @@ impl Activation {
                 silu_mul(&g, up, gate);
             }
             Activation::Situ { beta, linear_beta } => {
-                for (g, &u) in gate.iter_mut().zip(up) {
-                    let gated = beta * (*g / beta).tanh() / (1.0 + (-*g).exp());
-                    let lin = match linear_beta {
-                        Some(b) => b * (u / b).tanh(),
-                        None => u,
-                    };
-                    *g = gated * lin;
-                }
+                let g = gate.to_vec();
+                situ_mul(&g, up, beta, linear_beta, gate);
             }
         }
     }
