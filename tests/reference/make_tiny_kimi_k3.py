@@ -4,7 +4,9 @@ tests/reference_kimi_k3.rs.
 Writes tests/reference/kimi_k3/<layout>/ (config.json as K3's: `model_type: kimi_k3`,
 `architectures: [KimiK3ForConditionalGeneration]`, the text model in `text_config`, a
 `vision_config`; tensors under `language_model.` with K3's names and dtypes; two vision-tower
-tensors, which the loader must skip; tokenizer files of the tiny Llama fixture):
+tensors, which the loader must skip; a tokenizer in K3's form, `tiktoken.model` +
+`tokenizer_config.json` with K3's special tokens and no tokenizer.json or chat template, from
+make_tiktoken_kimi.py's `tiny/`):
 
   int4   RedHatAI/Kimi-K3-INT4's layout: compressed-tensors `pack-quantized` W4A16 on every Linear
          except lm_head, the router gate and the vision tower (MLA kv_b_proj and the [1, hidden]
@@ -55,7 +57,7 @@ from safetensors.torch import save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "kimi_k3")
-TOKENIZER_FROM = os.path.join(HERE, "tiny_llama")
+TOKENIZER_FROM = os.path.join(HERE, "tiktoken_kimi", "tiny")
 
 VOCAB, HIDDEN, LAYERS, BLOCK = 320, 128, 5, 2
 KDA_HEADS, KDA_DIM, CONV = 2, 64, 4
@@ -80,7 +82,8 @@ def text_config():
         "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc",
         "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
         "first_k_dense_replace": 1, "moe_layer_freq": 1, "attn_res_block_size": BLOCK,
-        "num_nextn_predict_layers": 0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        # [BOS], <|end_of_msg|> and [PAD] of the tiny tokenizer (K3: 163584, 163586, 163839).
+        "num_nextn_predict_layers": 0, "bos_token_id": 300, "eos_token_id": 302, "pad_token_id": 316,
         "linear_attn_config": {"kda_layers": KDA_LAYERS, "full_attn_layers": FULL_LAYERS, "num_heads": KDA_HEADS,
                                "head_dim": KDA_DIM, "short_conv_kernel_size": CONV, "use_full_rank_gate": True,
                                "gate_lower_bound": LOWER_BOUND},
@@ -93,7 +96,7 @@ def config(quant, quant_in_text):
            "media_placeholder_token_id": 163605, "text_config": text,
            "vision_config": {"model_type": "kimi_k3_vision", "patch_size": 14, "vt_hidden_size": 16,
                              "vt_num_hidden_layers": 1, "text_hidden_size": HIDDEN},
-           "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False}
+           "tie_word_embeddings": False}
     if quant is not None:
         (text if quant_in_text else top)["quantization_config"] = quant
     return top
@@ -486,7 +489,7 @@ def main():
         save_file(stored, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(config(quant, in_text), f, indent=2)
-        for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]:
+        for name in ["tiktoken.model", "tokenizer_config.json"]:
             shutil.copy(os.path.join(TOKENIZER_FROM, name), os.path.join(d, name))
         cases = reference_cases(ref)
         with open(os.path.join(d, "reference.json"), "w") as f:

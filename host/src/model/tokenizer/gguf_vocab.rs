@@ -8,7 +8,7 @@ use std::str::FromStr;
 
 use serde_json::{json, Map, Value};
 
-use super::Tokenizer;
+use super::{Tokenizer, Vocab};
 use crate::model::error::LoadError;
 use crate::model::format::gguf::{GgufFile, MetaValue};
 
@@ -119,7 +119,7 @@ pub(super) fn build(g: &GgufFile) -> Result<Tokenizer, LoadError> {
             .collect();
     eos_token_ids.dedup();
     Ok(Tokenizer {
-        inner,
+        inner: Vocab::Hf(inner),
         bos_token_id,
         add_bos: g.meta("tokenizer.ggml.add_bos_token").and_then(MetaValue::as_bool).unwrap_or(false),
         bos_token: bos_token_id.map(|i| tokens[i as usize].clone()),
