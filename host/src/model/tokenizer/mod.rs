@@ -14,7 +14,8 @@ use serde_json::Value;
 use crate::model::error::LoadError;
 use crate::model::format::gguf::GgufFile;
 
-/// The vocabulary and its encoder.
+/// The vocabulary and its encoder. One per model: boxing the larger variant would save nothing.
+#[allow(clippy::large_enum_variant)]
 enum Vocab {
     Hf(tokenizers::Tokenizer),
     Tiktoken(tiktoken::TiktokenVocab),
