@@ -29,8 +29,10 @@ impl KvDtype {
         match s {
             "f32" | "float32" => Ok(Self::F32),
             "bf16" | "bfloat16" => Ok(Self::Bf16),
-            "fp8" | "fp8_e4m3" => Ok(Self::Fp8E4m3),
-            other => Err(format!("unknown KV cache dtype '{other}' (expected auto, f32, bf16 or fp8)")),
+            // vLLM-cubic's `fp8_q16`: FP8 K/V with the queries kept in the model dtype, which is
+            // how every FP8 cache here works (queries are never quantized).
+            "fp8" | "fp8_e4m3" | "fp8_q16" => Ok(Self::Fp8E4m3),
+            other => Err(format!("unknown KV cache dtype '{other}' (expected auto, f32, bf16, fp8 or fp8_q16)")),
         }
     }
 
@@ -391,7 +393,7 @@ mod tests {
             assert_eq!(KvCacheDtype::parse(s).unwrap().resolve(true, Bf16), want, "{s} is kept");
             assert_eq!(KvCacheDtype::parse(s).unwrap().resolve(false, Bf16), want, "{s} is kept");
         }
-        assert!(KvCacheDtype::parse("int8").unwrap_err().contains("expected auto, f32, bf16 or fp8"));
+        assert!(KvCacheDtype::parse("int8").unwrap_err().contains("expected auto, f32, bf16, fp8 or fp8_q16"));
     }
 
     fn pool(n: usize) -> BlockPool {

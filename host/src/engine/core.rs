@@ -48,6 +48,9 @@ pub struct EngineConfig {
     /// step budget every step and keep a newcomer (and its time to first token) waiting for it
     /// to finish. 0: half of `max_num_batched_tokens`.
     pub long_prefill_token_threshold: usize,
+    /// An upper bound on prompt + completion tokens (`--max-model-len`); `None`: the model's
+    /// maximum, as the KV pool allows.
+    pub max_model_len: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -64,6 +67,7 @@ impl Default for EngineConfig {
             max_logprobs: 20,
             tenant_slot_reserve: 0,
             long_prefill_token_threshold: 0,
+            max_model_len: None,
         }
     }
 }
@@ -227,7 +231,8 @@ impl EngineCore {
         }
         let kv_bytes = cfg.kv_cache_bytes.saturating_sub(slots.total_bytes());
         let num_blocks = (kv_bytes / shape.block_bytes(cfg.kv_dtype)).max(1);
-        let max_model_len = mc.max_position_embeddings.min(num_blocks * cfg.block_size);
+        let max_model_len =
+            mc.max_position_embeddings.min(num_blocks * cfg.block_size).min(cfg.max_model_len.unwrap_or(usize::MAX));
         tracing::info!(
             blocks = num_blocks,
             block_size = cfg.block_size,

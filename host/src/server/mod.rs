@@ -25,6 +25,7 @@ mod structured;
 pub mod tenancy;
 mod token_ids;
 mod tool_choice;
+pub mod vllm_flags;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -42,9 +43,12 @@ use state::{AppState, ServerState};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
+    /// The model, as `vllm serve MODEL` takes it (the same as --model).
+    #[arg(value_name = "MODEL")]
+    pub model_positional: Option<PathBuf>,
     /// A .gguf file or a Hugging Face model directory (default: the model scripts/fetch-default-model fetches).
-    #[arg(long, env = "WASMSERVE_MODEL", default_value = crate::DEFAULT_MODEL_PATH)]
-    pub model: PathBuf,
+    #[arg(long, env = "WASMSERVE_MODEL")]
+    pub model: Option<PathBuf>,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// 0 picks a free port (the bound address is logged).
@@ -97,6 +101,9 @@ pub struct ServeArgs {
     /// values, integer dot products as llama.cpp: faster decode, slightly less accurate).
     #[arg(long, env = "WASMSERVE_CPU_ACTIVATIONS", default_value = "f32")]
     pub cpu_activations: crate::model::activations::CpuActivations,
+    /// `vllm serve`'s flags (server/vllm_flags.rs).
+    #[command(flatten)]
+    pub vllm: vllm_flags::VllmFlags,
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 256)]
@@ -180,6 +187,12 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 }
 
 impl ServeArgs {
+    /// The model to serve: the positional path, --model, or the default model.
+    pub fn model_path(&self) -> Result<PathBuf> {
+        let flag = self.model.clone().unwrap_or_else(|| PathBuf::from(crate::DEFAULT_MODEL_PATH));
+        vllm_flags::model_path(self.model_positional.as_ref(), &flag, self.model.is_some())
+    }
+
     /// The engine's configuration, the KV cache's `auto` dtype resolved to `kv_dtype`.
     pub fn engine_config(&self, kv_dtype: KvDtype) -> EngineConfig {
         EngineConfig {
@@ -190,7 +203,7 @@ impl ServeArgs {
             max_num_batched_tokens: self.max_num_batched_tokens,
             long_prefill_token_threshold: self.long_prefill_token_threshold,
             max_waiting: self.max_queue,
-            enable_prefix_caching: !self.no_prefix_caching,
+            enable_prefix_caching: !self.no_prefix_caching && !self.vllm.no_enable_prefix_caching,
             // With tenants, one eighth of the batch slots (at least one) stays out of reach of
             // any single tenant, so a newcomer never waits behind a flood for a slot.
             tenant_slot_reserve: if self.db.is_some() { (self.max_num_seqs / 8).max(1) } else { 0 },
@@ -215,12 +228,18 @@ pub fn run_on(
     if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
     }
-    if !args.model.exists() {
+    let model_path = args.model_path()?;
+    if !model_path.exists() {
         bail!(
             "model {} not found (run scripts/fetch-default-model for the default model, or pass --model)",
-            args.model.display()
+            model_path.display()
         );
     }
+    args.vllm.check(&model_path)?;
+    let max_model_len = match &args.vllm.max_model_len {
+        Some(s) => vllm_flags::parse_max_model_len(s)?,
+        None => None,
+    };
     if args.db.is_some() && args.api_key.is_some() {
         bail!("--api-key and --db exclude each other: with --db, keys are created with `wasmserve keys create`");
     }
@@ -233,8 +252,14 @@ pub fn run_on(
         expert_parallel: args.expert_parallel_size,
         cpu_activations: args.cpu_activations,
     };
-    let model = crate::model::load_with_options(&args.model, &opts)
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let model = crate::model::load_with_options(&model_path, &opts)
+        .with_context(|| format!("loading {}", model_path.display()))?;
+    if let Some(want) = max_model_len {
+        let most = model.config().max_position_embeddings;
+        if want > most {
+            bail!("--max-model-len {want} exceeds the model's maximum of {most} positions");
+        }
+    }
     let model = Arc::new(crate::backend::place_model(model, device, dense).map_err(anyhow::Error::msg)?);
     let template: Option<Arc<dyn ChatTemplate>> = match model.tokenizer.chat_template.as_deref() {
         None => {
@@ -256,7 +281,19 @@ pub fn run_on(
     let name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
     let kv_dtype = args.kv_cache_dtype.resolve(model.model.device_kv().is_some(), dense);
     tracing::info!(kv_cache_dtype = ?kv_dtype, "KV cache dtype ({:?} asked)", args.kv_cache_dtype);
-    let cfg = args.engine_config(kv_dtype);
+    let mut cfg = args.engine_config(kv_dtype);
+    cfg.max_model_len = max_model_len;
+    if let Some(u) = args.vllm.gpu_memory_utilization {
+        if model.model.device_kv().is_some() {
+            bail!("--gpu-memory-utilization with a device forward is not implemented yet: size the KV cache with --kv-cache-memory");
+        }
+        cfg.kv_cache_bytes = vllm_flags::host_kv_bytes(u)?;
+        tracing::info!(
+            gpu_memory_utilization = u,
+            kv_cache_bytes = cfg.kv_cache_bytes,
+            "KV cache sized from host memory"
+        );
+    }
     let engine = Engine::try_start(model, cfg).map_err(anyhow::Error::msg)?;
     let mut state = ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes);
     state.tenancy = tenancy;
