@@ -186,3 +186,33 @@ fn a_tensor_no_layer_reads_is_refused_by_name() {
     assert!(err.contains(name) && err.contains("no layer"), "{err}");
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// The Cubic layout in QuantTrio's dynamic-A8 mode (`--cpu-activations int8`, their
+/// `VLLM_CUBIC_DYNAMIC_A8=1`) against the reference forward whose routed experts multiply through
+/// their `_reference_dynamic_a8_linear` (reference_a8.json): the int8 rounding of activations is
+/// discontinuous, so an f32-vs-f64 difference can move one value to the next int8 step; the
+/// tolerance says how far that goes here.
+#[test]
+fn cubic_in_dynamic_a8_mode_matches_its_reference() {
+    let opts = wasmserve::model::LoadOptions {
+        cpu_activations: wasmserve::model::activations::CpuActivations::Int8,
+        ..Default::default()
+    };
+    let m = wasmserve::model::load_with_options(&dir("cubic"), &opts).unwrap();
+    let a8 = common::reference_cases(&dir("cubic").join("reference_a8.json"));
+    let a16 = cases("cubic");
+    let vocab = m.config().vocab_size;
+    let (mut worst, mut a8_vs_a16) = (0.0f32, 0.0f32);
+    for (c, c16) in a8.iter().zip(&a16) {
+        let mut kv = m.model.contiguous_cache(1);
+        let rows: Vec<BatchRow> = (0..c.ids.len()).map(|pos| BatchRow { seq: 0, pos }).collect();
+        let all: Vec<usize> = (0..rows.len()).collect();
+        let logits = m.model.forward(&c.ids, &rows, &mut kv, &all);
+        for (p, want) in c.prefill.iter().enumerate() {
+            worst = worst.max(max_diff(&logits[p * vocab..(p + 1) * vocab], want));
+            a8_vs_a16 = a8_vs_a16.max(max_diff(&c16.prefill[p], want));
+        }
+    }
+    eprintln!("cubic dynamic A8: max |logit diff| vs its reference {worst:.2e} (the A8 reference vs the A16 one: {a8_vs_a16:.2})");
+    assert!(worst < 1e-4 && a8_vs_a16 > 0.1, "A8 {worst}, A8 vs A16 {a8_vs_a16}");
+}

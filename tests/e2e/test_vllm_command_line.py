@@ -51,6 +51,18 @@ def test_the_seed_command_line_serves():
         s.stop()
 
 
+def test_cubic_dynamic_a8_from_the_environment():
+    """VLLM_CUBIC_DYNAMIC_A8=1, as the A8 seed line sets it: Cubic layers take the A8 path."""
+    s = vllm_server("vllm-cli-a8", SEED_FLAGS, env={"VLLM_CUBIC_DYNAMIC_A8": "1"}).start()
+    try:
+        assert "dynamic-A8 mode" in s.log_text() and "cpu_activations=int8" in s.log_text(), s.log_text()
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={
+            "model": "Kimi-K3", "prompt": "hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    finally:
+        s.stop()
+
+
 def refused(flags, env=None):
     args = [str(BINARY), "serve", str(MODEL), *flags, "--port", "0"]
     p = subprocess.run(args, capture_output=True, text=True, timeout=60,
@@ -63,6 +75,5 @@ def test_what_cannot_be_honoured_stops_the_start_by_name():
     assert "--speculative-config" in refused(["--speculative-config", "{}"])
     err = refused(["--quantization", "compressed-tensors"])
     assert "--quantization compressed-tensors" in err and "'cubic'" in err, err
-    assert "VLLM_CUBIC_DYNAMIC_A8" in refused([], env={"VLLM_CUBIC_DYNAMIC_A8": "1"})
     assert "--max-model-len" in refused(["--max-model-len", "10000000"])
     assert "given twice" in refused(["--model", str(ROOT / "tests" / "reference" / "kimi_k3" / "int4")])

@@ -32,4 +32,11 @@ def load():
     if missing:
         raise SystemExit(f"cubic.py no longer defines {sorted(missing)}")
     exec(compile(ast.Module(found, []), "cubic.py", "exec"), ns)
+    # Their dynamic-A8 reference linear, from their test file (it calls unpack_cubic_codes).
+    tests = ast.parse(open(os.path.join(root, "tests/quantization/test_cubic_dynamic_a8.py")).read())
+    a8 = [n for n in tests.body if isinstance(n, ast.FunctionDef)
+          and n.name in ("_reference_carriers", "_reference_dynamic_a8_linear")]
+    if len(a8) != 2:
+        raise SystemExit("test_cubic_dynamic_a8.py no longer defines the A8 reference")
+    exec(compile(ast.Module(a8, []), "test_cubic_dynamic_a8.py", "exec"), ns)
     return ns

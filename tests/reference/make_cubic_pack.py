@@ -1,13 +1,16 @@
 """Bit-exact fixtures for QuantTrio's Cubic format (tests/reference_cubic_pack.rs), made by their own
 `pack_cubic_codes`, `unpack_cubic_codes`, `dequantize_cubic` and `materialize_cubic_a8_carrier`
-(loaded by cubic_upstream.py from a checkout of QuantTrio/vllm-cubic).
+and their test suite's `_reference_dynamic_a8_linear` (loaded by cubic_upstream.py from a checkout of
+QuantTrio/vllm-cubic).
 
 For every width 1-8 and both group_size forms ([1, g] and [group_out, group_in]), with row lengths
 whose bit streams end mid-byte and last groups that are partial: random codes (the reserved raw
 code written into some bytes by hand for b >= 2, which must read as 0), f32 scales, f16 a/b.
 tests/reference/cubic_pack/cases.safetensors holds per case `weight_packed` U8, `weight_scale` F32,
 `weight_a`/`weight_b` F16 (the checkpoint form), and their `codes` (I8), `dequant` (F32) and
-`a8_carrier` (I8, where the rows fill whole output groups); cases.json the shapes.
+`a8_carrier` (I8, where the rows fill whole output groups), and for [1, g] groups three input rows
+`a8_x` with their dynamic-A8 reference linear's output `a8_out` (`_reference_dynamic_a8_linear`
+from their tests/quantization/test_cubic_dynamic_a8.py); cases.json the shapes.
 
 Run: VLLM_CUBIC_SRC=<checkout> .venv/bin/python tests/reference/make_cubic_pack.py
 """
@@ -54,6 +57,10 @@ def main():
                                          num_values=cols)
             out = {"weight_packed": packed, "weight_scale": scale, "weight_a": a, "weight_b": b,
                    "codes": unpacked, "dequant": deq}
+            if go == 1:  # their A8 reference linear takes [1, g] groups
+                x = torch.randn(3, cols, generator=g) * 2.0
+                out["a8_x"] = x
+                out["a8_out"] = up["_reference_dynamic_a8_linear"](x, packed, scale, a, b, bits, gi)
             if rows % go == 0:  # their carrier needs whole output groups
                 out["a8_carrier"] = up["materialize_cubic_a8_carrier"](packed, a, b, num_bits=bits, group_size=gi,
                                                                        input_size=cols, group_out=go)

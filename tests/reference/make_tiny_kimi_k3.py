@@ -217,6 +217,7 @@ def ct_quantize(weight, scheme, compressor):
 
 
 CUBIC_SCHEDULE = {1: (3, 32), 2: (3, 32), 3: (2, 64), 4: (4, 64)}  # layer -> (bits, group_in)
+CUBIC_PACKED = {}  # module -> (their functions, packed tensors, bits, group_in), for the A8 reference
 CUBIC_AB = [(1.0, 0.0), (0.7, 0.2), (0.5, 0.4), (1.3, -0.4)]
 
 
@@ -258,6 +259,7 @@ def quantized_layout(w, linears, layout):
                 layer = int(module.split(".layers.")[1].split(".")[0])
                 bits, gi = CUBIC_SCHEDULE[layer]
                 packed, dense = cubic_quantize(up, t, bits, gi)
+                CUBIC_PACKED[module] = (up, packed, bits, gi)
                 for k, v in packed.items():
                     stored[f"{module}.{k}"] = v.contiguous()
                 ref[name] = dense
@@ -338,9 +340,23 @@ def situ(gate, up):
     return gate * up
 
 
+# Dynamic-A8 reference (cubic layout): module -> its packed tensors, bits, group; set while
+# computing reference_a8.json so the routed experts multiply through QuantTrio's
+# `_reference_dynamic_a8_linear` (int8 carriers, per-row int8 activations).
+A8 = {}
+
+
+def linear_of(x, W, module):
+    if module in A8:
+        up, t, bits, gi = A8[module]
+        return up["_reference_dynamic_a8_linear"](x, t["weight_packed"], t["weight_scale"], t["weight_a"],
+                                                  t["weight_b"], bits, gi)
+    return x @ W[f"{module}.weight"].T
+
+
 def mlp(x, W, p, leaves=("gate_proj", "up_proj", "down_proj")):
-    g, u, d = (W[f"{p}.{leaf}.weight"] for leaf in leaves)
-    return situ(x @ g.T, x @ u.T) @ d.T
+    g, u, d = (f"{p}.{leaf}" for leaf in leaves)
+    return linear_of(situ(linear_of(x, W, g), linear_of(x, W, u)), W, d)
 
 
 def short_conv_silu(x, weight):
@@ -496,6 +512,18 @@ def main():
         with open(os.path.join(d, "reference.json"), "w") as f:
             json.dump({"torch": torch.__version__, "compressed_tensors": __import__("compressed_tensors").__version__,
                        "vocab_size": VOCAB, "cases": cases}, f)
+        if layout == "cubic":
+            # The same model in QuantTrio's dynamic-A8 mode (VLLM_CUBIC_DYNAMIC_A8=1).
+            A8.update(CUBIC_PACKED)
+            try:
+                cases_a8 = reference_cases(ref)
+            finally:
+                A8.clear()
+            with open(os.path.join(d, "reference_a8.json"), "w") as f:
+                json.dump({"torch": torch.__version__, "vocab_size": VOCAB, "mode": "dynamic-A8", "cases": cases_a8}, f)
+            print("cubic A8 vs A16 reference, max |logit diff|:",
+                  max(max(abs(a - b) for a, b in zip(ra, rb)) for c8, c16 in zip(cases_a8, cases)
+                      for ra, rb in zip(c8["prefill_logits"], c16["prefill_logits"])))
         print(layout, "min greedy margin", min(c["min_greedy_margin"] for c in cases),
               "attn_res effect on logits", attn_res_matters(ref, cases[0]["ids"]))
     total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(OUT) for f in fs)

@@ -59,6 +59,8 @@ fn with_int8_activations(l: Linear) -> Linear {
             let w = w.with_int8_activations().expect("eligible layouts take 8-bit activations");
             Linear::Int(IntLinear::new(w, perm))
         }
+        // QuantTrio's Cubic: its dynamic-A8 mode (int8 carriers, per-token int8 activations).
+        Linear::CubicPack(c) => Linear::CubicPack(c.with_a8()),
         other => other,
     }
 }

@@ -247,10 +247,15 @@ pub fn run_on(
         Some(path) => Some(crate::tenancy::Tenancy::open(path, args.admin_key.as_deref(), args.key_secret.as_deref())?),
         None => None,
     };
+    let mut cpu_activations = args.cpu_activations;
+    if vllm_flags::cubic_dynamic_a8() {
+        tracing::info!("VLLM_CUBIC_DYNAMIC_A8: Cubic layers multiply in dynamic-A8 mode (int8 activations)");
+        cpu_activations = crate::model::activations::CpuActivations::Int8;
+    }
     let opts = crate::model::LoadOptions {
         tensor_parallel: args.tensor_parallel_size,
         expert_parallel: args.expert_parallel_size,
-        cpu_activations: args.cpu_activations,
+        cpu_activations,
     };
     let model = crate::model::load_with_options(&model_path, &opts)
         .with_context(|| format!("loading {}", model_path.display()))?;

@@ -1,7 +1,8 @@
 //! `vllm serve` command lines, run as they are with `wasmserve serve`: the flags that mean
 //! something here are mapped onto ours, those that only tune vLLM's own machinery are accepted
 //! and logged, and one whose behaviour we do not have is a start-up error naming it (clap already
-//! refuses flags it does not know).
+//! refuses flags it does not know). `VLLM_CUBIC_DYNAMIC_A8=1` is Cubic's dynamic-A8 mode:
+//! `--cpu-activations int8` for the CPU forward (the device has no Cubic kernels yet).
 
 use std::path::{Path, PathBuf};
 
@@ -103,9 +104,6 @@ impl VllmFlags {
                 );
             }
         }
-        if std::env::var("VLLM_CUBIC_DYNAMIC_A8").is_ok_and(|v| v != "0" && !v.is_empty()) {
-            bail!("VLLM_CUBIC_DYNAMIC_A8: Cubic's dynamic-A8 mode is not implemented yet (Cubic weights run A16); unset it");
-        }
         if let Some(u) = self.gpu_memory_utilization {
             if !(u > 0.0 && u <= 1.0) {
                 bail!("--gpu-memory-utilization {u}: expected a fraction in (0, 1]");
@@ -124,6 +122,11 @@ impl VllmFlags {
         }
         Ok(())
     }
+}
+
+/// Whether `VLLM_CUBIC_DYNAMIC_A8` asks for Cubic's dynamic-A8 mode (`1`; `0` or empty: A16).
+pub fn cubic_dynamic_a8() -> bool {
+    std::env::var("VLLM_CUBIC_DYNAMIC_A8").is_ok_and(|v| v != "0" && !v.is_empty())
 }
 
 fn mxfp4_checkpoint(model: &Path) -> bool {

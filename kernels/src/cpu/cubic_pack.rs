@@ -15,9 +15,15 @@
 //! bit in `host/../tests/reference_cubic_pack.rs`). Each group's `2M + 1` values are computed once
 //! into a table, so a row decodes by lookup.
 //!
+//! Dynamic A8 (their `VLLM_CUBIC_DYNAMIC_A8=1`, here `--cpu-activations int8`): each weight as
+//! its int8 carrier `clamp(round_half_even(sign(c)·L(t)·127), ±127)` (±127 for 1 bit), each input
+//! row quantised to int8 by its absmax (`x_q = round(x·127/amax)`, ties away from zero as their
+//! kernel's `libdevice.round`), integer dot products per input group, then
+//! `y += acc · ((x_scale · scale) / 127)` group by group, as their reference
+//! `_reference_dynamic_a8_linear` orders it.
+//!
 //! Hand-written rather than dequantised at load because the point of the format is the 2-3 bits
-//! per weight in memory; this is the plain (scalar, rayon over rows) kernel, not yet the SIMD or
-//! dynamic-A8 ones.
+//! per weight in memory; these are the plain (scalar, rayon over rows) kernels, not yet SIMD.
 
 use rayon::prelude::*;
 
@@ -35,6 +41,8 @@ pub struct CubicPackMatrix {
     scale: Vec<f32>,
     a: Vec<f32>,
     b: Vec<f32>,
+    /// Multiply with int8 activations and the weights' int8 carriers (dynamic A8).
+    a8: bool,
 }
 
 /// Bytes of one packed row.
@@ -107,7 +115,16 @@ impl CubicPackMatrix {
         assert_eq!(packed.len(), rows * row_bytes(cols, bits), "Cubic codes size");
         let groups = rows.div_ceil(group_out) * cols.div_ceil(group_in);
         assert!(scale.len() == groups && a.len() == groups && b.len() == groups, "Cubic metadata size");
-        Self { bits, rows, cols, group_out, group_in, packed, scale, a, b }
+        Self { bits, rows, cols, group_out, group_in, packed, scale, a, b, a8: false }
+    }
+
+    /// The same matrix multiplying in dynamic-A8 mode.
+    pub fn with_a8(self) -> Self {
+        Self { a8: true, ..self }
+    }
+
+    pub fn is_a8(&self) -> bool {
+        self.a8
     }
 
     pub fn rows(&self) -> usize {
@@ -164,11 +181,33 @@ impl CubicPackMatrix {
         out
     }
 
+    /// Row `r`'s int8 carriers (their `materialize_cubic_a8_carrier`).
+    pub fn carrier_row(&self, r: usize) -> Vec<i8> {
+        let (bits, row) = (self.bits, self.row(r));
+        let groups_per_row = self.cols.div_ceil(self.group_in);
+        let m = if bits == 1 { 1 } else { (1i32 << (bits - 1)) - 1 };
+        let mut out = vec![0i8; self.cols];
+        let mut table = vec![0i8; (2 * m + 1) as usize];
+        for g in 0..groups_per_row {
+            let meta = (r / self.group_out) * groups_per_row + g;
+            for (k, t) in table.iter_mut().enumerate() {
+                *t = carrier(k as i32 - m, bits, self.a[meta], self.b[meta]);
+            }
+            for i in g * self.group_in..((g + 1) * self.group_in).min(self.cols) {
+                out[i] = table[(code(row, i, bits) + m) as usize];
+            }
+        }
+        out
+    }
+
     /// `out[n, rows] = x[n, cols] · Wᵀ`: each output row decoded once and dotted with every
-    /// input row.
+    /// input row (in dynamic-A8 mode when the matrix is set to it).
     pub fn matmul_t(&self, x: &[f32], out: &mut [f32], n: usize) {
         assert_eq!(x.len(), n * self.cols, "Cubic matmul input");
         assert_eq!(out.len(), n * self.rows, "Cubic matmul output");
+        if self.a8 {
+            return self.matmul_t_a8(x, out, n);
+        }
         let cols = self.cols;
         let columns: Vec<Vec<f32>> = (0..self.rows)
             .into_par_iter()
@@ -186,6 +225,68 @@ impl CubicPackMatrix {
             }
         }
     }
+}
+
+impl CubicPackMatrix {
+    /// Dynamic A8: see the module comment.
+    fn matmul_t_a8(&self, x: &[f32], out: &mut [f32], n: usize) {
+        let cols = self.cols;
+        let quantised: Vec<(Vec<i8>, f32)> = x.chunks_exact(cols).map(quantize_row_int8).collect();
+        debug_assert_eq!(quantised.len(), n);
+        let groups_per_row = cols.div_ceil(self.group_in);
+        let columns: Vec<Vec<f32>> = (0..self.rows)
+            .into_par_iter()
+            .map(|r| {
+                let w = self.carrier_row(r);
+                quantised
+                    .iter()
+                    .map(|(xq, x_scale)| {
+                        let mut y = 0.0f32;
+                        for g in 0..groups_per_row {
+                            let span = g * self.group_in..((g + 1) * self.group_in).min(cols);
+                            let acc: i32 =
+                                xq[span.clone()].iter().zip(&w[span]).map(|(&a, &b)| a as i32 * b as i32).sum();
+                            let s = self.scale[(r / self.group_out) * groups_per_row + g];
+                            y += acc as f32 * ((x_scale * s) / 127.0);
+                        }
+                        y
+                    })
+                    .collect()
+            })
+            .collect();
+        for (r, col) in columns.iter().enumerate() {
+            for (t, v) in col.iter().enumerate() {
+                out[t * self.rows + r] = *v;
+            }
+        }
+    }
+}
+
+/// The int8 carrier of code `c` in a group with `a`, `b`: `round_half_even(sign·L(t)·127)`.
+pub fn carrier(c: i32, bits: u32, a: f32, b: f32) -> i8 {
+    if bits == 1 {
+        return (c * 127) as i8;
+    }
+    let m = ((1u32 << (bits - 1)) - 1) as f32;
+    let cf = c as f32;
+    let t = cf.abs() / m;
+    let normalized = t * (a + t * (b + t * (1.0 - a - b)));
+    let sign = if cf > 0.0 {
+        1.0
+    } else if cf < 0.0 {
+        -1.0
+    } else {
+        0.0
+    };
+    (sign * normalized * 127.0).round_ties_even().clamp(-127.0, 127.0) as i8
+}
+
+/// A row's int8 quantisation and scale (`per_token_quant_int8`): `amax = max(max|x|, 1e-10)`,
+/// `x_q = round(x · (127 / amax))` with ties away from zero, scale `amax / 127`.
+pub fn quantize_row_int8(x: &[f32]) -> (Vec<i8>, f32) {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-10);
+    let inv = 127.0 / amax;
+    (x.iter().map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8).collect(), amax / 127.0)
 }
 
 #[cfg(test)]
