@@ -245,44 +245,67 @@ def cubic_quantize(up, weight, bits, gi):
     return best[1], best[2]
 
 
+# K3's MXFP4 release's ignore list (docs/formats.md §5.2), which QuantTrio's converter copies.
+K3_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+             "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]
+
+
+def store_layout(w, linears, quantize):
+    """(tensors to save, f32 weights the reference runs on): `quantize(module, weight)` gives the
+    packed tensors and the weight they decode to for a Linear it quantizes, None to keep it in its
+    checkpoint dtype."""
+    stored, ref = {}, {}
+    for name, t in w.items():
+        if name.endswith(".__dtype"):
+            continue
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        q = quantize(module, t) if module in linears else None
+        if q is None:
+            stored[name] = t.to(w[name + ".__dtype"]).contiguous()
+            ref[name] = stored[name].float()
+            continue
+        packed, dense = q
+        for k, v in packed.items():
+            stored[f"{module}.{k}"] = v.contiguous()
+        ref[name] = dense
+    return stored, ref
+
+
+def cubic_config():
+    """QuantTrio's converter's config shape: one `moe_layers_{s}_{e}` group per schedule segment."""
+    segments = {}
+    for layer, scheme in CUBIC_SCHEDULE.items():
+        segments.setdefault(scheme, []).append(layer)
+    groups = {}
+    for (bits, gi), layers in segments.items():
+        alt = "|".join(str(x) for x in layers)
+        groups[f"moe_layers_{layers[0]}_{layers[-1]}"] = {
+            "targets": [f"re:.*\\.layers\\.(?:{alt})\\.block_sparse_moe\\.experts"],
+            "weights": {"num_bits": bits, "group_size": gi, "strategy": "group", "symmetric": True,
+                        "dynamic": False, "scale_dtype": "float32", "param_dtype": "float16",
+                        "reserved_code": "binary" if bits == 1 else "zero", "packing": "little-endian-bitstream"},
+            "input_activations": None}
+    return {"quant_method": "cubic", "format": "cubic-pack-quantized", "quantization_status": "compressed",
+            "runtime_weight_storage": "native_packed_bitstream", "config_groups": groups, "ignore": K3_IGNORE}
+
+
 def quantized_layout(w, linears, layout):
     """(tensors to save, f32 weights the reference runs on, quantization_config, in text_config?)."""
-    stored, ref = {}, {}
     if layout == "cubic":
         import cubic_upstream
         up = cubic_upstream.load()
-        for name, t in w.items():
-            if name.endswith(".__dtype"):
-                continue
-            module = name[: -len(".weight")] if name.endswith(".weight") else None
-            if module in linears and ".experts." in module:
-                layer = int(module.split(".layers.")[1].split(".")[0])
-                bits, gi = CUBIC_SCHEDULE[layer]
-                packed, dense = cubic_quantize(up, t, bits, gi)
-                CUBIC_PACKED[module] = (up, packed, bits, gi)
-                for k, v in packed.items():
-                    stored[f"{module}.{k}"] = v.contiguous()
-                ref[name] = dense
-            else:
-                stored[name] = t.to(w[name + ".__dtype"]).contiguous()
-                ref[name] = stored[name].float()
-        segments = {}
-        for layer, scheme in CUBIC_SCHEDULE.items():
-            segments.setdefault(scheme, []).append(layer)
-        groups = {}
-        for (bits, gi), layers in segments.items():
-            alt = "|".join(str(x) for x in layers)
-            groups[f"moe_layers_{layers[0]}_{layers[-1]}"] = {
-                "targets": [f"re:.*\\.layers\\.(?:{alt})\\.block_sparse_moe\\.experts"],
-                "weights": {"num_bits": bits, "group_size": gi, "strategy": "group", "symmetric": True,
-                            "dynamic": False, "scale_dtype": "float32", "param_dtype": "float16",
-                            "reserved_code": "binary" if bits == 1 else "zero", "packing": "little-endian-bitstream"},
-                "input_activations": None}
-        quant = {"quant_method": "cubic", "format": "cubic-pack-quantized", "quantization_status": "compressed",
-                 "runtime_weight_storage": "native_packed_bitstream", "config_groups": groups,
-                 "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-                            "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]}
-        return stored, ref, quant, True
+
+        def quantize(module, t):
+            if ".experts." not in module:
+                return None
+            layer = int(module.split(".layers.")[1].split(".")[0])
+            bits, gi = CUBIC_SCHEDULE[layer]
+            packed, dense = cubic_quantize(up, t, bits, gi)
+            CUBIC_PACKED[module] = (up, packed, bits, gi)
+            return packed, dense
+
+        stored, ref = store_layout(w, linears, quantize)
+        return stored, ref, cubic_config(), True
     if layout == "int4":
         scheme, compressor = int4_scheme(), PackedQuantizationCompressor
         ignore = ["language_model.lm_head", "re:.*block_sparse_moe\\.gate$", "re:vision_tower.*", "re:mm_projector.*"]
@@ -290,24 +313,12 @@ def quantized_layout(w, linears, layout):
         fmt = "pack-quantized"
     else:
         scheme, compressor = mxfp4_scheme(), MXFP4PackedCompressor
-        ignore = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-                  "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]
         # K3's MXFP4 release quantizes the routed experts only (its ignore list leaves the latent
         # projections and AttnRes projections dense too: they are loaded dense by name).
+        ignore = K3_IGNORE
         quantized = lambda name: ".experts." in name
         fmt = "mxfp4-pack-quantized"
-    for name, t in w.items():
-        if name.endswith(".__dtype"):
-            continue
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module in linears and quantized(module):
-            packed, dense = ct_quantize(t, scheme, compressor)
-            for k, v in packed.items():
-                stored[f"{module}.{k}"] = v.contiguous()
-            ref[name] = dense
-        else:
-            stored[name] = t.to(w[name + ".__dtype"]).contiguous()
-            ref[name] = stored[name].float()
+    stored, ref = store_layout(w, linears, lambda m, t: ct_quantize(t, scheme, compressor) if quantized(m) else None)
     weights = scheme.weights.model_dump(exclude_none=True)
     weights = {k: (str(v) if not isinstance(v, (int, float, bool, str, list, dict)) else v) for k, v in weights.items()}
     quant = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
