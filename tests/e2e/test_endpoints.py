@@ -11,6 +11,9 @@ def test_models(client, http):
     assert models.data[0].object == "model"
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     assert http.get("/v1/models/nope").status_code == 404
+    # No path on the serving host reaches clients.
+    card = http.get("/v1/models").json()["data"][0]
+    assert "/" not in card["root"] and card["root"] == MODEL_NAME, card
 
 
 def test_health(http):

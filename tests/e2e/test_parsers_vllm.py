@@ -61,7 +61,10 @@ def request_args(model, case):
 def whole(client, model, case):
     msg = client.chat.completions.create(**request_args(model, case)).choices[0].message
     calls = [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls or []]
-    return msg.content, (msg.model_extra or {}).get("reasoning_content"), calls
+    extra = msg.model_extra or {}
+    # Both names (current vLLM clients read `reasoning`, older ones `reasoning_content`).
+    assert extra.get("reasoning") == extra.get("reasoning_content"), extra
+    return msg.content, extra.get("reasoning_content"), calls
 
 
 def streamed(client, model, case):
@@ -69,7 +72,9 @@ def streamed(client, model, case):
     for chunk in client.chat.completions.create(stream=True, **request_args(model, case)):
         for choice in chunk.choices:
             d = choice.delta
-            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            extra = d.model_extra or {}
+            assert extra.get("reasoning") == extra.get("reasoning_content"), extra
+            reasoning += extra.get("reasoning_content") or ""
             content += d.content or ""
             for c in d.tool_calls or []:
                 if c.index == len(calls):

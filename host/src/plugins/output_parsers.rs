@@ -59,7 +59,9 @@ impl ChatParsers {
             }
             _ => (None, Some(text.to_string())),
         };
-        let mut msg = json!({"role": "assistant", "content": content, "reasoning_content": reasoning});
+        // Both names: current vLLM clients read `reasoning`, older ones `reasoning_content`.
+        let mut msg =
+            json!({"role": "assistant", "content": content, "reasoning": reasoning, "reasoning_content": reasoning});
         if let Some(Pools::Tool(p)) = self.tool.as_deref().map(|d| &d.pools) {
             let r = parsers::tool_parse(p, content.as_deref().unwrap_or(""), &self.ctx)?;
             if !r.tool_calls.is_empty() {
@@ -144,6 +146,7 @@ impl StreamParsers {
         }
         let mut delta = serde_json::Map::new();
         if !reasoning.is_empty() {
+            delta.insert("reasoning".into(), reasoning.clone().into());
             delta.insert("reasoning_content".into(), reasoning.into());
         }
         if !content.is_empty() {

@@ -81,7 +81,8 @@ fn model_card(state: &AppState) -> Value {
         "object": "model",
         "created": state.started_at,
         "owned_by": "wasmserve",
-        "root": state.model.path.display().to_string(),
+        // The model's name, never its path on this host.
+        "root": state.model.name,
         "max_model_len": state.engine.max_model_len(),
     })
 }
