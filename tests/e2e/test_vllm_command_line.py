@@ -63,6 +63,23 @@ def test_cubic_dynamic_a8_from_the_environment():
         s.stop()
 
 
+def test_served_model_name_aliases():
+    """`--served-model-name a b`: requests may name either; responses and the listing carry the first."""
+    flags = list(SEED_FLAGS)
+    flags.insert(flags.index("Kimi-K3") + 1, "kimi")
+    s = vllm_server("vllm-cli-alias", flags).start()
+    try:
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={
+            "model": "kimi", "prompt": "hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["model"] == "Kimi-K3", r.text
+        assert [m["id"] for m in httpx.get(s.url + "/v1/models", timeout=30).json()["data"]] == ["Kimi-K3"]
+        assert httpx.get(s.url + "/v1/models/kimi", timeout=30).status_code == 200
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={"model": "other", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 404, r.text
+    finally:
+        s.stop()
+
+
 def refused(flags, env=None):
     args = [str(BINARY), "serve", str(MODEL), *flags, "--port", "0"]
     p = subprocess.run(args, capture_output=True, text=True, timeout=60,

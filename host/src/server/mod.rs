@@ -83,9 +83,10 @@ pub struct ServeArgs {
     /// HMAC secret for API key hashes (default: a random one stored in the database).
     #[arg(long, env = "WASMSERVE_KEY_SECRET", hide_env_values = true)]
     pub key_secret: Option<String>,
-    /// The model id clients use (default: the model file stem or directory name).
-    #[arg(long)]
-    pub served_model_name: Option<String>,
+    /// The model id clients use (default: the model file stem or directory name); as vLLM, more
+    /// than one name are aliases: requests may use any, responses and listings carry the first.
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
     /// Tensor-parallel ranks the model is split over: one GPU each with `--device cuda:0,1,..`
     /// (a Llama, NCCL between them), else simulated devices (one thread each). Heads and KV heads
     /// must divide (KV heads may instead be a divisor of it, then replicated).
@@ -283,7 +284,8 @@ pub fn run_on(
             }
         },
     };
-    let name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
+    let name = args.served_model_name.first().cloned().unwrap_or_else(|| model.name.clone());
+    let aliases: Vec<String> = args.served_model_name.iter().skip(1).cloned().collect();
     let kv_dtype = args.kv_cache_dtype.resolve(model.model.device_kv().is_some(), dense);
     tracing::info!(kv_cache_dtype = ?kv_dtype, "KV cache dtype ({:?} asked)", args.kv_cache_dtype);
     let mut cfg = args.engine_config(kv_dtype);
@@ -302,6 +304,7 @@ pub fn run_on(
     let engine = Engine::try_start(model, cfg).map_err(anyhow::Error::msg)?;
     let mut state = ServerState::new(engine.clone(), template, name, args.api_key.clone(), args.max_body_bytes);
     state.tenancy = tenancy;
+    state.model_aliases = aliases;
     state.stream_stall_timeout = stall_timeout(args.stream_stall_timeout)?;
     state.body_read_timeout = positive_secs("--body-read-timeout", args.body_read_timeout)?;
     let plugin_threads = match args.plugin_threads {

@@ -98,7 +98,7 @@ async fn get_model(
     caller: CallerExt,
     Path(model): Path<String>,
 ) -> ApiResult<Json<Value>> {
-    if model != state.served_model_name || !model_visible(&caller, &model) {
+    if !state.serves(&model) || !model_visible(&caller, &state.served_model_name) {
         return Err(ApiError::model_not_found(&model));
     }
     Ok(Json(model_card(&state)))

@@ -28,6 +28,8 @@ pub struct ServerState {
     /// A trait object so a Wasm plugin can stand in for the built-in minijinja renderer.
     pub template: Option<Arc<dyn ChatTemplate>>,
     pub served_model_name: String,
+    /// Further names requests may use for it (`--served-model-name a b ...`).
+    pub model_aliases: Vec<String>,
     pub api_key: Option<String>,
     /// Tenants, keys, limits and usage (`serve --db`); replaces `api_key` when set.
     pub tenancy: Option<Arc<crate::tenancy::Tenancy>>,
@@ -63,6 +65,7 @@ impl ServerState {
             engine,
             template,
             served_model_name,
+            model_aliases: Vec::new(),
             api_key,
             tenancy: None,
             plugins: None,
@@ -83,9 +86,14 @@ impl ServerState {
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             None | Some("") => Ok(()),
-            Some(m) if m == self.served_model_name => Ok(()),
+            Some(m) if self.serves(m) => Ok(()),
             Some(m) => Err(ApiError::model_not_found(m)),
         }
+    }
+
+    /// Whether `name` is the served model's name or one of its aliases.
+    pub fn serves(&self, name: &str) -> bool {
+        name == self.served_model_name || self.model_aliases.iter().any(|a| a == name)
     }
 
     pub fn is_shutting_down(&self) -> bool {
