@@ -19,6 +19,10 @@ def test_models(client, http):
 def test_health(http):
     r = http.get("/health")
     assert r.status_code == 200
+    # vLLM's liveness, version and load endpoints.
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+    assert http.get("/version").json()["version"]
+    assert http.get("/load").json()["server_load"] >= 0
 
 
 def test_metrics_exposition(server, client):

@@ -36,6 +36,10 @@ pub fn router(state: AppState) -> Router {
         app = app.merge(super::admin::plugins::admin_router(state.clone()));
     }
     app.route("/health", get(health))
+        // vLLM's liveness (`/ping`, GET or POST), version and load endpoints.
+        .route("/ping", get(health).post(health))
+        .route("/version", get(version))
+        .route("/load", get(load))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("Unknown endpoint") })
         .method_not_allowed_fallback(|| async {
@@ -109,6 +113,15 @@ async fn health(State(state): State<AppState>) -> Response {
         return ApiError::shutting_down().into_response();
     }
     Json(json!({"status": "ok"})).into_response()
+}
+
+async fn version() -> Json<Value> {
+    Json(json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
+/// vLLM's `/load`: requests being served right now.
+async fn load(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({"server_load": state.in_flight()}))
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
