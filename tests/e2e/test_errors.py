@@ -262,3 +262,10 @@ def test_shutdown_drains_streams_and_refuses_new_work():
         assert "draining" in s.log_text()
     finally:
         s.stop()
+
+
+def test_a_negative_max_tokens_names_the_field_in_api_terms(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and "non-negative integer" in err["message"] and "u64" not in err["message"], err

@@ -87,7 +87,23 @@ pub fn from_value<T: DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
         if path == "." || path.is_empty() {
             ApiError::bad_request(format!("Invalid request: {inner}"))
         } else {
-            ApiError::invalid_param(&path, format!("Invalid value for '{path}': {inner}"))
+            ApiError::invalid_param(&path, format!("Invalid value for '{path}': {}", in_api_terms(&inner.to_string())))
         }
     })
+}
+
+/// serde's Rust type names in a deserialization error, said in the API's terms ("expected u64"
+/// means nothing to a client).
+fn in_api_terms(msg: &str) -> String {
+    const TERMS: [(&str, &str); 8] = [
+        ("expected u64", "expected a non-negative integer"),
+        ("expected u32", "expected a non-negative integer"),
+        ("expected usize", "expected a non-negative integer"),
+        ("expected i64", "expected an integer"),
+        ("expected i32", "expected an integer"),
+        ("expected f32", "expected a number"),
+        ("expected f64", "expected a number"),
+        ("expected a string", "expected a string"),
+    ];
+    TERMS.iter().fold(msg.to_string(), |m, (rust, api)| m.replace(rust, api))
 }
