@@ -208,6 +208,12 @@ def test_max_context_and_token_budget(tsrv):
         complete(tsrv, bk, prompt=list(range(100, 110)), max_tokens=5)
     assert "budget" in e.value.message
     assert int(e.value.response.headers["retry-after"]) <= 3600
+    # A request larger than the whole budget can never be admitted: a 400 naming the limit (not a
+    # 429 the SDKs would retry for nothing).
+    fresh = new_key("budget")["key"]
+    r = httpx.post(tsrv.url + "/v1/completions", headers={"Authorization": f"Bearer {fresh}"},
+                   json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 100})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_large" and "budget" in r.text, r.text
 
 
 def test_invalid_requests_are_400_before_limits_and_zero_limits_refuse(tsrv):
@@ -219,6 +225,11 @@ def test_invalid_requests_are_400_before_limits_and_zero_limits_refuse(tsrv):
         r = httpx.post(tsrv.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, json={"model": MODEL_NAME, "max_tokens": 2, **body})
         assert r.status_code == 400, (body, r.text)
     complete(tsrv, key)
+    # More tokens than the tpm limit allows in a whole minute: never admissible, so a 400.
+    r = httpx.post(tsrv.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 100})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_large" and "tokens per minute" in r.text, r.text
+    assert "retry-after" not in r.headers
     # An rpm of 0 switches a key off: 429 with Retry-After, and the server goes on serving.
     new_tenant("off", "--rpm", "0")
     off = new_key("off")["key"]

@@ -186,6 +186,12 @@ pub fn admit_call(state: &AppState, caller: &CallerExt) -> ApiResult<Option<Call
 }
 
 fn rate_limited(r: Refusal) -> ApiError {
+    if r.is_permanent() {
+        // No wait admits it: a 400 naming the limit, which clients do not retry.
+        let mut e = ApiError::bad_request(r.message).with_code("request_too_large");
+        e.headers = r.status.headers();
+        return e;
+    }
     let secs = r.retry_after.as_secs_f64().ceil().max(1.0) as u64;
     let mut e = ApiError::overloaded(r.message);
     e.headers = r.status.headers();

@@ -94,13 +94,23 @@ impl Window {
     }
 }
 
+/// The wait of a request no wait can admit (larger than a limit's whole window).
+pub const NEVER: Duration = Duration::MAX;
+
 /// Why a request was refused, with what the 429 says.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Refusal {
     pub message: String,
-    /// Seconds until a retry may succeed.
+    /// Seconds until a retry may succeed ([`NEVER`] when none can).
     pub retry_after: Duration,
     pub status: RateStatus,
+}
+
+impl Refusal {
+    /// Whether retrying can never succeed: the request alone exceeds a limit.
+    pub fn is_permanent(&self) -> bool {
+        self.retry_after == NEVER
+    }
 }
 
 /// What the `x-ratelimit-*` headers report: the tightest of the request's scopes.
@@ -214,7 +224,7 @@ impl Inner {
             if let (Some(tpm), Some(tokens)) = (l.tpm, tokens) {
                 let used = w.tokens_sum;
                 if tokens > tpm {
-                    refuse(format!("Request too large: it may use {tokens} tokens, more than the {what} limit of {tpm} tokens per minute"), MINUTE);
+                    refuse(format!("Request too large: it may use {tokens} tokens, more than the {what} limit of {tpm} tokens per minute"), NEVER);
                 } else if used.saturating_add(tokens) > tpm {
                     // Wait until enough reserved tokens leave the window.
                     let need = used.saturating_add(tokens) - tpm;
@@ -247,7 +257,16 @@ impl Inner {
             }
             if let Some(b) = l.token_budget {
                 // Every request has at least one prompt token.
-                if w.budget_used.saturating_add(tokens.unwrap_or(1)) > b {
+                if tokens.is_some_and(|t| t > b) {
+                    refuse(
+                        format!(
+                            "Request too large: it may use {} tokens, more than the {what} budget of {b} tokens per {}s window",
+                            tokens.unwrap_or(0),
+                            l.budget_window()
+                        ),
+                        NEVER,
+                    );
+                } else if w.budget_used.saturating_add(tokens.unwrap_or(1)) > b {
                     let end = w.budget_start + l.budget_window();
                     refuse(
                         format!(
