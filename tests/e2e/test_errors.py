@@ -269,3 +269,12 @@ def test_a_negative_max_tokens_names_the_field_in_api_terms(http):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "max_tokens" and "non-negative integer" in err["message"] and "u64" not in err["message"], err
+
+
+def test_legacy_function_calling_is_refused_by_name(http):
+    for field, value, instead in [("functions", [{"name": "f", "parameters": {"type": "object"}}], "tools"),
+                                  ("function_call", "auto", "tool_choice")]:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], field: value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and instead in err["message"], err

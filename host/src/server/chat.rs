@@ -315,6 +315,15 @@ fn check_unsupported(req: &ChatCompletionRequest) -> ApiResult<()> {
             "a chat template in the request is not accepted: chats are rendered with the model's template or the deployed chat-template plugin",
         ));
     }
+    for (field, instead) in [("functions", "tools"), ("function_call", "tool_choice")] {
+        let given = if field == "functions" { &req.functions } else { &req.function_call };
+        if given.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::not_supported(
+                field,
+                &format!("'{field}' (deprecated function calling) is not supported: send '{instead}' instead"),
+            ));
+        }
+    }
     match &req.tool_choice {
         None => {}
         Some(Value::String(s)) if s == "auto" || s == "none" => {}

@@ -83,6 +83,12 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<u64>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// OpenAI's deprecated function calling (`functions`, `function_call`): refused by name rather
+    /// than dropped, since answers would come back as `tool_calls` the legacy client never reads.
+    #[serde(default)]
+    pub functions: Option<Value>,
+    #[serde(default)]
+    pub function_call: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
     pub response_format: Option<Value>,
     pub reasoning_effort: Option<String>,
