@@ -320,7 +320,7 @@ fn check_unsupported(req: &ChatCompletionRequest) -> ApiResult<()> {
         if given.as_ref().is_some_and(|v| !v.is_null()) {
             return Err(ApiError::not_supported(
                 field,
-                &format!("'{field}' (deprecated function calling) is not supported: send '{instead}' instead"),
+                format!("'{field}' (deprecated function calling) is not supported: send '{instead}' instead"),
             ));
         }
     }
