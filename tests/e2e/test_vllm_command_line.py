@@ -94,3 +94,26 @@ def test_what_cannot_be_honoured_stops_the_start_by_name():
     assert "--quantization compressed-tensors" in err and "'cubic'" in err, err
     assert "--max-model-len" in refused(["--max-model-len", "10000000"])
     assert "given twice" in refused(["--model", str(ROOT / "tests" / "reference" / "kimi_k3" / "int4")])
+
+
+def test_cors_is_off_by_default_and_follows_allowed_origins():
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    s = vllm_server("vllm-cli-no-cors", ["--max-model-len", "64"]).start()
+    try:
+        r = httpx.options(s.url + "/v1/chat/completions", headers=preflight, timeout=30)
+        assert "access-control-allow-origin" not in r.headers, r.headers
+    finally:
+        s.stop()
+    s = vllm_server("vllm-cli-cors", ["--allowed-origins", '["https://app.example"]']).start()
+    try:
+        r = httpx.options(s.url + "/v1/chat/completions", headers=preflight, timeout=30)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example", r.headers
+        assert "post" in r.headers["access-control-allow-methods"].lower()
+        r = httpx.get(s.url + "/v1/models", headers={"Origin": "https://app.example"}, timeout=30)
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        r = httpx.options(s.url + "/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"}, timeout=30)
+        assert "access-control-allow-origin" not in r.headers, r.headers
+    finally:
+        s.stop()
+    assert "--allow-credentials" in refused(["--allowed-origins", "*", "--allow-credentials"])

@@ -390,7 +390,11 @@ async fn serve(state: AppState, args: &ServeArgs) -> Result<()> {
         max_per_client: args.max_connections_per_client,
         header_read_timeout: positive_secs("--header-read-timeout", args.header_read_timeout)?,
     };
-    let app = routes::router(state.clone());
+    let mut app = routes::router(state.clone());
+    if let Some(cors) = vllm_flags::cors_layer(&args.vllm)? {
+        tracing::info!(origins = args.vllm.allowed_origins.as_deref().unwrap_or(""), "CORS on");
+        app = app.layer(cors);
+    }
     let counted = state.clone();
     let refused = move || {
         counted.metrics.refused_connections.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

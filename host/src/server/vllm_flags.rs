@@ -52,6 +52,73 @@ pub struct VllmFlags {
     /// vLLM: no per-request access log lines. Accepted (none are written).
     #[arg(long)]
     pub disable_uvicorn_access_log: bool,
+    /// Origins browsers may call the API from (CORS): a JSON list as vLLM takes it
+    /// (`["https://app.example"]`), a comma-separated list, or `*`. Off unless given.
+    #[arg(long)]
+    pub allowed_origins: Option<String>,
+    /// With --allowed-origins: the methods allowed (JSON list or comma-separated; default any).
+    #[arg(long)]
+    pub allowed_methods: Option<String>,
+    /// With --allowed-origins: the request headers allowed (default any).
+    #[arg(long)]
+    pub allowed_headers: Option<String>,
+    /// With --allowed-origins (not `*`): browsers may send credentials.
+    #[arg(long)]
+    pub allow_credentials: bool,
+}
+
+/// A list flag: a JSON list of strings or a comma-separated list.
+fn list(s: &str, flag: &str) -> Result<Vec<String>> {
+    let t = s.trim();
+    if t.starts_with('[') {
+        return serde_json::from_str::<Vec<String>>(t).map_err(|e| anyhow::anyhow!("{flag} '{s}': {e}"));
+    }
+    Ok(t.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
+}
+
+/// The CORS layer the flags ask for (`None`: CORS off, as by default).
+pub fn cors_layer(f: &VllmFlags) -> Result<Option<tower_http::cors::CorsLayer>> {
+    use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, CorsLayer};
+    let Some(origins) = &f.allowed_origins else {
+        if f.allowed_methods.is_some() || f.allowed_headers.is_some() || f.allow_credentials {
+            bail!("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins");
+        }
+        return Ok(None);
+    };
+    let origins = list(origins, "--allowed-origins")?;
+    let any_origin = origins.iter().any(|o| o == "*");
+    if any_origin && f.allow_credentials {
+        bail!("--allow-credentials with --allowed-origins '*': browsers refuse credentials to any origin; list the origins");
+    }
+    let mut layer = CorsLayer::new();
+    layer = if any_origin {
+        layer.allow_origin(AllowOrigin::any())
+    } else {
+        let values = origins
+            .iter()
+            .map(|o| o.parse().map_err(|_| anyhow::anyhow!("--allowed-origins: '{o}' is not a valid origin")))
+            .collect::<Result<Vec<axum::http::HeaderValue>>>()?;
+        layer.allow_origin(values)
+    };
+    let methods = f.allowed_methods.as_deref().map(|m| list(m, "--allowed-methods")).transpose()?;
+    layer = match methods.filter(|m| !m.iter().any(|x| x == "*")) {
+        None => layer.allow_methods(AllowMethods::mirror_request()),
+        Some(m) => layer.allow_methods(
+            m.iter()
+                .map(|x| x.parse().map_err(|_| anyhow::anyhow!("--allowed-methods: '{x}' is not a method")))
+                .collect::<Result<Vec<axum::http::Method>>>()?,
+        ),
+    };
+    let headers = f.allowed_headers.as_deref().map(|h| list(h, "--allowed-headers")).transpose()?;
+    layer = match headers.filter(|h| !h.iter().any(|x| x == "*")) {
+        None => layer.allow_headers(AllowHeaders::mirror_request()),
+        Some(h) => layer.allow_headers(
+            h.iter()
+                .map(|x| x.parse().map_err(|_| anyhow::anyhow!("--allowed-headers: '{x}' is not a header name")))
+                .collect::<Result<Vec<axum::http::HeaderName>>>()?,
+        ),
+    };
+    Ok(Some(layer.allow_credentials(f.allow_credentials)))
 }
 
 /// `--max-model-len`: `auto` (`None`) or a token count (`1k`-style suffixes as vLLM: k = 1000,
@@ -109,6 +176,7 @@ impl VllmFlags {
                 bail!("--gpu-memory-utilization {u}: expected a fraction in (0, 1]");
             }
         }
+        cors_layer(self)?;
         let accepted: [(bool, &str); 6] = [
             (self.enable_expert_parallel, "--enable-expert-parallel: MoE layers split their routed experts by expert over the tensor-parallel devices (always so here)"),
             (self.enforce_eager, "--enforce-eager: accepted (no CUDA graphs are captured)"),
