@@ -72,18 +72,19 @@ pub fn code(row: &[u8], i: usize, bits: u32) -> i32 {
     }
 }
 
-/// The weight a code stands for in a group with `scale`, `a`, `b`, in the reference's f32 order.
+/// The signed level of code `c` in a group with `a`, `b`: `sign(c)·L(|c|/M)` in the reference's
+/// f32 order (`c` itself for 1 bit). Multiplying by the sign (±1 or 0) is exact, so the
+/// reference's `sign·(scale·L)` equals `scale·level` bit for bit.
 #[inline]
-pub fn value(c: i32, bits: u32, scale: f32, a: f32, b: f32) -> f32 {
+fn level(c: i32, bits: u32, a: f32, b: f32) -> f32 {
+    let cf = c as f32;
     if bits == 1 {
-        return c as f32 * scale;
+        return cf;
     }
     let m = ((1u32 << (bits - 1)) - 1) as f32;
-    let cf = c as f32;
     let t = cf.abs() / m;
-    let c3 = 1.0 - a - b;
-    let normalized = t * (a + t * (b + t * c3));
-    // torch.sign(0) is 0: a zero code gives ±0 · … = 0 either way.
+    let normalized = t * (a + t * (b + t * (1.0 - a - b)));
+    // torch.sign(0) is 0.
     let sign = if cf > 0.0 {
         1.0
     } else if cf < 0.0 {
@@ -91,7 +92,18 @@ pub fn value(c: i32, bits: u32, scale: f32, a: f32, b: f32) -> f32 {
     } else {
         0.0
     };
-    sign * (scale * normalized)
+    sign * normalized
+}
+
+/// The weight a code stands for in a group with `scale`, `a`, `b`.
+#[inline]
+pub fn value(c: i32, bits: u32, scale: f32, a: f32, b: f32) -> f32 {
+    scale * level(c, bits, a, b)
+}
+
+/// The int8 carrier of code `c` in a group with `a`, `b`: `round_half_even(sign·L(t)·127)`.
+pub fn carrier(c: i32, bits: u32, a: f32, b: f32) -> i8 {
+    (level(c, bits, a, b) * 127.0).round_ties_even().clamp(-127.0, 127.0) as i8
 }
 
 impl CubicPackMatrix {
@@ -155,24 +167,27 @@ impl CubicPackMatrix {
         &self.packed[r * rb..(r + 1) * rb]
     }
 
-    /// Row `r` decoded to f32 into `out` (`cols` long), through a per-group table of the
-    /// `2M + 1` (or 2) values its codes can take.
-    pub fn decode_row_into(&self, r: usize, out: &mut [f32]) {
+    /// `out[i] = entry(code i, its group's metadata index)` for row `r`, through a per-group
+    /// table of what the `2M + 1` (or 2) codes a group can hold map to.
+    fn map_row<T: Copy + Default>(&self, r: usize, out: &mut [T], entry: impl Fn(i32, usize) -> T) {
         let (bits, row) = (self.bits, self.row(r));
         let groups_per_row = self.cols.div_ceil(self.group_in);
         let m = if bits == 1 { 1 } else { (1i32 << (bits - 1)) - 1 };
-        let mut table = vec![0.0f32; (2 * m + 1) as usize];
+        let mut table = vec![T::default(); (2 * m + 1) as usize];
         for g in 0..groups_per_row {
             let meta = (r / self.group_out) * groups_per_row + g;
-            let (s, a, b) = (self.scale[meta], self.a[meta], self.b[meta]);
             for (k, t) in table.iter_mut().enumerate() {
-                *t = value(k as i32 - m, bits, s, a, b);
+                *t = entry(k as i32 - m, meta);
             }
-            let span = g * self.group_in..((g + 1) * self.group_in).min(self.cols);
-            for i in span {
+            for i in g * self.group_in..((g + 1) * self.group_in).min(self.cols) {
                 out[i] = table[(code(row, i, bits) + m) as usize];
             }
         }
+    }
+
+    /// Row `r` decoded to f32 into `out` (`cols` long).
+    pub fn decode_row_into(&self, r: usize, out: &mut [f32]) {
+        self.map_row(r, out, |c, meta| value(c, self.bits, self.scale[meta], self.a[meta], self.b[meta]));
     }
 
     pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
@@ -183,20 +198,8 @@ impl CubicPackMatrix {
 
     /// Row `r`'s int8 carriers (their `materialize_cubic_a8_carrier`).
     pub fn carrier_row(&self, r: usize) -> Vec<i8> {
-        let (bits, row) = (self.bits, self.row(r));
-        let groups_per_row = self.cols.div_ceil(self.group_in);
-        let m = if bits == 1 { 1 } else { (1i32 << (bits - 1)) - 1 };
         let mut out = vec![0i8; self.cols];
-        let mut table = vec![0i8; (2 * m + 1) as usize];
-        for g in 0..groups_per_row {
-            let meta = (r / self.group_out) * groups_per_row + g;
-            for (k, t) in table.iter_mut().enumerate() {
-                *t = carrier(k as i32 - m, bits, self.a[meta], self.b[meta]);
-            }
-            for i in g * self.group_in..((g + 1) * self.group_in).min(self.cols) {
-                out[i] = table[(code(row, i, bits) + m) as usize];
-            }
-        }
+        self.map_row(r, &mut out, |c, meta| carrier(c, self.bits, self.a[meta], self.b[meta]));
         out
     }
 
@@ -219,10 +222,15 @@ impl CubicPackMatrix {
                 },
             )
             .collect();
-        for (r, col) in columns.iter().enumerate() {
-            for (t, v) in col.iter().enumerate() {
-                out[t * self.rows + r] = *v;
-            }
+        scatter_columns(&columns, out, self.rows);
+    }
+}
+
+/// `out[t, r] = columns[r][t]`: per-output-row results into the row-major `[n, rows]` output.
+fn scatter_columns(columns: &[Vec<f32>], out: &mut [f32], rows: usize) {
+    for (r, col) in columns.iter().enumerate() {
+        for (t, v) in col.iter().enumerate() {
+            out[t * rows + r] = *v;
         }
     }
 }
@@ -254,31 +262,8 @@ impl CubicPackMatrix {
                     .collect()
             })
             .collect();
-        for (r, col) in columns.iter().enumerate() {
-            for (t, v) in col.iter().enumerate() {
-                out[t * self.rows + r] = *v;
-            }
-        }
+        scatter_columns(&columns, out, self.rows);
     }
-}
-
-/// The int8 carrier of code `c` in a group with `a`, `b`: `round_half_even(sign·L(t)·127)`.
-pub fn carrier(c: i32, bits: u32, a: f32, b: f32) -> i8 {
-    if bits == 1 {
-        return (c * 127) as i8;
-    }
-    let m = ((1u32 << (bits - 1)) - 1) as f32;
-    let cf = c as f32;
-    let t = cf.abs() / m;
-    let normalized = t * (a + t * (b + t * (1.0 - a - b)));
-    let sign = if cf > 0.0 {
-        1.0
-    } else if cf < 0.0 {
-        -1.0
-    } else {
-        0.0
-    };
-    (sign * normalized * 127.0).round_ties_even().clamp(-127.0, 127.0) as i8
 }
 
 /// A row's int8 quantisation and scale (`per_token_quant_int8`): `amax = max(max|x|, 1e-10)`,
