@@ -11,11 +11,12 @@
 //! Sources read (no code copied): lightseekorg/tokenspeed f4d8ec6
 //! `python/tokenspeed/runtime/models/kimi_k3.py`, `runtime/configs/kimi_k3_config.py`.
 
-use crate::model::arch::kimi_linear::{parallel::ExpertParallelKimiLinear, KimiLinearModel};
+use crate::model::arch::kimi_linear::KimiLinear;
 use crate::model::config::ModelConfig;
 use crate::model::error::LoadError;
 use crate::model::format::prefixed::Prefixed;
 use crate::model::format::source::WeightSource;
+use crate::model::registry::ArchitectureSpec;
 use crate::model::LanguageModel;
 
 /// Where K3 keeps its text model's tensors.
@@ -24,16 +25,16 @@ pub const TEXT_PREFIX: &str = "language_model.";
 /// Tensor-name prefixes of the vision tower and its projector (served by the image-input work).
 pub const VISION_PREFIXES: [&str; 2] = ["vision_tower.", "mm_projector."];
 
-/// The registry's entry for Kimi K3.
+/// The registry's entry for Kimi K3: Kimi-Linear's, over the weights under [`TEXT_PREFIX`].
 pub struct KimiK3;
 
-impl crate::model::registry::ArchitectureSpec for KimiK3 {
+impl ArchitectureSpec for KimiK3 {
     fn name(&self) -> &'static str {
         "Kimi K3"
     }
 
     fn load(&self, cfg: ModelConfig, src: &dyn WeightSource) -> Result<Box<dyn LanguageModel>, LoadError> {
-        Ok(Box::new(KimiLinearModel::load(cfg, &Prefixed::new(src, TEXT_PREFIX))?))
+        KimiLinear.load(cfg, &Prefixed::new(src, TEXT_PREFIX))
     }
 
     fn load_tensor_parallel(
@@ -42,12 +43,11 @@ impl crate::model::registry::ArchitectureSpec for KimiK3 {
         src: &dyn WeightSource,
         tp: usize,
     ) -> Result<Box<dyn LanguageModel>, LoadError> {
-        let src = Prefixed::new(src, TEXT_PREFIX);
-        Ok(Box::new(ExpertParallelKimiLinear::load_tensor_parallel(cfg, &src, tp)?))
+        KimiLinear.load_tensor_parallel(cfg, &Prefixed::new(src, TEXT_PREFIX), tp)
     }
 
     fn expert_parallel(&self) -> bool {
-        true
+        KimiLinear.expert_parallel()
     }
 
     fn load_expert_parallel(
@@ -56,6 +56,6 @@ impl crate::model::registry::ArchitectureSpec for KimiK3 {
         src: &dyn WeightSource,
         ep: usize,
     ) -> Result<Box<dyn LanguageModel>, LoadError> {
-        Ok(Box::new(ExpertParallelKimiLinear::load(cfg, &Prefixed::new(src, TEXT_PREFIX), ep)?))
+        KimiLinear.load_expert_parallel(cfg, &Prefixed::new(src, TEXT_PREFIX), ep)
     }
 }
