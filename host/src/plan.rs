@@ -63,33 +63,11 @@ pub struct HeaderTensor {
     pub bytes: u64,
 }
 
-/// The tensors of every shard of `dir` (per `model.safetensors.index.json`, else every
-/// `*.safetensors`), reading only the headers.
+/// The tensors of every shard of `dir` (`hf_source::shard_paths`: as the loader finds them),
+/// reading only the headers.
 pub fn read_headers(dir: &Path) -> Result<Vec<HeaderTensor>> {
-    let index = dir.join("model.safetensors.index.json");
-    let mut shards: Vec<String> = if index.exists() {
-        let v: Value = serde_json::from_str(&std::fs::read_to_string(&index)?)
-            .with_context(|| format!("{}: invalid JSON", index.display()))?;
-        let map = v.get("weight_map").and_then(Value::as_object).context("index without weight_map")?;
-        map.values().filter_map(|s| s.as_str().map(str::to_string)).collect()
-    } else {
-        std::fs::read_dir(dir)?
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.ends_with(".safetensors"))
-            .collect()
-    };
-    shards.sort();
-    shards.dedup();
-    if shards.is_empty() {
-        bail!("{}: no safetensors files", dir.display());
-    }
     let mut out = Vec::new();
-    for shard in shards {
-        if shard.contains('/') || shard.contains("..") {
-            bail!("shard name '{shard}' leaves the model directory");
-        }
-        let path = dir.join(&shard);
+    for path in crate::model::format::hf_source::shard_paths(dir)? {
         let mut f = std::fs::File::open(&path).with_context(|| path.display().to_string())?;
         let mut len = [0u8; 8];
         f.read_exact(&mut len).with_context(|| format!("{}: no safetensors header", path.display()))?;
@@ -127,20 +105,20 @@ enum Placement {
     Replicated,
     /// Cut evenly over the devices (tensor-parallel heads, vocabulary).
     Split,
-    /// Routed expert `e` of a layer with `experts` experts: on the device owning it.
-    Expert { e: usize, experts: usize },
+    /// Routed expert `e`: on the device owning it.
+    Expert(usize),
     /// Not loaded (the vision tower).
     NotServed,
 }
 
-fn placement(arch: Architecture, name: &str, tp: bool, experts: usize) -> Placement {
+fn placement(arch: Architecture, name: &str, tp: bool) -> Placement {
     if name.starts_with("vision_tower.") || name.starts_with("mm_projector.") {
         return Placement::NotServed;
     }
     let name = name.strip_prefix("language_model.").unwrap_or(name);
     if let Some((_, rest)) = name.split_once(".experts.") {
         if let Some(e) = rest.split('.').next().and_then(|e| e.parse::<usize>().ok()) {
-            return Placement::Expert { e, experts };
+            return Placement::Expert(e);
         }
     }
     if !tp {
@@ -232,7 +210,7 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
     let (mut total, mut cpu, mut not_served) = (0u64, 0u64, 0u64);
     for t in read_headers(&args.model)? {
         let widened = if matches!(t.dtype.as_str(), "BF16" | "F16") { t.bytes * 2 } else { t.bytes };
-        match placement(cfg.architecture, &t.name, tp > 1, experts) {
+        match placement(cfg.architecture, &t.name, tp > 1) {
             Placement::NotServed => {
                 not_served += t.bytes;
                 continue;
@@ -241,7 +219,7 @@ pub fn plan(args: &PlanArgs) -> Result<Plan> {
             Placement::Split => {
                 per_device.iter_mut().for_each(|d| *d += t.bytes.div_ceil(devices as u64));
             }
-            Placement::Expert { e, experts } => {
+            Placement::Expert(e) => {
                 let owner = (0..devices).find(|&r| experts_of(experts.max(e + 1), devices, r).contains(&e));
                 per_device[owner.unwrap_or(0)] += t.bytes;
             }

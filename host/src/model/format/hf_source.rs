@@ -67,47 +67,58 @@ fn open_shard(path: &Path) -> Result<Shard, LoadError> {
     Ok(Shard { path: path.to_path_buf(), map: Arc::new(map), data_start, meta })
 }
 
-impl SafetensorsSource {
-    pub fn open(dir: &Path) -> Result<Self, LoadError> {
-        let index_path = dir.join("model.safetensors.index.json");
-        let shard_names: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(io(&index_path))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| LoadError::Corrupt { file: index_path.clone(), detail: format!("invalid JSON: {e}") })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| LoadError::Corrupt {
-                file: index_path.clone(),
-                detail: "no weight_map object".into(),
-            })?;
-            let mut names: Vec<String> = map.values().filter_map(|s| s.as_str().map(str::to_string)).collect();
-            names.sort();
-            names.dedup();
-            names
-        } else {
-            let mut names: Vec<String> = std::fs::read_dir(dir)
-                .map_err(io(dir))?
-                .filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.ends_with(".safetensors"))
-                .collect();
-            names.sort();
-            names
-        };
-        if shard_names.is_empty() {
-            return Err(LoadError::MissingTensor {
-                file: dir.to_path_buf(),
-                tensor: "*.safetensors (no weight files in directory)".into(),
-            });
-        }
-        let mut shards = Vec::new();
-        let mut index = BTreeMap::new();
-        for name in shard_names {
+/// The shard files of the checkpoint in `dir`, sorted: those `model.safetensors.index.json` maps
+/// tensors to, else every `*.safetensors`. Refuses an empty list and names leaving `dir`.
+pub fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
+    let index_path = dir.join("model.safetensors.index.json");
+    let shard_names: Vec<String> = if index_path.exists() {
+        let text = std::fs::read_to_string(&index_path).map_err(io(&index_path))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| LoadError::Corrupt { file: index_path.clone(), detail: format!("invalid JSON: {e}") })?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| LoadError::Corrupt { file: index_path.clone(), detail: "no weight_map object".into() })?;
+        let mut names: Vec<String> = map.values().filter_map(|s| s.as_str().map(str::to_string)).collect();
+        names.sort();
+        names.dedup();
+        names
+    } else {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .map_err(io(dir))?
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect();
+        names.sort();
+        names
+    };
+    if shard_names.is_empty() {
+        return Err(LoadError::MissingTensor {
+            file: dir.to_path_buf(),
+            tensor: "*.safetensors (no weight files in directory)".into(),
+        });
+    }
+    shard_names
+        .into_iter()
+        .map(|name| {
             if name.contains('/') || name.contains("..") {
                 return Err(LoadError::Corrupt {
                     file: index_path.clone(),
                     detail: format!("shard name '{name}' leaves the model directory"),
                 });
             }
-            let shard = open_shard(&dir.join(&name))?;
+            Ok(dir.join(name))
+        })
+        .collect()
+}
+
+impl SafetensorsSource {
+    pub fn open(dir: &Path) -> Result<Self, LoadError> {
+        let mut shards = Vec::new();
+        let mut index = BTreeMap::new();
+        for path in shard_paths(dir)? {
+            let shard = open_shard(&path)?;
             for tensor in shard.meta.tensors().keys() {
                 index.insert(tensor.clone(), shards.len());
             }
