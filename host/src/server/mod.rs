@@ -237,6 +237,8 @@ pub fn run_on(
         );
     }
     args.vllm.check(&model_path)?;
+    // Built before the model loads, so a bad CORS flag fails at once.
+    let cors = vllm_flags::cors_layer(&args.vllm)?;
     let max_model_len = match &args.vllm.max_model_len {
         Some(s) => vllm_flags::parse_max_model_len(s)?,
         None => None,
@@ -338,7 +340,7 @@ pub fn run_on(
     state.plugins = Some(plugins);
     let state = Arc::new(state);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
-    let result = rt.block_on(serve(state, &args));
+    let result = rt.block_on(serve(state, &args, cors));
     engine.stop();
     result
 }
@@ -373,7 +375,7 @@ fn deploy_default_parsers(
     defaults::deploy(reg, &planned, &defaults::plugin_dir(args.plugin_dir.as_deref())).map_err(anyhow::Error::msg)
 }
 
-async fn serve(state: AppState, args: &ServeArgs) -> Result<()> {
+async fn serve(state: AppState, args: &ServeArgs, cors: Option<tower_http::cors::CorsLayer>) -> Result<()> {
     let addr: SocketAddr = tokio::net::lookup_host((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("resolving --host {}", args.host))?
@@ -391,7 +393,7 @@ async fn serve(state: AppState, args: &ServeArgs) -> Result<()> {
         header_read_timeout: positive_secs("--header-read-timeout", args.header_read_timeout)?,
     };
     let mut app = routes::router(state.clone());
-    if let Some(cors) = vllm_flags::cors_layer(&args.vllm)? {
+    if let Some(cors) = cors {
         tracing::info!(origins = args.vllm.allowed_origins.as_deref().unwrap_or(""), "CORS on");
         app = app.layer(cors);
     }

@@ -143,31 +143,35 @@ pub fn parse_max_model_len(s: &str) -> Result<Option<usize>> {
 /// The quantization method a checkpoint declares (`quantization_config.quant_method`, at the top
 /// of config.json or in `text_config`), `gguf` for a GGUF file, `None` when unquantized.
 pub fn checkpoint_quantization(model: &Path) -> Option<String> {
+    checkpoint_quantization_config(model).map(|(method, _)| method)
+}
+
+/// The checkpoint's quantization method and its `quantization_config` (null for GGUF), read once.
+fn checkpoint_quantization_config(model: &Path) -> Option<(String, Value)> {
     if model.extension().is_some_and(|e| e == "gguf") {
-        return Some("gguf".into());
+        return Some(("gguf".into(), Value::Null));
     }
     let text = std::fs::read_to_string(model.join("config.json")).ok()?;
     let cfg: Value = serde_json::from_str(&text).ok()?;
-    let q = cfg.get("quantization_config").or_else(|| cfg.get("text_config")?.get("quantization_config"))?;
-    let method = q.get("quant_method")?.as_str()?.to_string();
-    // compressed-tensors' MXFP4 format is what vLLM calls `mxfp4` checkpoints too.
-    Some(method)
+    let q = crate::model::format::quant::source::quantization_config(&cfg)?;
+    Some((q.get("quant_method")?.as_str()?.to_string(), q.clone()))
 }
 
 impl VllmFlags {
     /// Checks the flags against the checkpoint at `model` and logs the accepted no-ops.
     pub fn check(&self, model: &Path) -> Result<()> {
         if let Some(want) = &self.quantization {
-            let have = checkpoint_quantization(model);
-            let matches = match (want.as_str(), have.as_deref()) {
-                (w, Some(h)) if w == h => true,
-                ("mxfp4", Some("compressed-tensors")) => mxfp4_checkpoint(model),
+            let have = checkpoint_quantization_config(model);
+            let matches = match (want.as_str(), &have) {
+                (w, Some((h, _))) if w == h => true,
+                // compressed-tensors' MXFP4 format is what vLLM calls `mxfp4` checkpoints too.
+                ("mxfp4", Some((h, q))) if h == "compressed-tensors" => q.to_string().contains("mxfp4-pack-quantized"),
                 _ => false,
             };
             if !matches {
                 bail!(
                     "--quantization {want}: the checkpoint is {} (the checkpoint's own quantization_config decides how it is read)",
-                    have.map_or("unquantized".to_string(), |h| format!("'{h}'"))
+                    have.map_or("unquantized".to_string(), |(h, _)| format!("'{h}'"))
                 );
             }
         }
@@ -176,7 +180,6 @@ impl VllmFlags {
                 bail!("--gpu-memory-utilization {u}: expected a fraction in (0, 1]");
             }
         }
-        cors_layer(self)?;
         let accepted: [(bool, &str); 6] = [
             (self.enable_expert_parallel, "--enable-expert-parallel: MoE layers split their routed experts by expert over the tensor-parallel devices (always so here)"),
             (self.enforce_eager, "--enforce-eager: accepted (no CUDA graphs are captured)"),
@@ -195,11 +198,6 @@ impl VllmFlags {
 /// Whether `VLLM_CUBIC_DYNAMIC_A8` asks for Cubic's dynamic-A8 mode (`1`; `0` or empty: A16).
 pub fn cubic_dynamic_a8() -> bool {
     std::env::var("VLLM_CUBIC_DYNAMIC_A8").is_ok_and(|v| v != "0" && !v.is_empty())
-}
-
-fn mxfp4_checkpoint(model: &Path) -> bool {
-    let Ok(text) = std::fs::read_to_string(model.join("config.json")) else { return false };
-    text.contains("mxfp4-pack-quantized")
 }
 
 /// Bytes of KV cache `--gpu-memory-utilization u` leaves on the host: `u` of the machine's memory

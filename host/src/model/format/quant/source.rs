@@ -31,13 +31,19 @@ pub struct QuantizedSource {
     config_file: PathBuf,
 }
 
+/// A config.json's `quantization_config`: at the top, or inside `text_config` as Kimi K3's
+/// releases keep it; `None` when absent or null.
+pub fn quantization_config(cfg: &Value) -> Option<&Value> {
+    let in_text = cfg.get("text_config").and_then(|t| t.get("quantization_config"));
+    cfg.get("quantization_config").or(in_text).filter(|q| !q.is_null())
+}
+
 impl QuantizedSource {
     /// Wraps `inner` when `config.json` has a `quantization_config` (at the top, or inside
     /// `text_config` as Kimi K3's MXFP4 release keeps it); returns it unchanged (boxed)
     /// otherwise. Unknown quantization methods are refused rather than misread.
     pub fn wrap(inner: SafetensorsSource, config_file: &Path, cfg: &Value) -> Result<Box<dyn WeightSource>, LoadError> {
-        let in_text = cfg.get("text_config").and_then(|t| t.get("quantization_config"));
-        let Some(q) = cfg.get("quantization_config").or(in_text).filter(|q| !q.is_null()) else {
+        let Some(q) = quantization_config(cfg) else {
             return Ok(Box::new(inner));
         };
         let err = |detail: String| LoadError::Config {
