@@ -566,14 +566,31 @@ mod kimi {
         dense: DenseWeights,
         gpu: impl Fn() -> Kernels<R>,
     ) -> (LoadedModel, super::super::DeviceKimiLinear<R>) {
-        let m = crate::model::load(&kimi_fixture()).unwrap();
+        placed_kimi_at(&kimi_fixture(), ranks, false, dense, gpu)
+    }
+
+    /// The Kimi-Linear-backbone checkpoint `dir` (Kimi-Linear or K3) as CPU model and on `ranks`
+    /// devices from `gpu`: whole, expert-parallel, or (`split_heads`) with the KDA and MLA heads
+    /// split too.
+    pub(super) fn placed_kimi_at<R: Runtime>(
+        dir: &std::path::Path,
+        ranks: usize,
+        split_heads: bool,
+        dense: DenseWeights,
+        gpu: impl Fn() -> Kernels<R>,
+    ) -> (LoadedModel, super::super::DeviceKimiLinear<R>) {
+        let m = crate::model::load(dir).unwrap();
         let dev = if ranks == 1 {
             super::super::DeviceKimiLinear::from_kimi_linear(&super::kimi_linear(&m)[0], gpu(), dense).unwrap()
         } else {
-            let ep = crate::model::load_ep(&kimi_fixture(), ranks).unwrap();
+            let sharded = if split_heads {
+                crate::model::load_tp(dir, ranks).unwrap()
+            } else {
+                crate::model::load_ep(dir, ranks).unwrap()
+            };
             let gpus = (0..ranks).map(|_| gpu()).collect();
             super::super::DeviceKimiLinear::from_kimi_ranks(
-                super::kimi_linear(&ep),
+                super::kimi_linear(&sharded),
                 gpus,
                 Box::new(LocalDeviceGroup { world: ranks }),
                 dense,
@@ -766,29 +783,7 @@ mod k3 {
         split_heads: bool,
         gpu: impl Fn() -> Kernels<R>,
     ) -> (LoadedModel, super::super::DeviceKimiLinear<R>) {
-        let m = crate::model::load(&k3_dir(layout)).unwrap();
-        let dev = match (ranks, split_heads) {
-            (1, _) => {
-                super::super::DeviceKimiLinear::from_kimi_linear(&super::kimi_linear(&m)[0], gpu(), DenseWeights::F32)
-                    .unwrap()
-            }
-            _ => {
-                let sharded = if split_heads {
-                    crate::model::load_tp(&k3_dir(layout), ranks).unwrap()
-                } else {
-                    crate::model::load_ep(&k3_dir(layout), ranks).unwrap()
-                };
-                let gpus = (0..ranks).map(|_| gpu()).collect();
-                super::super::DeviceKimiLinear::from_kimi_ranks(
-                    super::kimi_linear(&sharded),
-                    gpus,
-                    Box::new(LocalDeviceGroup { world: ranks }),
-                    DenseWeights::F32,
-                )
-                .unwrap()
-            }
-        };
-        (m, dev)
+        super::kimi::placed_kimi_at(&k3_dir(layout), ranks, split_heads, DenseWeights::F32, gpu)
     }
 
     #[test]
